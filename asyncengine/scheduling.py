@@ -1,0 +1,144 @@
+"""The scheduler contract (vLLM V1's, slimmed) and the data it exchanges with the runner.
+
+A scheduler decides, once per step, which requests run and how many of their tokens are
+computed, and owns the KV-cache blocks they use. It is plain Python: it never imports torch.
+Implementations live in ``asyncengine/schedulers/`` (built-ins ``fcfs`` and ``priority``) or in
+third-party plugins registered through ``register_schedulers``.
+
+One step, as the engine drives it::
+
+    out = scheduler.schedule()                   # SchedulerOutput: plain data
+    result = await runner.execute(out)           # ModelRunnerOutput: sampled ids, logprobs
+    updated = scheduler.update_from_output(out, result)
+
+Invariants every scheduler keeps:
+
+* ``schedule()`` advances ``request.num_computed_tokens`` by the tokens it schedules, and
+  records the value before that in ``ScheduledRequest.start`` (so the next step could be
+  scheduled before this one's tokens are known).
+* A request that reaches the end of its known tokens (``start + num_new_tokens ==
+  request.num_tokens``) samples one token this step; a partial prefill chunk samples none.
+* Preemption is by recompute: the preempted request's blocks are freed, it keeps its tokens,
+  goes back to the waiting queue and is prefilled again later. No request is ever dropped.
+* A finished request (stopped, length, aborted) has had all its blocks freed before the call
+  that finished it returns.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from asyncengine.request import PositionLogprobs, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from asyncengine.config import EngineConfig
+
+#: Bumped when the contract below changes incompatibly (see docs/plugins.md).
+SCHEDULER_API_VERSION = 1
+
+
+@dataclass
+class ScheduledRequest:
+    """One request in a step: compute tokens ``[start, start + num_new_tokens)`` of
+    ``request.all_token_ids``, with its KV in ``block_ids`` (its whole block table)."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step produces a new token for the request."""
+        return self.start + self.num_new_tokens >= self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Requests that finished or were preempted since the previous step: the runner drops any
+    # per-request state it keeps for them (their blocks are already free).
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step computed, keyed by request id."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # The sampled token's logprob (+ top alternatives) for requests that asked for logprobs.
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    # For requests that asked for prompt logprobs: entries for the prompt positions computed
+    # this step, in order (position 0 of the prompt has no logprob and gets None).
+    prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int = 0  # of which found (cumulative)
+    num_preemptions: int = 0  # cumulative
+
+
+class SchedulerInterface(ABC):
+    """The contract between the engine loop and a scheduler.
+
+    Construction: ``cls(config: EngineConfig, num_blocks: int)``; the scheduler builds its own
+    KV-cache manager (``asyncengine.kv_cache.KVCacheManager``) over ``num_blocks`` blocks of
+    ``config.cache.block_size`` tokens. All methods are called from the engine's event loop,
+    never concurrently, and must not block it (no I/O, no device work).
+    """
+
+    @abstractmethod
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None: ...
+
+    @abstractmethod
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING). Its prompt fits the model's context."""
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's work under the token and sequence budgets; allocate blocks."""
+
+    @abstractmethod
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Apply a step's results: append sampled tokens and logprobs, check token-level stop
+        conditions (``Request.check_stop``), free finished requests' blocks. Returns the
+        requests that got a new token or finished, in a stable order."""
+
+    @abstractmethod
+    def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, stop string): set ``status``, free blocks.
+        Unknown or already finished ids are ignored."""
+
+    @abstractmethod
+    def has_unfinished_requests(self) -> bool: ...
+
+    @abstractmethod
+    def get_num_unfinished_requests(self) -> int: ...
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block that no request uses. False if some are still in use."""
+
+    @abstractmethod
+    def make_stats(self) -> SchedulerStats: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
