@@ -1,0 +1,31 @@
+"""asyncengine: an LLM inference and serving engine built around one event loop."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from asyncengine.config import EngineConfig
+from asyncengine.outputs import CompletionOutput, RequestOutput
+from asyncengine.sampling_params import SamplingParams, StructuredOutputsParams
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from asyncengine.engine import AsyncEngine
+    from asyncengine.llm import LLM
+
+
+def __getattr__(name: str):  # heavy imports (torch) only when used
+    if name == "AsyncEngine":
+        from asyncengine.engine import AsyncEngine
+
+        return AsyncEngine
+    if name == "LLM":
+        from asyncengine.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["AsyncEngine", "CompletionOutput", "EngineConfig", "LLM", "RequestOutput",
+           "SamplingParams", "StructuredOutputsParams", "__version__"]

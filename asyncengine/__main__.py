@@ -1,0 +1,3 @@
+from asyncengine.cli import main
+
+raise SystemExit(main())

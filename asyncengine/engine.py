@@ -1,0 +1,340 @@
+"""AsyncEngine: the step loop and the only owner of engine state.
+
+Everything runs on one event loop. Callers (HTTP handlers, the offline ``LLM``) add requests
+and iterate their streams; one task, the step loop, drives the scheduler and the device::
+
+    while running:
+        await work_available                        # no spinning when idle
+        out = scheduler.schedule()                  # plain data: requests, token counts, blocks
+        step = device.launch(runner.execute(...))   # the forward pass leaves the loop
+        fill grammar bitmasks for this step         # overlapped with the forward pass
+        emit(previous step's outputs)               # detokenize, stop strings, wake streams
+        result = await step                         # other tasks run meanwhile
+        updated = scheduler.update_from_output(out, result)
+
+Emitting step N's outputs while step N+1 runs means a stop string found during emission ends
+its request one step late: the request is finished right away (blocks freed; the in-flight
+step only writes KV the next schedule cannot see yet) and the scheduler drops the extra token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from asyncengine.config import EngineConfig
+from asyncengine.outputs import RequestOutput
+from asyncengine.request import Request, RequestStatus
+from asyncengine.sampling_params import SamplingParams
+from asyncengine.scheduling import SchedulerOutput, SchedulerStats
+from asyncengine.streams import EngineDeadError, RequestStream, SampleState
+from asyncengine.worker import EngineWorker
+
+logger = logging.getLogger("asyncengine")
+
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineShuttingDown"]
+
+
+class EngineShuttingDown(RuntimeError):
+    """The engine no longer accepts requests (draining or stopped)."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, *, plugin_manager: Any = None,
+                 metrics: Any = None) -> None:
+        self.config = config or EngineConfig()
+        self.metrics = metrics
+        self.worker = EngineWorker(self.config, plugin_manager)
+        self.tokenizer = self.worker.tokenizer
+        self.max_model_len = self.worker.max_model_len
+        self.model_name = self.worker.model_name
+        self.scheduler = self.worker.make_scheduler()
+        self._streams: dict[str, RequestStream] = {}
+        self._stream_of: dict[str, RequestStream] = {}  # sample's request id -> its stream
+        self._wake = anyio.Event()
+        self._accepting = False
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._dead: BaseException | None = None
+        self._structured = None  # StructuredOutputManager, made on first use
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def __aenter__(self) -> AsyncEngine:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._accepting = True
+        self._tg.start_soon(self._step_loop, self._tg)
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        self._accepting = False
+        self._abort_all()
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        try:
+            return await self._tg.__aexit__(*exc_info)
+        finally:
+            self._tg = None
+
+    async def drain(self, timeout: float) -> None:
+        """Stop accepting; let in-flight requests finish within ``timeout``; abort the rest."""
+        self._accepting = False
+        with anyio.move_on_after(timeout):
+            while self._streams and self._dead is None:
+                await anyio.sleep(0.02)
+        self._abort_all()
+
+    # -- requests -------------------------------------------------------------------------------
+    async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                          request_id: str | None = None, priority: int = 0) -> RequestStream:
+        """Validate and queue a request; return its output stream. Raises ValueError for
+        invalid input, EngineShuttingDown when draining, EngineDeadError after a failure."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._dead}")
+        if not self._accepting:
+            raise EngineShuttingDown("the engine is not accepting requests")
+        params = params or SamplingParams()
+        params.validate()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._check_length(token_ids, params)
+        grammars = [None] * params.n
+        if params.structured_outputs is not None:
+            manager = await self._structured_manager()
+            grammars = [await manager.compile(params.structured_outputs) for _ in grammars]
+        samples = []
+        for i in range(params.n):
+            sp = params
+            if params.n > 1:
+                sp = params.clone()
+                sp.n = 1
+                if params.seed is not None:
+                    sp.seed = params.seed + i
+            req = Request(
+                request_id=request_id if params.n == 1 else f"{request_id}:{i}",
+                prompt_token_ids=token_ids, sampling_params=sp,
+                eos_token_ids=self.tokenizer.eos_token_ids, max_model_len=self.max_model_len,
+                priority=priority, index=i,
+            )
+            req.grammar = grammars[i]
+            if sp.prompt_logprobs is not None:
+                req.prompt_logprobs = [None]
+            samples.append(SampleState(
+                request=req,
+                detokenizer=self.worker.make_detokenizer(token_ids, sp),
+                logprobs=[] if sp.logprobs is not None else None,
+            ))
+        stream = RequestStream(request_id, text, token_ids, samples, self._abort_now)
+        if not self._accepting:  # drain began while the grammar compiled
+            raise EngineShuttingDown("the engine is not accepting requests")
+        for s in samples:
+            self.scheduler.add_request(s.request)
+            self._stream_of[s.request.request_id] = stream
+        self._streams[request_id] = stream
+        self._wake.set()
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                       request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Leaving the loop early aborts the request."""
+        stream = await self.add_request(prompt, params, request_id=request_id, priority=priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        ids = [s.request.request_id for s in stream.samples if s.finish_reason is None]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self._emit([s.request for s in stream.samples if s.finish_reason is None])
+
+    def _abort_all(self) -> None:
+        for rid in list(self._streams):
+            self._abort_now(rid)
+
+    # -- introspection --------------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.worker.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.num_free_blocks
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # -- the step loop --------------------------------------------------------------------------
+    async def _step_loop(self, tg: anyio.abc.TaskGroup) -> None:
+        pending: list[Request] = []
+        try:
+            while True:
+                if not self.scheduler.has_unfinished_requests():
+                    self._emit(pending)
+                    pending = []
+                    await self._wake.wait()
+                    self._wake = anyio.Event()
+                    continue
+                out = self.scheduler.schedule()
+                if out.is_empty:  # nothing runnable this step (e.g. all blocks in use)
+                    self._emit(pending)
+                    pending = []
+                    await anyio.sleep(0.001)
+                    continue
+                pending = await self._step(tg, out, pending)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as e:  # a bug or a device failure: fail every request, loudly
+            logger.exception("the engine's step loop failed")
+            self._dead = e
+            self._accepting = False
+            for stream in self._streams.values():
+                stream.fail(e)
+            self._streams.clear()
+            self._stream_of.clear()
+
+    async def _step(self, tg: anyio.abc.TaskGroup, out: SchedulerOutput,
+                    previous: list[Request]) -> list[Request]:
+        grammars = [s.request.grammar for s in out.scheduled if s.samples]
+        constrained = any(g is not None for g in grammars)
+        inputs = self.worker.runner.prepare(out, with_bitmask=constrained)
+        handle = await self.worker.device.launch(tg, partial(self.worker.runner.execute, inputs))
+        if inputs.bitmask is not None:  # overlapped with the forward pass
+            try:
+                manager = self._structured
+                inputs.bitmask.set(manager.fill_bitmask(grammars), manager.apply_bitmask)
+            finally:
+                inputs.bitmask.ready.set()
+        self._emit(previous)  # overlapped with the forward pass
+        result = await handle.wait()
+        updated = self.scheduler.update_from_output(out, result)
+        if self.metrics is not None:
+            prompt_tokens = sum(max(0, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
+                                    - s.start) for s in out.scheduled)
+            self.metrics.on_step(self.scheduler.make_stats(), prompt_tokens,
+                                 len(result.sampled_token_ids))
+        return updated
+
+    # -- outputs --------------------------------------------------------------------------------
+    def _emit(self, requests: list[Request]) -> None:
+        """Detokenize new tokens, apply stop strings, wake the streams (on the loop)."""
+        if not requests:
+            return
+        now = time.monotonic()
+        touched: dict[str, RequestStream] = {}
+        stopped: list[str] = []
+        for req in requests:
+            stream = self._stream_of.get(req.request_id)
+            if stream is None:
+                continue
+            sample = stream.samples[req.index]
+            if sample.finish_reason is not None:
+                continue
+            new = req.output_token_ids[len(sample.token_ids):]
+            if new:
+                self._observe_tokens(sample, len(new), now)
+                sample.token_ids.extend(new)
+                if sample.logprobs is not None:
+                    sample.logprobs.extend(req.logprobs[len(sample.logprobs):])
+                detok = sample.detokenizer
+                sample.text += detok.update(new, stop_terminated=_ended_by_stop_token(req))
+                if detok.finished:  # a stop string: it wins over any other reason
+                    sample.finish_reason, sample.stop_reason = "stop", detok.stop_reason
+                    if not req.is_finished:
+                        stopped.append(req.request_id)
+            if req.is_finished and sample.finish_reason is None:
+                sample.text += sample.detokenizer.flush()
+                sample.finish_reason = req.status.finish_reason
+                sample.stop_reason = req.stop_reason
+            touched[stream.request_id] = stream
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for stream in touched.values():
+            if stream.finished:
+                self._close_stream(stream, now)
+            stream.notify()
+
+    def _close_stream(self, stream: RequestStream, now: float) -> None:
+        stream.mark_finished_time()
+        self._streams.pop(stream.request_id, None)
+        for s in stream.samples:
+            r = s.request
+            self._stream_of.pop(r.request_id, None)
+            if self.metrics is not None:
+                self.metrics.on_request_finished(now - r.arrival_time, s.finish_reason,
+                                                 r.num_prompt_tokens, len(s.token_ids))
+
+    def _observe_tokens(self, sample: SampleState, count: int, now: float) -> None:
+        """TTFT and inter-token latencies, as the caller sees them (at emission)."""
+        if self.metrics is not None:
+            if sample.last_emit is None:
+                self.metrics.on_first_token(now - sample.request.arrival_time)
+            else:
+                itl = (now - sample.last_emit) / count
+                for _ in range(count):
+                    self.metrics.on_token(itl)
+        sample.last_emit = now
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            ids, text = list(prompt), None
+            vocab = self.worker.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is out of vocabulary (0..{vocab - 1})")
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return text, ids
+
+    def _check_length(self, ids: list[int], params: SamplingParams) -> None:
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"has {len(ids)} tokens; shorten it to fewer than {limit} tokens.")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{params.max_tokens} in the completion). Reduce the prompt or max_tokens.")
+
+    async def _structured_manager(self):
+        if self._structured is None:
+            self._structured = await anyio.to_thread.run_sync(
+                self.worker.make_structured_output_manager)
+        return self._structured
+
+
+def _ended_by_stop_token(req: Request) -> bool:
+    """Whether the request ended on an EOS or stop_token_ids token (whose text is left out)."""
+    if req.status != RequestStatus.FINISHED_STOPPED or not req.output_token_ids:
+        return False
+    last = req.output_token_ids[-1]
+    return last in req.sampling_params.stop_token_ids or (
+        last in req.eos_token_ids and not req.sampling_params.ignore_eos)

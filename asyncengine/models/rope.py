@@ -1,0 +1,92 @@
+"""Rotary position embeddings (RoPE), neox layout (rotate the two halves of each head).
+
+Reads both config styles: transformers 5 ``rope_parameters`` ({rope_type, rope_theta, factor,
+...}) and the older ``rope_theta`` + ``rope_scaling``. Own code for ``default``, ``linear`` and
+``llama3``; other static types (``yarn``) come from transformers' own initializers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+_OWN_TYPES = ("default", "linear", "llama3")
+_BORROWED_TYPES = ("yarn",)
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The RoPE settings of ``config`` as one dict with at least rope_type and rope_theta."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        params = dict(params)
+    else:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between.
+    factor = p["factor"]
+    low, high = p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for a step's positions, computed once per forward and shared by all layers."""
+
+    def __init__(self, config: Any, head_dim: int) -> None:
+        super().__init__()
+        p = rope_parameters(config)
+        rope_type = p["rope_type"]
+        if p.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported by the Llama model")
+        self.rope_type = rope_type
+        self.attention_scaling = 1.0
+        if rope_type in _OWN_TYPES:
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+            inv_freq = 1.0 / (p["rope_theta"] ** (exponents / head_dim))  # [head_dim / 2]
+            if rope_type == "linear":
+                inv_freq = inv_freq / p["factor"]
+            elif rope_type == "llama3":
+                inv_freq = _llama3_inv_freq(inv_freq, p)
+        elif rope_type in _BORROWED_TYPES:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        else:
+            raise ValueError(f"RoPE type {rope_type!r} is not supported (supported: "
+                             f"{', '.join(_OWN_TYPES + _BORROWED_TYPES)})")
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    @torch.no_grad()
+    def apply_freq_factors(self, factors: torch.Tensor) -> None:
+        """Divide the frequencies by per-frequency factors (llama.cpp's form of Llama 3 RoPE
+        scaling), unless the config already described the scaling."""
+        if self.rope_type == "default":
+            self.inv_freq.div_(factors.to(self.inv_freq))
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * inv_freq[None, :]  # [T, head_dim / 2]
+        cos = (freqs.cos() * self.attention_scaling).to(dtype)
+        sin = (freqs.sin() * self.attention_scaling).to(dtype)
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin: [T, head_dim / 2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,34 @@
+"""The built-in components, registered through the same hooks as any third-party plugin.
+
+Declared in asyncengine's own pyproject.toml (entry point ``builtins`` in the group
+``asyncengine``) and always registered first by ``asyncengine.registry``, whatever
+``ASYNCENGINE_PLUGINS`` says. Imports happen inside the hooks, so loading this module is cheap
+and a component whose module cannot be imported only fails the lookup of its own kind.
+"""
+
+from __future__ import annotations
+
+from asyncengine.hookspecs import Register, hookimpl
+
+
+@hookimpl
+def register_schedulers(register: Register) -> None:
+    from asyncengine.schedulers import BUILTIN_SCHEDULERS
+
+    for name, cls in BUILTIN_SCHEDULERS.items():
+        register(name, cls)
+
+
+@hookimpl
+def register_structured_output_backends(register: Register) -> None:
+    from asyncengine.plugins.xgrammar_backend import XGrammarBackend
+
+    register("xgrammar", XGrammarBackend)
+
+
+@hookimpl
+def register_models(register: Register) -> None:
+    from asyncengine.models.registry import BUILTIN_MODELS
+
+    for architecture, cls in BUILTIN_MODELS.items():
+        register(architecture, cls)

@@ -1,0 +1,118 @@
+"""EngineWorker: builds what runs the model — weights, tokenizer, KV cache, device, runner —
+and the components chosen by name in the config (scheduler, structured-output backend)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from asyncengine.config import EngineConfig, parse_size
+from asyncengine.device import make_device
+from asyncengine.kernels import get_attention_backend
+from asyncengine.runner import ModelRunner
+from asyncengine.sampling_params import SamplingParams
+from asyncengine.scheduling import SchedulerInterface
+
+logger = logging.getLogger("asyncengine")
+
+CPU_KV_CACHE_DEFAULT = 1 << 30  # 1 GiB: ~45k tokens of the embedded model in bfloat16
+
+
+class EngineWorker:
+    def __init__(self, config: EngineConfig, plugin_manager: Any = None) -> None:
+        from asyncengine.models.loader import load_model, pick_dtype, resolve_model
+        from asyncengine.tokenization import load_tokenizer
+
+        self.config = config
+        self.plugin_manager = plugin_manager
+        mc = config.model
+        self.device = make_device(config.device.device, config.device.num_threads)
+        source = resolve_model(mc.model, config.load.load_format, mc.revision,
+                               config.load.download_dir)
+        self.hf_config = source.hf_config
+        self.dtype = pick_dtype(mc.dtype, self.device.type)
+        arch = (getattr(source.hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        self.model = load_model(source, config.load.load_format, self.dtype,
+                                self.device.torch_device, seed=mc.seed,
+                                model_cls=self._resolve("model", arch))
+        self.model.eval()
+        self.vocab_size: int = self.model.vocab_size
+        self.tokenizer = load_tokenizer(
+            mc.tokenizer or source.path,
+            gguf_file=None if mc.tokenizer else source.gguf_file,
+            revision=mc.revision, chat_template=mc.chat_template)
+        self.model_name = mc.served_model_name or source.name
+        self.max_model_len = self._max_model_len()
+        self.attn_backend = get_attention_backend(config.device.attention_backend,
+                                                  self.device.type)
+        self.num_blocks = self._num_blocks()
+        m = self.model
+        kv_caches = self.attn_backend.allocate_kv_cache(
+            m.num_layers, self.num_blocks, config.cache.block_size, m.num_kv_heads, m.head_dim,
+            self.dtype, self.device.torch_device)
+        self.runner = ModelRunner(m, self.attn_backend, kv_caches, config.cache.block_size,
+                                  self.device.torch_device, self.tokenizer.eos_token_ids)
+        logger.info("loaded %s (%s, %s) on %s: %d KV blocks of %d tokens, max_model_len %d",
+                    self.model_name, arch, self.dtype, self.device.type, self.num_blocks,
+                    config.cache.block_size, self.max_model_len)
+
+    # -- components chosen by name ----------------------------------------------------------------
+    def _resolve(self, kind: str, name: str) -> Any:
+        from asyncengine import registry
+
+        resolve = {"model": registry.resolve_model, "scheduler": registry.resolve_scheduler,
+                   "structured_output_backend": registry.resolve_structured_output_backend}[kind]
+        return resolve(name, self.plugin_manager)
+
+    def make_scheduler(self) -> SchedulerInterface:
+        cls = self._resolve("scheduler", self.config.scheduler.scheduler)
+        config = self.config.replace(max_model_len=self.max_model_len)
+        return cls(config, self.num_blocks)
+
+    def make_structured_output_manager(self) -> Any:
+        from asyncengine.structured_output import StructuredOutputManager
+
+        cls = self._resolve("structured_output_backend",
+                            self.config.plugins.structured_output_backend)
+        return StructuredOutputManager(cls(self.tokenizer, self.vocab_size))
+
+    def make_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> Any:
+        from asyncengine.detokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer.from_params(self.tokenizer, prompt_token_ids, params)
+
+    # -- sizes ------------------------------------------------------------------------------------
+    def _max_model_len(self) -> int:
+        native = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        wanted = self.config.model.max_model_len
+        if wanted is None:
+            return min(native, 8192)
+        if wanted > native:
+            raise ValueError(f"--max-model-len {wanted} exceeds the model's context length "
+                             f"({native})")
+        return wanted
+
+    def _num_blocks(self) -> int:
+        cc = self.config.cache
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        m = self.model
+        per_block = self.attn_backend.bytes_per_block(m.num_layers, cc.block_size,
+                                                      m.num_kv_heads, m.head_dim, self.dtype)
+        if cc.kv_cache_memory != "auto":
+            budget = parse_size(cc.kv_cache_memory, "kv_cache_memory")
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info()
+            budget = int(free * 0.9)
+        else:
+            budget = CPU_KV_CACHE_DEFAULT
+        num_blocks = budget // per_block
+        needed = -(-self.max_model_len // cc.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"--kv-cache-memory: {budget} bytes hold {num_blocks} blocks of {cc.block_size} "
+                f"tokens, fewer than one full-length request needs ({needed} blocks for "
+                f"--max-model-len {self.max_model_len}); raise it or lower --max-model-len")
+        return num_blocks

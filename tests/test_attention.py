@@ -1,0 +1,120 @@
+"""torch_paged attention vs a naive per-request reference over the requests' full histories."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from asyncengine.kernels import get_attention_backend
+from asyncengine.kernels.base import AttentionMetadata
+from asyncengine.kernels.torch_paged import TorchPagedBackend
+
+BLOCK = 4
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                    ) -> torch.Tensor:
+    """q [Q, H, D] = the last Q positions of k, v [L, KV, D]; causal, in float64."""
+    Q, H, D = q.shape
+    L, KV, _ = k.shape
+    group = H // KV
+    out = torch.empty(Q, H, D, dtype=torch.float64)
+    for h in range(H):
+        kh, vh = k[:, h // group].double(), v[:, h // group].double()
+        for t in range(Q):
+            n = L - Q + t + 1  # keys visible to the query at position L - Q + t
+            w = torch.softmax(q[t, h].double() @ kh[:n].T * scale, dim=-1)
+            out[t, h] = w @ vh[:n]
+    return out
+
+
+def run_step(cases: list[tuple[int, int]], heads: int, kv_heads: int, dtype=torch.float32,
+             head_dim: int = 16, seed: int = 0):
+    """cases: (context already cached, query_len) per request, in batch order.
+
+    Returns (output, reference, metadata, kv_cache, histories).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_needed = sum(math.ceil((c + n) / BLOCK) for c, n in cases)
+    num_blocks = blocks_needed + 3
+    pool = list(range(1, num_blocks))
+    rng.shuffle(pool)  # block tables point all over the cache
+    backend = TorchPagedBackend()
+    (kv_cache,) = backend.allocate_kv_cache(1, num_blocks, BLOCK, kv_heads, head_dim, dtype, "cpu")
+    qs, ks, vs, slots, tables, seq_lens, starts, hist = [], [], [], [], [], [], [0], []
+    for ctx, n in cases:
+        L = ctx + n
+        table = [pool.pop() for _ in range(math.ceil(L / BLOCK))]
+        k = torch.randn(L, kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(L, kv_heads, head_dim, generator=gen).to(dtype)
+        slot = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(L)]
+        flat = kv_cache.view(2, -1, kv_heads, head_dim)
+        flat[0, slot[:ctx]], flat[1, slot[:ctx]] = k[:ctx], v[:ctx]  # the cached prefix
+        qs.append(torch.randn(n, heads, head_dim, generator=gen).to(dtype))
+        ks.append(k[ctx:])
+        vs.append(v[ctx:])
+        slots += slot[ctx:]
+        tables.append(table)
+        seq_lens.append(L)
+        starts.append(starts[-1] + n)
+        hist.append((k, v, slot))
+    meta = AttentionMetadata(query_start_loc=starts, seq_lens=seq_lens, block_tables=tables,
+                             slot_mapping=torch.tensor(slots), block_size=BLOCK)
+    backend.prepare(meta)
+    scale = head_dim**-0.5
+    q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
+    out = backend.forward(q, k, v, kv_cache, meta, scale)
+    ref = torch.cat([naive_attention(qi, hk, hv, scale)
+                     for qi, (hk, hv, _) in zip(qs, hist)])
+    return out, ref, meta, kv_cache, hist
+
+
+MIXED = [(36, 1), (0, 9), (20, 7), (4, 1), (16, 13), (15, 1), (0, 1), (3, 2)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (8, 1)])
+def test_mixed_batch_matches_reference(heads, kv_heads):
+    # decodes (one at a block boundary, one with no context), a fresh prompt, a chunk on top
+    # of earlier chunks, a prompt after a cached prefix, a 2-token chunk — interleaved.
+    out, ref, meta, kv_cache, hist = run_step(MIXED, heads, kv_heads)
+    assert out.shape == (sum(n for _, n in MIXED), heads, 16)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # every token's K/V is in the cache at its slot afterwards
+    flat = kv_cache.view(2, -1, kv_heads, 16)
+    for k, v, slot in hist:
+        torch.testing.assert_close(flat[0, slot], k)
+        torch.testing.assert_close(flat[1, slot], v)
+
+
+def test_pure_decode_batch_is_one_group():
+    cases = [(c, 1) for c in (0, 3, 4, 17, 40, 63, 5, 8)]
+    out, ref, meta, _, _ = run_step(cases, 6, 2)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert len(meta.extra.groups) == 1  # one SDPA call per layer for all decodes
+
+
+def test_single_fresh_prompt():
+    out, ref, meta, _, _ = run_step([(0, 50)], 4, 2)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefills_of_very_different_lengths_are_split_into_groups():
+    cases = [(0, 300), (8, 2), (0, 3), (100, 120), (5, 7), (36, 1), (0, 64), (1, 1)]
+    out, ref, meta, _, _ = run_step(cases, 4, 2)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert len(meta.extra.groups) >= 3  # decodes + small prefills + the long ones apart
+
+
+def test_bfloat16_close_to_reference():
+    out, ref, _, _, _ = run_step(MIXED, 4, 2, dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_get_attention_backend_on_cpu():
+    assert isinstance(get_attention_backend("auto", "cpu"), TorchPagedBackend)
+    assert isinstance(get_attention_backend("torch_paged"), TorchPagedBackend)
