@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from asyncengine.config import EngineConfig
+from asyncengine.hookspecs import hookimpl
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -28,4 +29,4 @@ def __getattr__(name: str):  # heavy imports (torch) only when used
 
 
 __all__ = ["AsyncEngine", "CompletionOutput", "EngineConfig", "LLM", "RequestOutput",
-           "SamplingParams", "StructuredOutputsParams", "__version__"]
+           "SamplingParams", "StructuredOutputsParams", "__version__", "hookimpl"]

@@ -66,6 +66,7 @@ class AsyncEngine:
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncEngine:
+        self._wake = anyio.Event()  # events belong to the loop that runs the engine
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._accepting = True

@@ -59,7 +59,7 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(prompts)
         async with self.engine:
             streams = [await self.engine.add_request(p, sp, priority=pr)
-                       for p, sp, pr in zip(prompts, params, prios)]
+                       for p, sp, pr in zip(prompts, params, prios, strict=True)]
 
             async def collect(i: int) -> None:
                 async for out in streams[i]:

@@ -145,5 +145,6 @@ class Request:
         self.status = RequestStatus.PREEMPTED
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
-                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")
+        return (f"Request({self.request_id!r}, {self.status.name}, "
+                f"prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens})")

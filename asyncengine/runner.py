@@ -12,6 +12,7 @@ Split in two so the loop never waits on the device:
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 
@@ -110,6 +111,10 @@ class ModelRunner:
                 sample_req_ids.append(req.request_id)
                 if req.request_id not in self._generators:
                     self._generators[req.request_id] = make_generator(sp.seed, self.device)
+                if req.grammar is not None and sp.min_tokens:
+                    # The grammar decides when output may end; holding EOS back for min_tokens
+                    # could leave a complete grammar with no allowed token at all.
+                    sp = dataclasses.replace(sp, min_tokens=0)
                 sampling_rows.append((sp, req.prompt_token_ids, req.output_token_ids,
                                       self._generators[req.request_id]))
         pos = torch.tensor(positions, dtype=torch.long)

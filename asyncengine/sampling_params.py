@@ -46,12 +46,12 @@ class StructuredOutputsParams:
         return None if self.json_object else getattr(self, self.kind)
 
     def key(self) -> tuple[str, str]:
-        """A hashable key for the grammar cache."""
+        """A hashable key for the grammar cache (key order matters: it is the output's)."""
         import json as _json
 
         spec = self.spec
         if not isinstance(spec, str):
-            spec = _json.dumps(spec, sort_keys=True)
+            spec = _json.dumps(spec)
         return (self.kind, spec or "")
 
 

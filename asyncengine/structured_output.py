@@ -18,6 +18,7 @@ Backends are plugins (``register_structured_output_backends``); the default is `
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -118,6 +119,13 @@ class StructuredOutputBackend(ABC):
         ``bitmask`` is on the CPU and has one row per logits row."""
 
 
+def _cache_key(params: StructuredOutputsParams) -> tuple[str, str]:
+    # Not params.key(): it sorts a schema's keys, but property order is meaningful here (the
+    # output follows the schema's order), so two orders are two grammars.
+    spec = params.spec
+    return (params.kind, spec if isinstance(spec, str) else json.dumps(spec))
+
+
 def fill_rows(grammars: list[Grammar | None], bitmask: torch.Tensor) -> None:
     """Row by row: :meth:`StructuredOutputBackend.fill_bitmasks`' default."""
     for row, grammar in enumerate(grammars):
@@ -142,7 +150,7 @@ class StructuredOutputManager:
     step ``fill_bitmask`` on the loop while the forward pass runs, ``apply_bitmask`` in the
     worker before sampling; after sampling, ``request.grammar.accept_token(token)``.
 
-    The cache is keyed by ``StructuredOutputsParams.key()`` and holds pristine compiled
+    The cache is keyed by the kind and the spec as given and holds pristine compiled
     grammars; every :meth:`compile` returns a fresh matcher (:meth:`Grammar.fresh`), so the
     ``n`` samples of a request, or many requests with one schema, compile once. Concurrent
     compilations of one key share a single compilation. Invalid specs are not cached.
@@ -157,7 +165,7 @@ class StructuredOutputManager:
 
     async def compile(self, params: StructuredOutputsParams) -> Grammar:
         """A new Grammar for ``params``. Raises ValueError for an invalid spec."""
-        key = params.key()
+        key = _cache_key(params)
         entry = self._cache.get(key)
         if entry is not None and entry.grammar is not None:
             # Not awaiting ``done``: the entry may come from another event loop (LLM.generate

@@ -27,6 +27,11 @@ class EngineWorker:
 
         self.config = config
         self.plugin_manager = plugin_manager
+        # Components named in the config are resolved (and contract-checked) before the slow
+        # part, so a typo in --scheduler fails at once.
+        self.scheduler_cls = self._resolve("scheduler", config.scheduler.scheduler)
+        self.structured_output_backend_cls = self._resolve(
+            "structured_output_backend", config.plugins.structured_output_backend)
         mc = config.model
         self.device = make_device(config.device.device, config.device.num_threads)
         source = resolve_model(mc.model, config.load.load_format, mc.revision,
@@ -67,16 +72,14 @@ class EngineWorker:
         return resolve(name, self.plugin_manager)
 
     def make_scheduler(self) -> SchedulerInterface:
-        cls = self._resolve("scheduler", self.config.scheduler.scheduler)
         config = self.config.replace(max_model_len=self.max_model_len)
-        return cls(config, self.num_blocks)
+        return self.scheduler_cls(config, self.num_blocks)
 
     def make_structured_output_manager(self) -> Any:
         from asyncengine.structured_output import StructuredOutputManager
 
-        cls = self._resolve("structured_output_backend",
-                            self.config.plugins.structured_output_backend)
-        return StructuredOutputManager(cls(self.tokenizer, self.vocab_size))
+        backend = self.structured_output_backend_cls(self.tokenizer, self.vocab_size)
+        return StructuredOutputManager(backend)
 
     def make_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> Any:
         from asyncengine.detokenizer import IncrementalDetokenizer

@@ -69,7 +69,7 @@ def run_step(cases: list[tuple[int, int]], heads: int, kv_heads: int, dtype=torc
     q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
     out = backend.forward(q, k, v, kv_cache, meta, scale)
     ref = torch.cat([naive_attention(qi, hk, hv, scale)
-                     for qi, (hk, hv, _) in zip(qs, hist)])
+                     for qi, (hk, hv, _) in zip(qs, hist, strict=True)])
     return out, ref, meta, kv_cache, hist
 
 
@@ -95,6 +95,14 @@ def test_pure_decode_batch_is_one_group():
     out, ref, meta, _, _ = run_step(cases, 6, 2)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert len(meta.extra.groups) == 1  # one SDPA call per layer for all decodes
+
+
+def test_decodes_first_then_prefills():
+    # the decode group is a plain slice of the step's rows (no gather of queries)
+    cases = [(10, 1), (20, 1), (3, 1), (0, 5), (8, 6)]
+    out, ref, meta, _, _ = run_step(cases, 4, 2)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert meta.extra.groups[0].ordered
 
 
 def test_single_fresh_prompt():

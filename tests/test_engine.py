@@ -32,7 +32,8 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> tuple[list[int], list[flo
                              do_sample=False, output_scores=True, return_dict_in_generate=True,
                              output_logits=True, pad_token_id=0)
     tokens = out.sequences[0, len(prompt_ids):].tolist()
-    lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, tokens)]
+    lps = [torch.log_softmax(lg[0].float(), -1)[t].item()
+           for lg, t in zip(out.logits, tokens, strict=True)]
     return tokens, lps
 
 
@@ -44,7 +45,7 @@ def assert_free(engine: AsyncEngine) -> None:
 def check_against_hf(llm: LLM, hf, prompts: list[list[int]], n: int) -> None:
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
                                                 logprobs=1))
-    for p, out in zip(prompts, outs):
+    for p, out in zip(prompts, outs, strict=True):
         ref_tokens, ref_lps = hf_greedy(hf, p, n)
         got = out.outputs[0]
         assert got.token_ids == ref_tokens, f"prompt {p[:5]}...: {got.token_ids} != {ref_tokens}"

@@ -12,7 +12,7 @@ import anyio
 import openai
 import pytest
 
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.server_utils import KEY, ServerProcess, sse_events, tiny_server
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away"]
@@ -196,11 +196,14 @@ def test_stop_strings(client, model):
     assert "".join(c.choices[0].text for c in streamed) == cut
 
 
-def test_structured_outputs(client, model):
+def test_structured_outputs(client, model, reference):
     out = client.completions.create(model=model, prompt="Answer:", max_tokens=10,
                                     temperature=0,
                                     extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert out.choices[0].text in ("yes", "no") and out.choices[0].finish_reason == "stop"
+    ref = reference.generate("Answer:", greedy(max_tokens=10, structured_outputs=(
+        StructuredOutputsParams(choice=["yes", "no"]))))[0]
+    assert out.choices[0].text == ref.outputs[0].text
     out = client.completions.create(model=model, prompt="Code:", max_tokens=10, temperature=0,
                                     extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
     assert re.fullmatch(r"[0-9]{3}", out.choices[0].text)

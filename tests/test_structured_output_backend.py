@@ -253,6 +253,22 @@ def test_manager_compiles_once_per_key_off_the_loop(manager, tokenizer):
     feed(manager.backend, second, tokenizer, '{"n": 3')
 
 
+def test_manager_keeps_property_order_apart(manager, tokenizer):
+    integer = {"type": "integer"}
+    a_then_b = {"type": "object", "properties": {"a": integer, "b": integer},
+                "required": ["a", "b"]}
+    b_then_a = {"type": "object", "properties": {"b": integer, "a": integer},
+                "required": ["b", "a"]}
+
+    async def main():
+        return (await manager.compile(StructuredOutputsParams(json=a_then_b)),
+                await manager.compile(StructuredOutputsParams(json=b_then_a)))
+
+    first, second = anyio.run(main)
+    feed(manager.backend, first, tokenizer, '{"a": 1, "b": 2}')
+    feed(manager.backend, second, tokenizer, '{"b": 1, "a": 2}')  # each in its schema's order
+
+
 def test_manager_does_not_cache_invalid_specs(manager):
     params = StructuredOutputsParams(regex="(unclosed")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -90,12 +91,94 @@ def make_tiny_model(directory: str | os.PathLike[str], family: str = "llama", *,
     return str(directory)
 
 
+_GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[str]) -> str:
+    """Convert a tiny safetensors model (``make_tiny_model``) to an F32 GGUF file, the way
+    llama.cpp's converter does: llama's q/k rows permuted for its RoPE, Llama 3 RoPE scaling as
+    a ``rope_freqs`` tensor. No tokenizer inside. Returns the file's path."""
+    import gguf
+    import numpy as np
+    import torch
+
+    ref = hf_reference_model(model_dir)
+    c = ref.config
+    arch = c.model_type
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+
+    def permute(x: np.ndarray, n: int) -> np.ndarray:  # llama.cpp's q/k row order
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    if c.rope_parameters.get("rope_type") == "llama3":
+        scaled = ref.model.rotary_emb.inv_freq.double()
+        base = c.rope_parameters["rope_theta"]
+        default = 1.0 / base ** (torch.arange(0, head_dim, 2).double() / head_dim)
+        w.add_tensor("rope_freqs.weight", (default / scaled).float().numpy())
+    for name, t in ref.state_dict().items():
+        x = t.float().numpy()
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            if arch == "llama" and module == "self_attn.q_proj":
+                x = permute(x, heads)
+            elif arch == "llama" and module == "self_attn.k_proj":
+                x = permute(x, kv_heads)
+            gguf_name = f"blk.{i}.{_GGUF_NAMES[module]}.{kind}"
+        else:
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
+                         "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+        w.add_tensor(gguf_name, np.ascontiguousarray(x))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
 def hf_reference_model(path_or_gguf: str | os.PathLike[str]) -> Any:
-    """The transformers model (float32, eval) for a model directory or a .gguf file."""
+    """The transformers model (float32, eval) for a model directory or a .gguf file.
+
+    GGUF references take transformers many seconds to convert, so they are made once per
+    process and shared: use them read-only.
+    """
+    path = str(path_or_gguf)
+    if path.endswith(".gguf"):
+        return _hf_gguf_reference(os.path.abspath(path))
+    return _hf_reference(path)
+
+
+@functools.lru_cache(maxsize=2)
+def _hf_gguf_reference(path: str) -> Any:
+    return _hf_reference(path)
+
+
+def _hf_reference(path: str) -> Any:
     import torch
     import transformers
 
-    path = str(path_or_gguf)
     kwargs: dict[str, Any] = {"dtype": torch.float32}
     if path.endswith(".gguf"):
         path, kwargs["gguf_file"] = os.path.split(path)

@@ -7,7 +7,7 @@ import time
 import jinja2
 from aiohttp import web
 
-from asyncengine.engine import AsyncEngine, EngineDeadError
+from asyncengine.engine import AsyncEngine
 from asyncengine.http.errors import APIError, bad_request
 from asyncengine.http.logprobs import chat_logprobs
 from asyncengine.http.params import to_sampling_params
@@ -25,8 +25,7 @@ from asyncengine.http.responses import (
 from asyncengine.http.serving import (
     SHUTDOWN_ABORT,
     check_model,
-    consume,
-    engine_failure,
+    collect,
     json_response,
     open_streams,
     random_id,
@@ -71,16 +70,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     streams = await open_streams(engine, [prompt], params, call.id, body.priority or 0)
     if body.stream:
         return await run_sse(request, streams, call.on_output, call.on_end)
-    final: list[RequestOutput] = []
-
-    async def keep(i: int, out: RequestOutput) -> None:
-        final[:] = [out]
-
-    try:
-        await consume(streams, keep)
-    except EngineDeadError as e:
-        raise engine_failure(e) from None
-    return json_response(call.response(final[0]))
+    return json_response(call.response((await collect(streams))[0]))
 
 
 class _Chat:

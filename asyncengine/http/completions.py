@@ -6,7 +6,6 @@ import time
 
 from aiohttp import web
 
-from asyncengine.engine import EngineDeadError
 from asyncengine.http.errors import APIError, bad_request
 from asyncengine.http.logprobs import CompletionLogprobsBuilder
 from asyncengine.http.params import to_sampling_params
@@ -15,8 +14,7 @@ from asyncengine.http.responses import Completion, CompletionChoice, CompletionL
 from asyncengine.http.serving import (
     SHUTDOWN_ABORT,
     check_model,
-    consume,
-    engine_failure,
+    collect,
     json_response,
     open_streams,
     random_id,
@@ -58,16 +56,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     streams = await open_streams(engine, prompts, params, call.id, body.priority or 0)
     if body.stream:
         return await run_sse(request, streams, call.on_output, call.on_end)
-    finals: list[RequestOutput | None] = [None] * len(streams)
-
-    async def keep(i: int, out: RequestOutput) -> None:
-        finals[i] = out
-
-    try:
-        await consume(streams, keep)
-    except EngineDeadError as e:
-        raise engine_failure(e) from None
-    return json_response(call.response(finals))
+    return json_response(call.response(await collect(streams)))
 
 
 class _Completion:
@@ -75,7 +64,6 @@ class _Completion:
 
     def __init__(self, state: ServerState, body: CompletionRequest, id: str, n: int) -> None:
         self.state = state
-        self.body = body
         self.id = id
         self.n = n
         self.created = int(time.time())
@@ -103,10 +91,9 @@ class _Completion:
         return Usage(p, c, p + c)
 
     # -- non-streaming ----------------------------------------------------------------------
-    def response(self, finals: list[RequestOutput | None]) -> Completion:
+    def response(self, finals: list[RequestOutput]) -> Completion:
         choices = []
         for i, out in enumerate(finals):
-            assert out is not None
             self.prompt_tokens[i] = len(out.prompt_token_ids)
             prefix = self._prompt_text(out) if self.echo else ""
             for c in out.outputs:

@@ -58,14 +58,17 @@ def check_model(engine: AsyncEngine, name: str | None) -> None:
                             f"`{engine.model_name}`).", param="model", code="model_not_found")
 
 
-def engine_error(error: Exception) -> APIError:
+def to_api_error(error: Exception) -> APIError:
+    """An engine error (from ``add_request`` or while streaming) in OpenAI's shape."""
+    if isinstance(error, APIError):
+        return error
     if isinstance(error, EngineShuttingDown):
         return APIError(503, "The server is shutting down.")
     if isinstance(error, EngineDeadError):
         return APIError(500, f"The engine failed: {error}")
     if isinstance(error, ValueError):
         return from_value_error(error, KNOWN_PARAMS)
-    raise error
+    return APIError(500, "Internal server error (see the server log).")
 
 
 async def open_streams(engine: AsyncEngine, prompts: list[str | list[int]],
@@ -82,7 +85,7 @@ async def open_streams(engine: AsyncEngine, prompts: list[str | list[int]],
     except (ValueError, EngineShuttingDown, EngineDeadError) as e:
         for s in streams:
             s.close()
-        raise engine_error(e) from None
+        raise to_api_error(e) from None
     except BaseException:
         for s in streams:
             s.close()
@@ -136,13 +139,18 @@ async def _consume_many(streams: list[RequestStream], handle: Handler) -> None:
         raise error
 
 
-def engine_failure(error: Exception) -> APIError:
-    """An error raised while iterating a stream, in OpenAI's shape."""
-    if isinstance(error, APIError):
-        return error
-    if isinstance(error, EngineDeadError):
-        return APIError(500, f"The engine failed: {error}")
-    return APIError(500, "Internal server error (see the server log).")
+async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The final output of each stream (non-streaming responses)."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+
+    async def keep(i: int, out: RequestOutput) -> None:
+        finals[i] = out
+
+    try:
+        await consume(streams, keep)
+    except EngineDeadError as e:
+        raise to_api_error(e) from None
+    return finals  # type: ignore[return-value]
 
 
 async def run_sse(request: web.Request, streams: list[RequestStream],
@@ -166,7 +174,7 @@ async def run_sse(request: web.Request, streams: list[RequestStream],
         if not isinstance(e, APIError | EngineDeadError):
             logger.exception("unexpected error while streaming %s", request.path)
         try:
-            await sse.error(engine_failure(e))
+            await sse.error(to_api_error(e))
         except ClientGone:
             pass
     return sse.response

@@ -38,7 +38,8 @@ class _Group:
     valid: torch.Tensor | None = None  # rows of the flat [G * Q] output that are real
     dest_rows: torch.Tensor | None = None  # [n_valid] rows of the step output they fill
     fresh: tuple[int, int] | None = None  # (start, end): one prompt with no cached context
-    ordered: bool = False  # no padding, and output rows are consecutive step rows
+    ordered: bool = False  # no padding, and the rows are consecutive step rows
+    first_row: int = 0
     num_rows: int = 0
     _masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
@@ -100,7 +101,10 @@ class TorchPagedBackend(AttentionBackend):
                 out[s:e] = o
                 continue
             G, Q = g.token_rows.shape
-            qg = q[g.token_rows]  # [G, Q, heads, dim]
+            if g.ordered:  # consecutive rows, no padding: a view, no gather
+                qg = q[g.first_row:g.first_row + G * Q].reshape(G, Q, num_heads, head_dim)
+            else:
+                qg = q[g.token_rows]  # [G, Q, heads, dim]
             qg = qg.view(G, Q, num_kv_heads, group, head_dim).transpose(1, 2)
             qg = qg.reshape(G, num_kv_heads, Q * group, head_dim)
             kg = _gather(k_cache, g.blocks)  # [G, kv_heads, L, dim]
@@ -111,6 +115,9 @@ class TorchPagedBackend(AttentionBackend):
             o = o.reshape(G * Q, num_heads, head_dim)
             if out is None:
                 return o
+            if g.ordered:
+                out[g.first_row:g.first_row + G * Q] = o
+                continue
             if g.valid is not None:
                 o = o[g.valid]
             out[g.dest_rows] = o
@@ -151,9 +158,10 @@ def _padded_group(members: list[int], meta: AttentionMetadata, device: torch.dev
     Q = max(q_lens)
     n_blocks = [(s + bs - 1) // bs for s in seq_lens]
     max_blocks = max(n_blocks)
-    rows = [[qsl[i] + min(t, n - 1) for t in range(Q)] for i, n in zip(members, q_lens)]
+    rows = [[qsl[i] + min(t, n - 1) for t in range(Q)]
+            for i, n in zip(members, q_lens, strict=True)]
     blocks = [meta.block_tables[i][:nb] + [0] * (max_blocks - nb)
-              for i, nb in zip(members, n_blocks)]
+              for i, nb in zip(members, n_blocks, strict=True)]
     token_rows = torch.tensor(rows, dtype=torch.long)  # [G, Q]
     q_len_t = torch.tensor(q_lens)
     ctx = torch.tensor(seq_lens) - q_len_t  # [G] tokens before this step's
@@ -170,7 +178,7 @@ def _padded_group(members: list[int], meta: AttentionMetadata, device: torch.dev
         group.dest_rows = flat_rows.to(device)
         flat = flat_rows.tolist()
         group.ordered = flat == list(range(flat[0], flat[0] + len(flat)))
-        group.num_rows = len(flat)
+        group.first_row, group.num_rows = flat[0], len(flat)
     else:
         valid = real.flatten().nonzero().squeeze(1)
         group.valid = valid.to(device)

@@ -182,9 +182,7 @@ def config_from_header(header: GGUFHeader) -> Any | None:
         if scaling == "yarn":
             rope["original_max_position_embeddings"] = get("rope.scaling.original_context_length")
     kw["rope_parameters"] = rope
-    config = AutoConfig.for_model(CONFIG_ARCHS[arch], **kw)
-    config.architectures = None  # as transformers' own GGUF conversion leaves it
-    return config
+    return AutoConfig.for_model(CONFIG_ARCHS[arch], **kw)
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -202,7 +200,7 @@ def iter_gguf_tensors(path: str, config: Any) -> Iterator[tuple[str, torch.Tenso
     header = read_header(path)
     arch = header.metadata.get("general.architecture", "llama")
     num_heads = config.num_attention_heads
-    num_kv_heads = config.num_key_value_heads or num_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     data = np.memmap(path, dtype=np.uint8, mode="r")
     for t in header.tensors:
         qtype = GGMLQuantizationType(t.ggml_type)

@@ -70,7 +70,7 @@ class Attention(nn.Module):
     def __init__(self, config: Any, head_dim: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
@@ -171,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = config.vocab_size
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # Attention here is full-context; a runner should cap the context at this when set.
