@@ -23,6 +23,7 @@ CPU_KV_CACHE_DEFAULT = 1 << 30  # 1 GiB: ~45k tokens of the embedded model in bf
 class EngineWorker:
     def __init__(self, config: EngineConfig, plugin_manager: Any = None) -> None:
         from asyncengine.models.loader import load_model, pick_dtype, resolve_model
+        from asyncengine.models.registry import architecture_of
         from asyncengine.tokenization import load_tokenizer
 
         self.config = config
@@ -38,7 +39,7 @@ class EngineWorker:
                                config.load.download_dir)
         self.hf_config = source.hf_config
         self.dtype = pick_dtype(mc.dtype, self.device.type)
-        arch = (getattr(source.hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        arch = architecture_of(source.hf_config)
         self.model = load_model(source, config.load.load_format, self.dtype,
                                 self.device.torch_device, seed=mc.seed,
                                 model_cls=self._resolve("model", arch))
@@ -89,6 +90,11 @@ class EngineWorker:
     # -- sizes ------------------------------------------------------------------------------------
     def _max_model_len(self) -> int:
         native = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        # Attention here is full, never windowed: a sliding-window model is exact only within
+        # its window.
+        window = getattr(self.model, "sliding_window", None)
+        if window:
+            native = min(native, window)
         wanted = self.config.model.max_model_len
         if wanted is None:
             return min(native, 8192)

@@ -60,8 +60,9 @@ class ServerProcess:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.2)
+        log = self.log()
         self.stop()
-        raise RuntimeError(f"the server did not start in {STARTUP_TIMEOUT_S}s:\n{self.log()}")
+        raise RuntimeError(f"the server did not start in {STARTUP_TIMEOUT_S}s:\n{log}")
 
     def log(self) -> str:
         return Path(self._log.name).read_text(errors="replace")
@@ -103,6 +104,8 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        if self.proc.returncode == 0:  # keep the log of a server that failed
+            Path(self._log.name).unlink(missing_ok=True)
         return self.proc.returncode
 
 
