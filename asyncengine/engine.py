@@ -136,8 +136,15 @@ class AsyncEngine:
         stream = RequestStream(request_id, text, token_ids, samples, self._abort_now)
         if not self._accepting:  # drain began while the grammar compiled
             raise EngineShuttingDown("the engine is not accepting requests")
+        added: list[str] = []
+        try:
+            for s in samples:
+                self.scheduler.add_request(s.request)  # may refuse: ValueError
+                added.append(s.request.request_id)
+        except Exception:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
         for s in samples:
-            self.scheduler.add_request(s.request)
             self._stream_of[s.request.request_id] = stream
         self._streams[request_id] = stream
         self._wake.set()
@@ -180,6 +187,11 @@ class AsyncEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.num_free_blocks
+
+    @property
+    def error(self) -> BaseException | None:
+        """The failure that stopped the step loop, or None while the engine is healthy."""
+        return self._dead
 
     @property
     def num_unfinished_requests(self) -> int:

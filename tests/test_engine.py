@@ -269,3 +269,53 @@ def test_offline_llm_chat(embedded_llm):
                             SamplingParams(temperature=0, max_tokens=24))
     assert "Paris" in out[0].outputs[0].text
     assert math.isfinite(len(out[0].outputs[0].token_ids))
+
+
+def test_a_failing_step_fails_requests_instead_of_hanging(tiny_llama, monkeypatch):
+    """A device failure ends every request with EngineDeadError, new ones are refused, and the
+    server's /health says 503."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from asyncengine.http.app import build_app
+    from asyncengine.http.state import ServerSettings
+    from asyncengine.streams import EngineDeadError
+
+    engine = AsyncEngine(EngineConfig.from_dict({"model": tiny_llama, "dtype": "float32",
+                                                 "num_gpu_blocks_override": 64}))
+
+    def broken(inputs):
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(engine.worker.runner, "execute", broken)
+
+    async def main():
+        async with engine:
+            with anyio.fail_after(30):
+                with pytest.raises(EngineDeadError, match="device fell over"):
+                    async for _ in engine.generate("hello", SamplingParams(max_tokens=4)):
+                        pass
+                with pytest.raises(EngineDeadError):
+                    await engine.add_request("again", SamplingParams())
+            async with TestClient(TestServer(build_app(engine, None, ServerSettings()))) as c:
+                r = await c.get("/health")
+                return r.status, await r.json()
+
+    status, body = anyio.run(main)
+    assert status == 503 and "device fell over" in body["error"]["message"]
+
+
+def test_a_refused_request_holds_nothing(tiny_llama):
+    """n samples that cannot all fit the block pool are refused together, leaving no trace."""
+    engine = AsyncEngine(EngineConfig.from_dict({"model": tiny_llama, "dtype": "float32",
+                                                 "num_gpu_blocks_override": 4, "block_size": 8,
+                                                 "max_model_len": 256}))
+
+    async def main():
+        async with engine:
+            with pytest.raises(ValueError, match="block"):
+                await engine.add_request([7] * 20, SamplingParams(n=2, max_tokens=40))
+            out = [o async for o in engine.generate([7] * 5, SamplingParams(max_tokens=3))][-1]
+            assert out.finished
+            assert_free(engine)
+
+    anyio.run(main)

@@ -43,6 +43,8 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     engine = state_of(request).engine
+    if engine.error is not None:
+        raise APIError(503, f"The engine stopped after an error: {engine.error}")
     stats = engine.stats()
     return json_response(HealthResponse("ok", stats.num_running, stats.num_waiting,
                                         engine.num_free_blocks, engine.num_total_blocks))
