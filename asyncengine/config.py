@@ -28,8 +28,9 @@ class ModelConfig:
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer path or id "
                                                           "(default: the model's)"})
     revision: str | None = field(default=None, metadata={"help": "hub revision"})
-    dtype: str = field(default="auto", metadata={"help": "weights and activations dtype",
-                                                 "choices": DTYPES})
+    dtype: str = field(default="auto", metadata={
+        "help": "weights and activations dtype (auto: bfloat16 on CUDA and on CPUs with "
+                "bf16 instructions, else float32)", "choices": DTYPES})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context length (default: the model's, capped at 8192)"})
     served_model_name: str | None = field(default=None, metadata={
@@ -76,7 +77,7 @@ class DeviceConfig:
     num_threads: int | None = field(default=None, metadata={
         "help": "CPU threads for the forward pass (default: all cores)"})
     attention_backend: str = field(default="auto", metadata={
-        "help": "auto, torch_paged or flashinfer"})
+        "help": "attention kernels", "choices": ("auto", "torch_paged")})
 
 
 @dataclass
@@ -236,13 +237,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             flag = _flag(f.name)
             help_ = f.metadata.get("help", "")
             default = f.default if f.default is not dataclasses.MISSING else None
+            if "default:" not in help_ and "auto:" not in help_:
+                help_ = f"{help_} (default: {default})"
+
             if f.type in ("bool", bool):
                 group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                   default=None, help=f"{help_} (default: {default})")
+                                   default=None, help=help_)
                 continue
             kind = int if "int" in str(f.type) else str
             kw: dict[str, Any] = {"dest": f.name, "type": kind, "default": None}
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
-            group.add_argument(flag, help=f"{help_} (default: {default})", **kw)
+            group.add_argument(flag, help=help_, **kw)
     return parser

@@ -6,8 +6,7 @@ grammar work run meanwhile.
 
 * CPU: the worker thread is the CPU's "stream". ``fn`` runs there (torch releases the GIL in its
   kernels); nothing else of the engine runs off the loop.
-* CUDA: ``fn`` runs on the loop thread — it only enqueues kernels on the current stream — then a
-  CUDA event is recorded and awaited from a helper thread, so the loop stays free.
+* CUDA: the same worker thread enqueues the kernels and waits for the sampled ids.
 """
 
 from __future__ import annotations
@@ -89,22 +88,11 @@ class CPUDevice(Device):
 
 
 class CUDADevice(Device):
+    """CUDA: the worker thread enqueues the step's kernels and waits for the host copy of the
+    sampled ids, so the loop never blocks on the GPU. (Stage two: launch from the loop and await
+    a CUDA event, keeping sampled ids on the device for the next step.)"""
+
     type = "cuda"
-
-    async def _run(self, handle: StepHandle, fn: Callable[[], Any]) -> None:
-        import torch
-
-        try:
-            result = fn()  # enqueues kernels; returns device tensors / a host-copy closure
-            event = torch.cuda.Event()
-            event.record()
-            await anyio.to_thread.run_sync(event.synchronize, limiter=self._limiter)
-            if callable(result):
-                result = result()  # host-side finishing (tensors are ready now)
-        except Exception as e:
-            handle._finish(error=e)
-        else:
-            handle._finish(result)
 
     def synchronize(self) -> None:
         import torch

@@ -34,6 +34,7 @@ class EngineWorker:
         self.structured_output_backend_cls = self._resolve(
             "structured_output_backend", config.plugins.structured_output_backend)
         mc = config.model
+        torch.manual_seed(mc.seed)  # unseeded sampling draws from the global generator
         self.device = make_device(config.device.device, config.device.num_threads)
         source = resolve_model(mc.model, config.load.load_format, mc.revision,
                                config.load.download_dir)

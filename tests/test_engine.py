@@ -319,3 +319,19 @@ def test_a_refused_request_holds_nothing(tiny_llama):
             assert_free(engine)
 
     anyio.run(main)
+
+
+def test_the_loop_does_not_spin_when_idle(engine, monkeypatch):
+    calls = []
+    real = engine.scheduler.schedule
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: calls.append(1) or real())
+
+    async def main():
+        async with engine:
+            [o async for o in engine.generate("wake up", SamplingParams(max_tokens=3))]
+            busy = len(calls)
+            await anyio.sleep(0.3)
+            return busy, len(calls)
+
+    busy, after = anyio.run(main)
+    assert busy >= 3 and after == busy

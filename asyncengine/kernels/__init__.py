@@ -1,30 +1,24 @@
-"""Attention backends. ``get_attention_backend(name)`` returns an instance."""
+"""Attention backends. ``get_attention_backend(name)`` returns an instance.
+
+``torch_paged`` (PyTorch SDPA over gathered blocks) runs everywhere and is the reference.
+A FlashInfer backend for CUDA is planned behind the same interface; until it lands, CUDA also
+uses ``torch_paged``.
+"""
 
 from __future__ import annotations
 
 from asyncengine.kernels.base import AttentionBackend, AttentionMetadata
 
+BACKENDS = ("auto", "torch_paged")
+
 
 def get_attention_backend(name: str = "auto", device: str = "cpu") -> AttentionBackend:
-    if name == "auto":
-        name = "torch_paged"
-        if device.startswith("cuda"):
-            try:
-                import flashinfer  # noqa: F401
-
-                name = "flashinfer"
-            except ImportError:
-                pass
-    if name == "torch_paged":
+    if name in ("auto", "torch_paged"):
         from asyncengine.kernels.torch_paged import TorchPagedBackend
 
         return TorchPagedBackend()
-    if name == "flashinfer":
-        from asyncengine.kernels.flashinfer import FlashInferBackend
-
-        return FlashInferBackend()
-    raise ValueError(f"--attention-backend: unknown backend {name!r} (allowed: auto, "
-                     "torch_paged, flashinfer)")
+    raise ValueError(f"--attention-backend: unknown backend {name!r} (allowed: "
+                     f"{', '.join(BACKENDS)})")
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "get_attention_backend"]
