@@ -15,6 +15,10 @@ and iterate their streams; one task, the step loop, drives the scheduler and the
 Emitting step N's outputs while step N+1 runs means a stop string found during emission ends
 its request one step late: the request is finished right away (blocks freed; the in-flight
 step only writes KV the next schedule cannot see yet) and the scheduler drops the extra token.
+
+With a KV connector (``--kv-connector``), a step first awaits the loads of the blocks its
+admissions found in the connector, and after it the new full blocks are copied and saved in
+the background (``asyncengine.kv_transfer``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import anyio
 import anyio.abc
 
 from asyncengine.config import EngineConfig
+from asyncengine.kv_transfer import KVTransfer
 from asyncengine.outputs import RequestOutput
 from asyncengine.request import Request, RequestStatus
 from asyncengine.sampling_params import SamplingParams
@@ -40,6 +45,9 @@ from asyncengine.worker import EngineWorker
 logger = logging.getLogger("asyncengine")
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineShuttingDown"]
+
+#: Seconds the engine waits, when it stops, for KV-connector saves still in flight.
+KV_SAVE_DRAIN_TIMEOUT = 30.0
 
 
 class EngineShuttingDown(RuntimeError):
@@ -56,6 +64,10 @@ class AsyncEngine:
         self.max_model_len = self.worker.max_model_len
         self.model_name = self.worker.model_name
         self.scheduler = self.worker.make_scheduler()
+        connector = self.worker.kv_connector
+        self.kv_transfer = (KVTransfer(connector, self.worker.runner,
+                                       self.config.cache.block_size)
+                            if connector is not None else None)
         self._streams: dict[str, RequestStream] = {}
         self._stream_of: dict[str, RequestStream] = {}  # sample's request id -> its stream
         self._wake = anyio.Event()
@@ -77,6 +89,9 @@ class AsyncEngine:
         self._accepting = False
         self._abort_all()
         assert self._tg is not None
+        if self.kv_transfer is not None and exc_info[0] is None:
+            with anyio.CancelScope(shield=True):
+                await self.kv_transfer.wait_for_saves(KV_SAVE_DRAIN_TIMEOUT)
         self._tg.cancel_scope.cancel()
         try:
             return await self._tg.__aexit__(*exc_info)
@@ -228,6 +243,8 @@ class AsyncEngine:
 
     async def _step(self, tg: anyio.abc.TaskGroup, out: SchedulerOutput,
                     previous: list[Request]) -> list[Request]:
+        if self.kv_transfer is not None:  # before prepare(): a failed load widens the step
+            await self.kv_transfer.load(out)
         grammars = [s.request.grammar for s in out.scheduled if s.samples]
         constrained = any(g is not None for g in grammars)
         inputs = self.worker.runner.prepare(out, with_bitmask=constrained)
@@ -241,6 +258,8 @@ class AsyncEngine:
         self._emit(previous)  # overlapped with the forward pass
         result = await handle.wait()
         updated = self.scheduler.update_from_output(out, result)
+        if self.kv_transfer is not None:  # copies the blocks before the next schedule()
+            self.kv_transfer.save(tg, out)
         if self.metrics is not None:
             prompt_tokens = sum(max(0, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
                                     - s.start) for s in out.scheduled)

@@ -65,11 +65,12 @@ def register_structured_output_backends(register: Register) -> None:
 
 @hookspec
 def register_kv_connectors(register: Register) -> None:
-    """Register KV connectors: ``register("disk", SafetensorsBlockStore)``.
+    """Register KV connectors: ``register("safetensors", SafetensorsKVConnector)``.
 
     A connector moves KV-cache blocks, keyed by prefix-cache block hash, between the cache
-    and external storage (contract in docs/plugins.md). Operators select one with
-    ``--kv-connector NAME``.
+    and external storage. Each class implements ``asyncengine.kv_connector.KVConnector``
+    (subclassing it is optional) and is constructed as ``cls(config, layout)``. Operators
+    select one with ``--kv-connector NAME``.
     """
 
 

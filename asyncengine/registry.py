@@ -57,7 +57,9 @@ KINDS: dict[str, ComponentKind] = {
         "--structured-output-backend",
         ("asyncengine.structured_output", "StructuredOutputBackend"),
         "STRUCTURED_OUTPUT_API_VERSION"),
-    "kv_connectors": ComponentKind("register_kv_connectors", "KV connector", "--kv-connector"),
+    "kv_connectors": ComponentKind(
+        "register_kv_connectors", "KV connector", "--kv-connector",
+        ("asyncengine.kv_connector", "KVConnector"), "KV_CONNECTOR_API_VERSION"),
     # Architecture names come from model files, so they never resolve to a qualname.
     "models": ComponentKind("register_models", "model architecture", None,
                             allow_qualname=False),

@@ -8,6 +8,9 @@ Split in two so the loop never waits on the device:
 * ``execute(inputs)`` runs on the device (the CPU worker thread, or enqueued on a CUDA stream).
   It touches only ``inputs``, the model and the KV cache, so the loop may go on changing
   requests (aborts, stop strings) while it runs.
+
+``read_kv_blocks`` / ``write_kv_blocks`` copy whole KV blocks (all layers) out of and into
+the cache for a KV connector; they are called between steps, never while one runs.
 """
 
 from __future__ import annotations
@@ -182,3 +185,25 @@ class ModelRunner:
             if lp is not None:
                 result.logprobs[rid] = lp
         return result
+
+    # -- whole KV blocks, between steps (KV connectors) ------------------------------------------
+    @torch.no_grad()
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the blocks' K and V, all layers, on the cache's device:
+        ``[len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim]``."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        # cache: [2, num_blocks, block_size, kv_heads, head_dim] -> [n, 2, ...] per layer
+        return torch.stack([c.index_select(1, idx).transpose(0, 1) for c in self.kv_caches],
+                           dim=1)
+
+    @torch.no_grad()
+    def write_kv_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Overwrite the blocks with ``kv``, shaped as :meth:`read_kv_blocks` returns."""
+        cache = self.kv_caches[0]
+        expected = (len(block_ids), len(self.kv_caches), 2, *cache.shape[2:])
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"KV blocks of shape {tuple(kv.shape)} do not fit this cache "
+                             f"(expected {expected})")
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer, cache in enumerate(self.kv_caches):
+            cache.index_copy_(1, idx, kv[:, layer].transpose(0, 1).to(cache.device, cache.dtype))

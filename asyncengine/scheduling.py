@@ -34,20 +34,38 @@ from asyncengine.request import PositionLogprobs, Request, RequestStatus
 
 if TYPE_CHECKING:
     from asyncengine.config import EngineConfig
+    from asyncengine.kv_connector import KVConnector
 
 #: Bumped when the contract below changes incompatibly (see docs/plugins.md).
 SCHEDULER_API_VERSION = 1
 
 
 @dataclass
+class KVLoad:
+    """Blocks a KV connector fills before the step's forward pass: ``block_ids[i]`` gets the
+    block of ``block_hashes[i]``. They hold the tokens ``[first_token, first_token +
+    len(block_ids) * block_size)`` of the request, which the step does not compute."""
+
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    first_token: int
+
+
+@dataclass
 class ScheduledRequest:
     """One request in a step: compute tokens ``[start, start + num_new_tokens)`` of
-    ``request.all_token_ids``, with its KV in ``block_ids`` (its whole block table)."""
+    ``request.all_token_ids``, with its KV in ``block_ids`` (its whole block table).
+
+    ``kv_load``, set on admission when a KV connector holds blocks after the local prefix-cache
+    hit, ends at ``start``. If the engine cannot load all of it, it moves ``start`` back to
+    the first block not loaded (and grows ``num_new_tokens`` to match) before the forward.
+    """
 
     request: Request
     start: int
     num_new_tokens: int
     block_ids: list[int]
+    kv_load: KVLoad | None = None
 
     @property
     def samples(self) -> bool:
@@ -143,3 +161,15 @@ class SchedulerInterface(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
+
+    def set_kv_connector(self, connector: KVConnector) -> None:
+        """Use a KV connector (``--kv-connector``) when admitting requests: after the local
+        prefix-cache hit, ask ``connector.lookup`` how many more whole blocks it holds (never
+        the sequence's last token), allocate them, count them as computed, and record them in
+        ``ScheduledRequest.kv_load``; call ``connector.request_finished`` when a request
+        finishes. Called once, before the first step, only when a connector is configured.
+
+        The default refuses: a scheduler that supports connectors overrides this (the
+        built-in ones do)."""
+        raise ValueError(f"--kv-connector: the scheduler {type(self).__name__} does not "
+                         "support KV connectors")

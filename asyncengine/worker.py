@@ -1,5 +1,6 @@
 """EngineWorker: builds what runs the model — weights, tokenizer, KV cache, device, runner —
-and the components chosen by name in the config (scheduler, structured-output backend)."""
+and the components chosen by name in the config (scheduler, structured-output backend, KV
+connector)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from asyncengine.config import EngineConfig, parse_size
 from asyncengine.device import make_device
 from asyncengine.kernels import get_attention_backend
+from asyncengine.kv_connector import KVCacheLayout, KVConnector, model_identity
 from asyncengine.runner import ModelRunner
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.scheduling import SchedulerInterface
@@ -33,6 +35,7 @@ class EngineWorker:
         self.scheduler_cls = self._resolve("scheduler", config.scheduler.scheduler)
         self.structured_output_backend_cls = self._resolve(
             "structured_output_backend", config.plugins.structured_output_backend)
+        self.kv_connector_cls = self._resolve_kv_connector()
         mc = config.model
         torch.manual_seed(mc.seed)  # unseeded sampling draws from the global generator
         self.device = make_device(config.device.device, config.device.num_threads)
@@ -61,6 +64,12 @@ class EngineWorker:
             self.dtype, self.device.torch_device)
         self.runner = ModelRunner(m, self.attn_backend, kv_caches, config.cache.block_size,
                                   self.device.torch_device, self.tokenizer.eos_token_ids)
+        self.kv_connector: KVConnector | None = None
+        if self.kv_connector_cls is not None:
+            layout = KVCacheLayout(
+                model_identity(config, source.path, source.gguf_file), m.num_layers,
+                config.cache.block_size, m.num_kv_heads, m.head_dim, self.dtype)
+            self.kv_connector = self.kv_connector_cls(config, layout)
         logger.info("loaded %s (%s, %s) on %s: %d KV blocks of %d tokens, max_model_len %d",
                     self.model_name, arch, self.dtype, self.device.type, self.num_blocks,
                     config.cache.block_size, self.max_model_len)
@@ -70,12 +79,32 @@ class EngineWorker:
         from asyncengine import registry
 
         resolve = {"model": registry.resolve_model, "scheduler": registry.resolve_scheduler,
-                   "structured_output_backend": registry.resolve_structured_output_backend}[kind]
+                   "structured_output_backend": registry.resolve_structured_output_backend,
+                   "kv_connector": registry.resolve_kv_connector}[kind]
         return resolve(name, self.plugin_manager)
+
+    def _resolve_kv_connector(self) -> Any:
+        pc = self.config.plugins
+        if not pc.kv_connector:
+            if pc.kv_connector_path:
+                logger.warning("--kv-connector-path is set but no --kv-connector: ignored")
+            return None
+        cls = self._resolve("kv_connector", pc.kv_connector)
+        setter = getattr(self.scheduler_cls, "set_kv_connector", None)
+        if setter is None or setter is SchedulerInterface.set_kv_connector:
+            raise ValueError(f"--kv-connector: the scheduler {self.scheduler_cls.__name__} "
+                             "does not support KV connectors")
+        validate = getattr(cls, "validate_config", None)
+        if validate is not None:
+            validate(self.config)
+        return cls
 
     def make_scheduler(self) -> SchedulerInterface:
         config = self.config.replace(max_model_len=self.max_model_len)
-        return self.scheduler_cls(config, self.num_blocks)
+        scheduler = self.scheduler_cls(config, self.num_blocks)
+        if self.kv_connector is not None:
+            scheduler.set_kv_connector(self.kv_connector)
+        return scheduler
 
     def make_structured_output_manager(self) -> Any:
         from asyncengine.structured_output import StructuredOutputManager

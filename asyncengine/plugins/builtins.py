@@ -32,3 +32,10 @@ def register_models(register: Register) -> None:
 
     for architecture, cls in BUILTIN_MODELS.items():
         register(architecture, cls)
+
+
+@hookimpl
+def register_kv_connectors(register: Register) -> None:
+    from asyncengine.plugins.safetensors_connector import SafetensorsKVConnector
+
+    register("safetensors", SafetensorsKVConnector)

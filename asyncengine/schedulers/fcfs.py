@@ -7,9 +7,10 @@ One step (``schedule``) under a token budget (``max_num_batched_tokens``):
    request is preempted by recompute (blocks freed, back to the front of the waiting queue)
    until the allocation fits; when that victim is the request itself, it waits.
 2. If nothing was preempted, waiting requests are admitted in queue order while the budget,
-   ``max_num_seqs`` and the free blocks allow; a prefix-cache hit skips its tokens. Admission
-   stops at the first request that does not fit (no overtaking), except that requests whose
-   grammar is still compiling are passed over.
+   ``max_num_seqs`` and the free blocks allow; a prefix-cache hit skips its tokens, and so do
+   the blocks a KV connector holds after it (loaded by the engine before the forward pass).
+   Admission stops at the first request that does not fit (no overtaking), except that
+   requests whose grammar is still compiling are passed over.
 
 With chunked prefill a prompt takes whatever budget is left and continues next step; without
 it a prompt is admitted only whole (a preempted request that outgrew the budget is still
@@ -27,9 +28,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from asyncengine.block_pool import update_block_hashes
 from asyncengine.kv_cache import KVCacheManager
 from asyncengine.request import PositionLogprobs, Request, RequestStatus
 from asyncengine.scheduling import (
+    KVLoad,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerInterface,
@@ -40,6 +43,7 @@ from asyncengine.scheduling import (
 if TYPE_CHECKING:
     from asyncengine.block_pool import Block
     from asyncengine.config import EngineConfig
+    from asyncengine.kv_connector import KVConnector
 
 
 class FCFSQueue:
@@ -95,6 +99,10 @@ class FCFSScheduler(SchedulerInterface):
         self.requests: dict[str, Request] = {}  # unfinished ones
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()
+        self.kv_connector: KVConnector | None = None
+
+    def set_kv_connector(self, connector: KVConnector) -> None:
+        self.kv_connector = connector
 
     # -- policy hooks ----------------------------------------------------------------------
     def _new_waiting_queue(self) -> FCFSQueue:
@@ -158,6 +166,8 @@ class FCFSScheduler(SchedulerInterface):
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -213,14 +223,15 @@ class FCFSScheduler(SchedulerInterface):
         """Admit the head of the waiting queue if it fits (possibly after preempting)."""
         kv = self.kv_cache_manager
         blocks, num_cached = self._lookup_prefix(request)
-        num_new = request.num_tokens - num_cached
+        num_external = self._lookup_external(request, num_cached)
+        num_new = request.num_tokens - num_cached - num_external
         if num_new > step.budget:
             if not self.enable_chunked_prefill and request.num_tokens <= \
                     self.max_num_batched_tokens:
                 return False
             num_new = step.budget
         while len(self.running) >= self.max_num_seqs or not kv.allocate_slots(
-                request, num_new, blocks):
+                request, num_external + num_new, blocks):
             victim = self._admission_victim(request)
             if victim is None:
                 return False
@@ -228,17 +239,32 @@ class FCFSScheduler(SchedulerInterface):
         # Victims are less urgent than the head, so it is still the head.
         self.waiting.pop()
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = request.num_cached_tokens = num_cached
+        num_computed = num_cached + num_external
+        request.num_computed_tokens = request.num_cached_tokens = num_computed
         self.running.append(request)
         self._add_to_step(request, num_new, step)
+        if num_external:
+            first, end = num_cached // self.block_size, num_computed // self.block_size
+            step.scheduled[request.request_id].kv_load = KVLoad(
+                kv.get_block_ids(request.request_id)[first:end],
+                request.block_hashes[first:end], num_cached)
         return True
 
     def _lookup_prefix(self, request: Request) -> tuple[list[Block], int]:
-        # Prompt logprobs need every prompt position computed, at least once.
-        if request.sampling_params.prompt_logprobs is not None and \
-                len(request.prompt_logprobs or ()) < request.num_prompt_tokens:
+        if _needs_every_position(request):
             return [], 0
         return self.kv_cache_manager.get_computed_blocks(request)
+
+    def _lookup_external(self, request: Request, num_cached: int) -> int:
+        """Tokens after the local hit of ``num_cached`` that the KV connector will load:
+        whole blocks, never the last token (its logits are needed)."""
+        if self.kv_connector is None or _needs_every_position(request):
+            return 0
+        bs = self.block_size
+        update_block_hashes(request, bs)  # filled even when prefix caching is off
+        limit = (request.num_tokens - 1) // bs * bs - num_cached
+        found = self.kv_connector.lookup(request, num_cached) // bs * bs
+        return max(0, min(found, limit))
 
     def _add_to_step(self, request: Request, num_new: int, step: _Step) -> None:
         rid = request.request_id
@@ -301,6 +327,12 @@ class FCFSScheduler(SchedulerInterface):
 
     def shutdown(self) -> None:
         self.finish_requests(list(self.requests), RequestStatus.FINISHED_ABORTED)
+
+
+def _needs_every_position(request: Request) -> bool:
+    """Prompt logprobs need every prompt position computed, at least once."""
+    return request.sampling_params.prompt_logprobs is not None and \
+        len(request.prompt_logprobs or ()) < request.num_prompt_tokens
 
 
 def _append_token(request: Request, token: int, logprobs: PositionLogprobs | None) -> None:
