@@ -25,6 +25,7 @@ from torch import nn
 
 from asyncengine.kernels.base import AttentionBackend, AttentionMetadata
 from asyncengine.models.rope import RotaryEmbedding, apply_rope
+from asyncengine.models.small_matmul import small_matmuls
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +62,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in float32, scale in the model dtype (as the reference implementation does).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        x32 = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
         return self.weight * x32.to(x.dtype)
 
 
@@ -94,13 +94,15 @@ class Attention(nn.Module):
                 backend: AttentionBackend) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (heads + 2 * kv_heads) * head_dim]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = self.q_norm(qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:qk_size].view(T, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # q and k heads rotated together
+            qk = apply_rope(qkv[:, :qk_size].view(T, -1, self.head_dim), cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         o = backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, heads, head_dim]
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -188,15 +190,18 @@ class LlamaForCausalLM(nn.Module):
                 attn_backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary(positions, h.dtype)  # [T, head_dim / 2] each
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, attn_metadata, attn_backend)
+        cos, sin = self.rotary(positions, h.dtype)  # [T, 1, 2, head_dim / 2] each
+        with small_matmuls(h):
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                h = layer(h, cos, sin, kv_cache, attn_metadata, attn_backend)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        with small_matmuls(hidden):
+            if self.lm_head is None:  # tied embeddings
+                return F.linear(hidden, self.model.embed_tokens.weight).float()
+            return self.lm_head(hidden).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

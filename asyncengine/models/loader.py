@@ -192,12 +192,13 @@ def _cpu_has_bf16() -> bool:
 
 def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
                device: torch.device | str, seed: int = 0,
-               model_cls: type | None = None) -> nn.Module:
+               model_cls: type | None = None, quantization: str = "none") -> nn.Module:
     """Build the model for ``source.hf_config`` on ``device`` in ``dtype`` and fill its weights.
 
     ``load_format``: auto (GGUF for .gguf sources, else safetensors), safetensors, gguf, or
     dummy (random weights, seeded). ``model_cls`` defaults to the built-in class registered for
-    the config's architecture.
+    the config's architecture. ``quantization`` (none, int8) is applied to the loaded weights
+    (see ``quantization.py``).
     """
     config = source.hf_config
     if model_cls is None:
@@ -221,6 +222,10 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
         files = safetensors_files(source.path)
         model.load_weights(_progress(_iter_safetensors(files), _count_tensors(files),
                                      source.name))
+    if quantization != "none":
+        from asyncengine.models.quantization import quantize_model
+
+        quantize_model(model, quantization)
     return model.eval()
 
 

@@ -78,15 +78,22 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for ``apply_rope``, both [T, 1, 2, head_dim / 2] in ``dtype``: cos for both
+        halves of a head; sin negated for the first half, as the rotation needs it."""
         inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * inv_freq[None, :]  # [T, head_dim / 2]
         cos = (freqs.cos() * self.attention_scaling).to(dtype)
         sin = (freqs.sin() * self.attention_scaling).to(dtype)
-        return cos, sin
+        return (torch.stack((cos, cos), dim=1)[:, None],
+                torch.stack((-sin, sin), dim=1)[:, None])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, head_dim / 2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x: [T, heads, head_dim] (last dim contiguous); cos, sin from ``RotaryEmbedding``.
+
+    With halves x1, x2 this is ``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``, rounded the
+    same way op by op, in four kernels (the halves swapped by ``flip``).
+    """
+    T, heads, head_dim = x.shape
+    halves = x.view(T, heads, 2, head_dim // 2)
+    return (halves * cos + halves.flip(2) * sin).view(T, heads, head_dim)

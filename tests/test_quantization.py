@@ -1,0 +1,103 @@
+"""--quantization int8: weight round trip, the int8 kernel vs the dequantized weights, logits of
+int8 models vs the unquantized ones, the engine end to end, bad values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asyncengine.config import EngineConfig
+from asyncengine.llm import LLM
+from asyncengine.models import load_model
+from asyncengine.models.llama import Linear
+from asyncengine.models.loader import resolve_model
+from asyncengine.models.quantization import (
+    INT8_MAX_ROWS,
+    Int8Linear,
+    dequantize_int8,
+    quantize_int8,
+    quantize_model,
+)
+from asyncengine.sampling_params import SamplingParams
+from tests.test_models import PagedRunner
+
+
+def test_int8_weights_round_trip():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 256, generator=gen) * torch.rand(96, 1, generator=gen)
+    w[3] = 0.0  # a row of zeros must not divide by zero
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.shape == w.shape and scales.shape == (96,)
+    assert int(q.abs().max()) == 127
+    back = dequantize_int8(q, scales)
+    # rounding to the nearest step: at most half a step per element, per row
+    assert ((back - w).abs() <= scales[:, None] / 2 + 1e-7).all()
+    assert torch.equal(back[3], torch.zeros(256))
+    assert ((back - w).norm() / w.norm()).item() < 0.01
+
+
+def test_int8_kernel_agrees_with_the_dequantized_weights():
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(96, 128, generator=gen) * 0.05).bfloat16()
+    bias = (torch.randn(96, generator=gen) * 0.1).bfloat16()
+    layer = Int8Linear(w, bias)
+    assert layer.qweight is not None  # bfloat16 on the CPU, in_features a multiple of 32
+    for rows in (1, 3, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, 16):
+        x = torch.randn(rows, 128, generator=gen).bfloat16()
+        want = x.float() @ layer.weight.float().t() + bias.float()
+        torch.testing.assert_close(layer(x).float(), want, atol=0.02, rtol=0.02)
+    # no kernel where it would be slower (float32) or cannot run (odd in_features)
+    assert Int8Linear(w.float()).qweight is None
+    odd = Int8Linear(w[:, :100].contiguous())
+    assert odd.qweight is None
+    x = torch.randn(2, 100, generator=gen).bfloat16()
+    torch.testing.assert_close(odd(x), F.linear(x, odd.weight))
+
+
+def _logits(model, dtype, tokens: torch.Tensor) -> torch.Tensor:
+    runner = PagedRunner(model, dtype=dtype)
+    # a prefill, then single-token decodes: the int8 kernel's rows and the dequantized path
+    out = [runner.step({"r": tokens[:8]})["r"]]
+    out += [runner.step({"r": tokens[i:i + 1]})["r"] for i in range(8, len(tokens))]
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied lm_head; tied + q/k/v bias
+def test_int8_model_logits_stay_close(tiny_models, family):
+    source = resolve_model(tiny_models[family])
+    tokens = torch.randint(0, 49152, (12,), generator=torch.Generator().manual_seed(2))
+    want = _logits(load_model(source, "auto", torch.float32, "cpu"), torch.float32, tokens)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_model(source, "auto", dtype, "cpu", quantization="int8")
+        layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+        # 4 projections per layer (q/k/v and gate/up fused) and the logits head
+        assert len(layers) == 4 * model.num_layers + 1
+        assert not any(isinstance(m, Linear) for m in model.modules())
+        assert model.model.embed_tokens.weight.dtype == dtype  # the lookup stays exact
+        assert all((m.qweight is not None) == (dtype == torch.bfloat16) for m in layers)
+        got = _logits(model, dtype, tokens)
+        cos = F.cosine_similarity(got, want, dim=-1)
+        assert cos.min().item() > 0.999, (dtype, cos)  # measured: ~0.9999
+
+
+def test_engine_generates_with_int8(tiny_llama):
+    llm = LLM(tiny_llama, dtype="bfloat16", quantization="int8", max_num_seqs=4,
+              num_gpu_blocks_override=16, block_size=8, max_model_len=64)
+    assert isinstance(llm.engine.worker.model.lm_head, Int8Linear)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    outs = llm.generate([[1, 2, 3, 4, 5], [6, 7, 8]], params)
+    for out in outs:
+        got = out.outputs[0]
+        assert len(got.token_ids) == 6
+        assert all(torch.isfinite(torch.tensor(lp[t].logprob)) for lp, t in
+                   zip(got.logprobs, got.token_ids, strict=True))
+
+
+def test_bad_quantization_values():
+    with pytest.raises(ValueError, match="--quantization: invalid value 'int4'.*none, int8"):
+        EngineConfig.from_dict({"quantization": "int4"})
+    with pytest.raises(ValueError, match="--quantization"):
+        quantize_model(torch.nn.Sequential(), "fp8")
+    with pytest.raises(ValueError, match="--quantization int8: Sequential has no linear"):
+        quantize_model(torch.nn.Sequential(torch.nn.ReLU()), "int8")
