@@ -1,7 +1,7 @@
 """torch_paged: attention over the paged KV cache with PyTorch SDPA (CPU, and a reference).
 
-Once per step, ``prepare`` splits the batch into *groups*, each attended by ONE SDPA call
-shared by all layers' index tensors and masks:
+Once per step (in the first layer's ``forward``), the batch is split into *groups*, each
+attended by ONE SDPA call shared by all layers' index tensors and masks:
 
 - all pure decodes (query_len 1) form one group: their blocks are gathered through the block
   tables into a padded ``[B, max_blocks * block_size]`` view, masked by length;
@@ -67,26 +67,18 @@ class TorchPagedBackend(AttentionBackend):
     name = "torch_paged"
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        device = metadata.slot_mapping.device
-        q_lens, seq_lens = metadata.query_lens, metadata.seq_lens
-        decodes = [i for i, n in enumerate(q_lens) if n == 1]
-        prefills = [i for i, n in enumerate(q_lens) if n > 1]
-        groups = [_padded_group(decodes, metadata, device)] if decodes else []
-        for members in _pack(prefills, q_lens, seq_lens):
-            i = members[0]
-            if len(members) == 1 and q_lens[i] == seq_lens[i]:
-                start = metadata.query_start_loc[i]
-                groups.append(_Group(max_q=q_lens[i], fresh=(start, start + q_lens[i])))
-            else:
-                groups.append(_padded_group(members, metadata, device))
-        total = metadata.query_start_loc[-1]
-        identity = len(groups) == 1 and (groups[0].fresh == (0, total)
-                                         or (groups[0].ordered and groups[0].num_rows == total))
-        metadata.extra = _Plan(groups, identity)
+        # prepare() runs on the event loop's thread. The plan's tensors (a prefill's mask is
+        # [G, Q, L]) are big enough for parallel kernels, and a thread that runs one keeps an
+        # OpenMP team for good: two teams on the cores slow every later forward pass (see
+        # EngineWorker._off_the_loop_thread). So the first layer's forward builds the plan,
+        # on the device's thread.
+        metadata.extra = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        plan: _Plan = metadata.extra
+        plan: _Plan | None = metadata.extra
+        if plan is None:
+            plan = metadata.extra = _make_plan(metadata)
         T, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads
@@ -126,6 +118,25 @@ class TorchPagedBackend(AttentionBackend):
                 o = o[g.valid]
             out[g.dest_rows] = o
         return out
+
+
+def _make_plan(metadata: AttentionMetadata) -> _Plan:
+    device = metadata.slot_mapping.device
+    q_lens, seq_lens = metadata.query_lens, metadata.seq_lens
+    decodes = [i for i, n in enumerate(q_lens) if n == 1]
+    prefills = [i for i, n in enumerate(q_lens) if n > 1]
+    groups = [_padded_group(decodes, metadata, device)] if decodes else []
+    for members in _pack(prefills, q_lens, seq_lens):
+        i = members[0]
+        if len(members) == 1 and q_lens[i] == seq_lens[i]:
+            start = metadata.query_start_loc[i]
+            groups.append(_Group(max_q=q_lens[i], fresh=(start, start + q_lens[i])))
+        else:
+            groups.append(_padded_group(members, metadata, device))
+    total = metadata.query_start_loc[-1]
+    identity = len(groups) == 1 and (groups[0].fresh == (0, total)
+                                     or (groups[0].ordered and groups[0].num_rows == total))
+    return _Plan(groups, identity)
 
 
 def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,13 +4,14 @@ Every linear layer of the decoder and the logits head (the tied embedding's copy
 embedding lookup itself stays exact) gets symmetric per-output-channel int8 weights,
 ``w[n, k] ~= q[n, k] * scale[n]`` with ``q`` in [-127, 127].
 
-Decoding one request streams all weights once per token, so at a few rows a step costs what
-reading the weights costs: int8 halves that. PyTorch's CPU kernel
-``torch._weight_int8pack_mm(x, q, scales)`` multiplies bfloat16 activations by the int8
-weights directly; it is the faster kernel up to ``INT8_MAX_ROWS`` rows (measured on a 2-core
-AVX512-BF16 CPU: SmolLM2-135M's decoder linears ~7.4 ms at one row vs ~8.5 ms in bfloat16, and
-~11.5 ms vs ~17-21 ms at three or four rows) and at least twice as slow from eight rows on,
-where a step is compute-bound. Larger batches therefore multiply by the dequantized weights
+Decoding a few requests streams all weights once per token, so a step costs what reading the
+weights costs: int8 halves the bytes. PyTorch's CPU kernel ``torch._weight_int8pack_mm(x, q,
+scales)`` multiplies bfloat16 activations by the int8 weights directly. Measured on a 2-core
+AVX512-BF16 CPU (SmolLM2-135M, torch 2.13), it is the faster kernel up to ``INT8_MAX_ROWS``
+rows: a decode step of 4 requests takes ~24 ms instead of ~33 ms; at one request it only
+matches bfloat16 (~18 ms: this kernel reads int8 at ~14 GB/s, ATen's bfloat16 one at ~23 GB/s,
+see ``small_matmul.py``); from 5 rows on it is slower, and from 8 rows at least twice as slow
+(a step is compute-bound there). Larger batches therefore multiply by the dequantized weights
 ``q * scale`` kept in the model dtype: every batch size computes with the same int8 model, at
 the price of holding both forms (1.5x the weight memory). float32 models (and other devices)
 always take the dequantized form: the int8 kernel is slower than float32 matmuls there.

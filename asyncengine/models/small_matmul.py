@@ -1,12 +1,13 @@
 """Linears of very few rows on the CPU: bfloat16 ones skip oneDNN.
 
-PyTorch sends bfloat16 matmuls on the CPU to oneDNN when it is enabled. For one or two rows (a
-decode step of one or two requests) ATen's own kernel is much faster, because it streams the
-weights at close to memory bandwidth: measured on a 2-core AVX512-BF16 CPU with torch 2.13,
-the 120 decoder linears of SmolLM2-135M take ~15.5 ms at one row through oneDNN and ~8.5 ms
-through ATen (the 49152-row logits head ~3.5 ms vs ~2.0 ms); at four rows and more oneDNN
-wins. Both accumulate in float32 and round once, so the results agree with the correctly
-rounded product (they differ in rare ties only). float32 matmuls go to MKL either way.
+PyTorch sends bfloat16 matmuls on the CPU to oneDNN when it is enabled. For a few rows (a
+decode step of a few requests) ATen's own kernel is faster, because it streams the weights at
+close to memory bandwidth: measured on a 2-core AVX512-BF16 CPU with torch 2.13, the 120
+decoder linears of SmolLM2-135M take ~15.5 ms through oneDNN and ~8.5 ms through ATen at one
+row (the 49152-row logits head ~3.5 vs ~2.0 ms) and ~18 vs ~12 ms at two rows; at three rows
+a decode step takes as long either way, from four rows on oneDNN wins. Both kernels
+accumulate in float32 and round once, so they agree with the correctly rounded product (and
+differ in rare ties only). float32 matmuls go to MKL either way.
 """
 
 from __future__ import annotations

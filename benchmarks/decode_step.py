@@ -1,0 +1,71 @@
+"""Decode-step time, measured directly: scheduler -> runner.prepare -> runner.execute ->
+update, with no event loop or server around it (the embedded SmolLM2-135M unless --model).
+
+BATCH requests with 100-token prompts are prefilled, then decode steps are timed; the figure
+is the best and the median of --steps steps (a shared machine is noisy: take the best of
+several runs). Usage:
+
+    python benchmarks/decode_step.py [--batch 1] [--steps 30] [--quantization int8]
+        [--dtype bfloat16] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from asyncengine.config import EngineConfig
+    from asyncengine.request import Request
+    from asyncengine.sampling_params import SamplingParams
+    from asyncengine.worker import EngineWorker
+
+    options = {"model": args.model, "dtype": args.dtype}
+    if args.quantization != "none":
+        options["quantization"] = args.quantization
+    worker = EngineWorker(EngineConfig.from_dict(options))
+    scheduler = worker.make_scheduler()
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 16, ignore_eos=True)
+    for i in range(args.batch):
+        scheduler.add_request(Request(f"r{i}", [100 + i] * 100, params,
+                                      max_model_len=worker.max_model_len))
+
+    def step() -> None:
+        out = scheduler.schedule()
+        inputs = worker.runner.prepare(out)
+        scheduler.update_from_output(out, worker.runner.execute(inputs))
+
+    for _ in range(4):  # the prefill, then warm-up decodes
+        step()
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    print(f"model={worker.model_name} dtype={worker.dtype} quantization={args.quantization} "
+          f"batch={args.batch} threads={torch.get_num_threads()}: decode step best "
+          f"{min(times) * 1e3:.1f} ms, median {statistics.median(times) * 1e3:.1f} ms")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none")
+    parser.add_argument("--profile", action="store_true", help="add a profile of 5 steps")
+    raise SystemExit(main(parser.parse_args()))
