@@ -5,24 +5,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from asyncengine.config import EngineConfig
-from asyncengine.hookspecs import hookimpl
-from asyncengine.outputs import CompletionOutput, RequestOutput
-from asyncengine.sampling_params import SamplingParams, StructuredOutputsParams
+from asyncengine.core.sampling_params import SamplingParams, StructuredOutputsParams
+from asyncengine.engine.outputs import CompletionOutput, RequestOutput
+from asyncengine.ext.hookspecs import hookimpl
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from asyncengine.engine import AsyncEngine
-    from asyncengine.llm import LLM
+    from asyncengine.engine.engine import AsyncEngine
+    from asyncengine.engine.llm import LLM
 
 
 def __getattr__(name: str):  # heavy imports (torch) only when used
     if name == "AsyncEngine":
-        from asyncengine.engine import AsyncEngine
+        from asyncengine.engine.engine import AsyncEngine
 
         return AsyncEngine
     if name == "LLM":
-        from asyncengine.llm import LLM
+        from asyncengine.engine.llm import LLM
 
         return LLM
     raise AttributeError(name)

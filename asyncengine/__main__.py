@@ -1,3 +1,3 @@
-from asyncengine.cli import main
+from asyncengine.entrypoints.cli import main
 
 raise SystemExit(main())

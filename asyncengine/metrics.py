@@ -2,14 +2,14 @@
 
 Each ``EngineMetrics`` owns its ``CollectorRegistry``, so several engines (or tests) in one
 process never collide. The engine calls the ``on_*`` methods from its event loop; the server
-calls ``set_block_pool`` and ``render`` when ``/metrics`` is scraped.
+calls ``set_stats`` and ``render`` when ``/metrics`` is scraped.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from asyncengine.scheduling import SchedulerStats
+from asyncengine.core.sched.interface import SchedulerStats
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -105,10 +105,6 @@ class EngineMetrics:
         self.request_generation_tokens.observe(num_generation_tokens)
 
     # -- called by the server -------------------------------------------------------------------
-    def set_block_pool(self, num_free_blocks: int, num_total_blocks: int) -> None:
-        self.free_blocks.set(num_free_blocks)
-        self.total_blocks.set(num_total_blocks)
-
     def set_stats(self, stats: SchedulerStats) -> None:
         """Refresh the gauges from the scheduler (at scrape time, between steps)."""
         self._set_stats(stats)
@@ -122,6 +118,8 @@ class EngineMetrics:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.free_blocks.set(stats.num_free_blocks)
+        self.total_blocks.set(stats.num_total_blocks)
         # The scheduler's prefix-cache and preemption numbers are cumulative: add the growth.
         if stats.prefix_cache_queries > self._last_queries:
             self.prefix_queries.inc(stats.prefix_cache_queries - self._last_queries)

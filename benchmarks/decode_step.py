@@ -20,24 +20,24 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from asyncengine.config import EngineConfig
-    from asyncengine.request import Request
-    from asyncengine.sampling_params import SamplingParams
-    from asyncengine.worker import EngineWorker
+    from asyncengine.core.request import Request
+    from asyncengine.core.sampling_params import SamplingParams
+    from asyncengine.executor.build import build
 
     options = {"model": args.model, "dtype": args.dtype}
     if args.quantization != "none":
         options["quantization"] = args.quantization
-    worker = EngineWorker(EngineConfig.from_dict(options))
-    scheduler = worker.make_scheduler()
+    parts = build(EngineConfig.from_dict(options))
+    scheduler = parts.make_scheduler()
     params = SamplingParams(temperature=0, max_tokens=args.steps + 16, ignore_eos=True)
     for i in range(args.batch):
         scheduler.add_request(Request(f"r{i}", [100 + i] * 100, params,
-                                      max_model_len=worker.max_model_len))
+                                      max_model_len=parts.max_model_len))
 
     def step() -> None:
         out = scheduler.schedule()
-        inputs = worker.runner.prepare(out)
-        scheduler.update_from_output(out, worker.runner.execute(inputs))
+        inputs = parts.runner.prepare(out)
+        scheduler.update_from_output(out, parts.runner.execute(inputs))
 
     for _ in range(4):  # the prefill, then warm-up decodes
         step()
@@ -46,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    print(f"model={worker.model_name} dtype={worker.dtype} quantization={args.quantization} "
+    print(f"model={parts.model_name} dtype={parts.dtype} quantization={args.quantization} "
           f"batch={args.batch} threads={torch.get_num_threads()}: decode step best "
           f"{min(times) * 1e3:.1f} ms, median {statistics.median(times) * 1e3:.1f} ms")
     if args.profile:

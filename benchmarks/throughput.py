@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from asyncengine import bench_throughput
+from asyncengine.entrypoints.bench import throughput as bench_throughput
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from asyncengine.kernels import get_attention_backend
-from asyncengine.kernels.base import AttentionMetadata
-from asyncengine.kernels.torch_paged import TorchPagedBackend
+from asyncengine.executor.attention import get_attention_backend
+from asyncengine.executor.attention.base import AttentionMetadata
+from asyncengine.executor.attention.torch_paged import TorchPagedBackend
 
 BLOCK = 4
 

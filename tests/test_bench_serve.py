@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from asyncengine import bench_serve
+from asyncengine.entrypoints.bench import serve as bench_serve
 from tests.server_utils import KEY, ServerProcess, tiny_server
 
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from asyncengine.cli import build_parser
 from asyncengine.config import EngineConfig, parse_size
+from asyncengine.entrypoints.cli import build_parser
 
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:

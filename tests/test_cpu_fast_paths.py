@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncengine.models.rope import RotaryEmbedding, apply_rope
-from asyncengine.models.small_matmul import SMALL_ROWS, small_matmuls
+from asyncengine.executor.models.rope import RotaryEmbedding, apply_rope
+from asyncengine.executor.models.small_matmul import SMALL_ROWS, small_matmuls
 
 
 def test_small_matmuls_round_like_the_exact_product():

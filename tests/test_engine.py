@@ -3,7 +3,6 @@ prefix-cache hits and forced preemption; concurrency, aborts and leaks; loop res
 
 from __future__ import annotations
 
-import math
 import time
 
 import anyio
@@ -12,7 +11,7 @@ import torch
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.config import EngineConfig
-from asyncengine.engine import AsyncEngine
+from asyncengine.engine.engine import AsyncEngine
 from tests.utils import embedded_gguf_path, hf_reference_model
 
 PROMPTS = [
@@ -267,8 +266,15 @@ def test_loop_stays_responsive_during_long_prefills(engine):
 def test_offline_llm_chat(embedded_llm):
     out = embedded_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                             SamplingParams(temperature=0, max_tokens=24))
-    assert "Paris" in out[0].outputs[0].text
-    assert math.isfinite(len(out[0].outputs[0].token_ids))
+    answer = out[0].outputs[0]
+    assert "Paris" in answer.text
+    # The conversation went through the model's chat template, ending in the assistant's turn.
+    prompt = embedded_llm.tokenizer.decode(out[0].prompt_token_ids, skip_special_tokens=False)
+    assert "What is the capital of France?" in prompt
+    assert prompt.rstrip().endswith("assistant")
+    # The answer is the assistant's turn alone: it ended on its own or at the limit.
+    assert answer.finish_reason in ("stop", "length") and 0 < len(answer.token_ids) <= 24
+    assert "<|im_start|>" not in answer.text
 
 
 def test_a_failing_step_fails_requests_instead_of_hanging(tiny_llama, monkeypatch):
@@ -276,9 +282,9 @@ def test_a_failing_step_fails_requests_instead_of_hanging(tiny_llama, monkeypatc
     server's /health says 503."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from asyncengine.http.app import build_app
-    from asyncengine.http.state import ServerSettings
-    from asyncengine.streams import EngineDeadError
+    from asyncengine.engine.errors import EngineDeadError
+    from asyncengine.entrypoints.http.app import build_app
+    from asyncengine.entrypoints.http.state import ServerSettings
 
     engine = AsyncEngine(EngineConfig.from_dict({"model": tiny_llama, "dtype": "float32",
                                                  "num_gpu_blocks_override": 64}))
@@ -286,7 +292,7 @@ def test_a_failing_step_fails_requests_instead_of_hanging(tiny_llama, monkeypatc
     def broken(inputs):
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(engine.worker.runner, "execute", broken)
+    monkeypatch.setattr(engine.runner, "execute", broken)
 
     async def main():
         async with engine:

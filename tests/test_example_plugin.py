@@ -19,9 +19,9 @@ import pytest
 
 import asyncengine
 from asyncengine.config import EngineConfig
-from asyncengine.engine import AsyncEngine
-from asyncengine.registry import ALLOWLIST_ENV, new_plugin_manager
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.core.sampling_params import SamplingParams
+from asyncengine.engine.engine import AsyncEngine
+from asyncengine.ext.registry import ALLOWLIST_ENV, new_plugin_manager
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "shortest_prompt_first"
 SERVER = Path(asyncengine.__file__).parent / "http" / "server.py"
@@ -145,7 +145,7 @@ def test_installed_example_serves_requests(venv_with_example, tiny_llama, tmp_pa
 
     # Left out of the allowlist, the plugin is not loaded, and start-up would say so.
     result = subprocess.run(
-        [str(python), "-c", "from asyncengine.registry import resolve_scheduler; "
+        [str(python), "-c", "from asyncengine.ext.registry import resolve_scheduler; "
          "resolve_scheduler('spf')"],
         env={**os.environ, ALLOWLIST_ENV: ""}, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from asyncengine.block_pool import BlockPool, hash_block_tokens, update_block_hashes
-from asyncengine.kv_cache import KVCacheManager
-from asyncengine.request import Request
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.core.kv.block_pool import BlockPool
+from asyncengine.core.kv.hashing import hash_block_tokens, update_block_hashes
+from asyncengine.core.kv.manager import KVCacheManager
+from asyncengine.core.request import Request
+from asyncengine.core.sampling_params import SamplingParams
 
 BS = 4
 

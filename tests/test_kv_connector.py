@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from asyncengine import LLM, SamplingParams
-from asyncengine.block_pool import update_block_hashes
 from asyncengine.config import EngineConfig
-from asyncengine.kv_connector import KVCacheLayout
-from asyncengine.plugins.safetensors_connector import SafetensorsKVConnector
-from asyncengine.request import Request
-from asyncengine.schedulers.fcfs import FCFSScheduler
-from asyncengine.scheduling import SchedulerInterface
+from asyncengine.core.kv.hashing import update_block_hashes
+from asyncengine.core.request import Request
+from asyncengine.core.sched.fcfs import FCFSScheduler
+from asyncengine.core.sched.interface import SchedulerInterface
+from asyncengine.ext.kv_connector.contract import KVCacheLayout
+from asyncengine.ext.kv_connector.safetensors import SafetensorsKVConnector
 
 BS = 16
 MAX_TOKENS = 12
@@ -53,7 +53,7 @@ def generate(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[
 
 def count_computed_tokens(llm: LLM) -> list[int]:
     """Count the tokens the model is run on (every step's input ids)."""
-    runner = llm.engine.worker.runner
+    runner = llm.engine.runner
     prepare, counter = runner.prepare, [0]
 
     def counting(out, **kw):
@@ -95,7 +95,7 @@ def store(tiny_llama, baseline, tmp_path_factory) -> Path:
     # Every full block of computed tokens (prompt and output; the last sampled token is not
     # computed) is saved, one file each.
     expected = sum((len(p) + MAX_TOKENS - 1) // BS for p in PROMPTS)
-    assert a.engine.worker.kv_connector.num_saved_blocks == expected
+    assert a.engine.parts.kv_connector.num_saved_blocks == expected
     assert len(block_files(path)) == expected
     assert_free(a)
     return path
@@ -147,7 +147,7 @@ def test_damaged_block_is_recomputed_and_replaced(tiny_llama, baseline, store, t
     copy = tmp_path / "store"
     shutil.copytree(store, copy)
     d = LLM(tiny_llama, kv_connector="safetensors", kv_connector_path=str(copy), **ENGINE)
-    connector = d.engine.worker.kv_connector
+    connector = d.engine.parts.kv_connector
     req = Request("r", PROMPTS[0], GREEDY)
     damaged = connector.block_path(update_block_hashes(req, BS)[1])
     damaged.write_bytes(damaged.read_bytes()[:100])  # prompt 0's second block, truncated

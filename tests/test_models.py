@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncengine.kernels.base import AttentionMetadata
-from asyncengine.kernels.torch_paged import TorchPagedBackend
-from asyncengine.models import BUILTIN_MODELS, LlamaForCausalLM, load_model, pick_dtype
-from asyncengine.models.loader import CPU_AUTO_DTYPE, resolve_model
+from asyncengine.executor.attention.base import AttentionMetadata
+from asyncengine.executor.attention.torch_paged import TorchPagedBackend
+from asyncengine.executor.models import BUILTIN_MODELS, LlamaForCausalLM, load_model, pick_dtype
+from asyncengine.executor.models.loader import CPU_AUTO_DTYPE, resolve_model
 from tests.utils import (
     embedded_gguf_path,
     hf_reference_model,
@@ -113,7 +113,7 @@ def test_prefill_and_paged_decode_match_transformers(tiny, family):
 def test_llama3_rope_frequencies_from_both_config_styles(tiny):
     from types import SimpleNamespace
 
-    from asyncengine.models.rope import RotaryEmbedding
+    from asyncengine.executor.models.rope import RotaryEmbedding
 
     ref = hf_reference_model(tiny["llama"])
     want = ref.model.rotary_emb.inv_freq
@@ -257,7 +257,7 @@ def test_unreachable_hub_fails_fast_with_a_clear_message(tmp_path, monkeypatch, 
 
 
 def test_missing_weight_is_reported(tiny):
-    from asyncengine.models.loader import _iter_safetensors, safetensors_files
+    from asyncengine.executor.models.loader import _iter_safetensors, safetensors_files
 
     model = ours(tiny["llama"])
     weights = [(n, t) for n, t in _iter_safetensors(safetensors_files(tiny["llama"]))

@@ -15,17 +15,17 @@ from pathlib import Path
 import anyio
 import pytest
 
-from asyncengine import registry
 from asyncengine.config import EngineConfig
-from asyncengine.engine import AsyncEngine
-from asyncengine.hookspecs import hookimpl
-from asyncengine.registry import new_plugin_manager, resolve_scheduler
-from asyncengine.sampling_params import SamplingParams
-from asyncengine.scheduling import SchedulerInterface
+from asyncengine.core.sampling_params import SamplingParams
+from asyncengine.core.sched.interface import SchedulerInterface
+from asyncengine.engine.engine import AsyncEngine
+from asyncengine.ext import registry
+from asyncengine.ext.hookspecs import hookimpl
+from asyncengine.ext.registry import new_plugin_manager, resolve_scheduler
 
 SPF_PLUGIN = """
-    from asyncengine.hookspecs import hookimpl
-    from asyncengine.schedulers.fcfs import FCFSScheduler
+    from asyncengine.ext.hookspecs import hookimpl
+    from asyncengine.core.sched.fcfs import FCFSScheduler
 
     class SPFScheduler(FCFSScheduler):
         steps = 0
@@ -77,14 +77,14 @@ def site(tmp_path, monkeypatch):
 def test_builtins_are_registered_like_any_plugin():
     pm = new_plugin_manager(load_entrypoints=False)
     assert pm.get_plugin("builtins") is not None
-    from asyncengine.schedulers import BUILTIN_SCHEDULERS
+    from asyncengine.core.sched import BUILTIN_SCHEDULERS
 
     schedulers = registry.registered("schedulers", pm)
     assert {"fcfs", "priority"} <= set(schedulers)
     for name, cls in BUILTIN_SCHEDULERS.items():
         assert resolve_scheduler(name, pm) is cls
     assert "LlamaForCausalLM" in registry.registered("models", pm)
-    from asyncengine.plugins.xgrammar_backend import XGrammarBackend
+    from asyncengine.ext.structured_output.xgrammar import XGrammarBackend
 
     assert registry.resolve_structured_output_backend("xgrammar", pm) is XGrammarBackend
 
@@ -122,7 +122,7 @@ def test_allowlist_selects_third_party_plugins(site, monkeypatch):
 
 def test_broken_plugin_is_skipped_and_named_when_needed(site, caplog):
     site.install("spf", "raise ImportError('spf needs numpy>=9')")
-    with caplog.at_level(logging.WARNING, logger="asyncengine.registry"):
+    with caplog.at_level(logging.WARNING, logger="asyncengine.ext.registry"):
         pm = new_plugin_manager()
     assert "plugin 'spf' failed to load: ImportError: spf needs numpy>=9" in caplog.text
     assert resolve_scheduler("fcfs", pm)  # the rest of the system is unaffected
@@ -134,7 +134,7 @@ def test_broken_plugin_is_skipped_and_named_when_needed(site, caplog):
 
 def test_unknown_hook_name_refuses_the_plugin(site):
     site.install("typo", """
-        from asyncengine.hookspecs import hookimpl
+        from asyncengine.ext.hookspecs import hookimpl
 
         @hookimpl
         def register_scheduler(register):
@@ -253,9 +253,9 @@ def test_name_conflicts_and_failing_hooks_stay_contained(caplog):
     pm = new_plugin_manager(load_entrypoints=False)
     pm.register(Shadow(), name="shadow")
     pm.register(Failing(), name="failing")
-    with caplog.at_level(logging.WARNING, logger="asyncengine.registry"):
+    with caplog.at_level(logging.WARNING, logger="asyncengine.ext.registry"):
         schedulers = registry.registered("schedulers", pm)
-    from asyncengine.schedulers import BUILTIN_SCHEDULERS
+    from asyncengine.core.sched import BUILTIN_SCHEDULERS
 
     assert schedulers["fcfs"] is BUILTIN_SCHEDULERS["fcfs"]  # a plugin cannot replace it
     assert schedulers["duck"] is DuckTyped and "never" not in schedulers
@@ -337,3 +337,76 @@ def test_engine_refuses_an_incomplete_scheduler_at_start_up(tiny_llama):
     with pytest.raises(ValueError, match=f"{__name__}:Incomplete does not implement "
                        "SchedulerInterface.update_from_output"):
         AsyncEngine(config, plugin_manager=new_plugin_manager(load_entrypoints=False))
+
+
+class ComposedScheduler(SchedulerInterface):
+    """A third-party scheduler that wraps FCFS instead of subclassing it: it has no
+    ``kv_cache_manager`` attribute, only the contract."""
+
+    def __init__(self, config, num_blocks):
+        from asyncengine.core.sched.fcfs import FCFSScheduler
+
+        self._inner = FCFSScheduler(config, num_blocks)
+
+    def add_request(self, request):
+        self._inner.add_request(request)
+
+    def schedule(self):
+        return self._inner.schedule()
+
+    def update_from_output(self, scheduler_output, runner_output):
+        return self._inner.update_from_output(scheduler_output, runner_output)
+
+    def finish_requests(self, request_ids, status):
+        self._inner.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self):
+        return self._inner.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self):
+        return self._inner.get_num_unfinished_requests()
+
+    def reset_prefix_cache(self):
+        return self._inner.reset_prefix_cache()
+
+    def make_stats(self):
+        return self._inner.make_stats()
+
+    def shutdown(self):
+        self._inner.shutdown()
+
+
+def test_health_and_metrics_read_the_scheduler_contract_only(tiny_llama):
+    """/health and /metrics take the free-block count from SchedulerStats, so a scheduler with
+    no kv_cache_manager attribute serves them (and generates) like a built-in one."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from asyncengine.entrypoints.http.app import build_app
+    from asyncengine.entrypoints.http.state import ServerSettings
+    from asyncengine.metrics import EngineMetrics
+
+    config = EngineConfig.from_dict({"model": tiny_llama, **ENGINE,
+                                     "scheduler": f"{__name__}:ComposedScheduler"})
+    engine = AsyncEngine(config, plugin_manager=new_plugin_manager(load_entrypoints=False))
+    assert not hasattr(engine.scheduler, "kv_cache_manager")
+    metrics = EngineMetrics(engine.model_name)
+
+    async def main():
+        async with engine:
+            app = build_app(engine, metrics, ServerSettings())
+            async with TestClient(TestServer(app)) as c:
+                r = await c.post("/v1/completions", json={
+                    "model": engine.model_name, "prompt": "hello", "max_tokens": 4,
+                    "temperature": 0})
+                assert r.status == 200, await r.text()
+                health = await c.get("/health")
+                text = await (await c.get("/metrics")).text()
+                return health.status, await health.json(), text
+
+    status, health, text = anyio.run(main)
+    assert status == 200
+    assert health["num_total_blocks"] > 0
+    assert health["num_free_blocks"] == health["num_total_blocks"]
+    total = [line for line in text.splitlines()
+             if line.startswith("asyncengine:kv_cache_total_blocks{")]
+    assert total and float(total[0].rsplit(" ", 1)[1]) == health["num_total_blocks"]

@@ -7,7 +7,7 @@ import anyio
 
 from asyncengine import SamplingParams
 from asyncengine.config import EngineConfig
-from asyncengine.engine import AsyncEngine
+from asyncengine.engine.engine import AsyncEngine
 
 
 def test_urgent_requests_overtake_under_a_full_pool(tiny_llama):

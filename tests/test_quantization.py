@@ -8,18 +8,18 @@ import torch
 import torch.nn.functional as F
 
 from asyncengine.config import EngineConfig
-from asyncengine.llm import LLM
-from asyncengine.models import load_model
-from asyncengine.models.llama import Linear
-from asyncengine.models.loader import resolve_model
-from asyncengine.models.quantization import (
+from asyncengine.core.sampling_params import SamplingParams
+from asyncengine.engine.llm import LLM
+from asyncengine.executor.models import load_model
+from asyncengine.executor.models.llama import Linear
+from asyncengine.executor.models.loader import resolve_model
+from asyncengine.executor.models.quantization import (
     INT8_MAX_ROWS,
     Int8Linear,
     dequantize_int8,
     quantize_int8,
     quantize_model,
 )
-from asyncengine.sampling_params import SamplingParams
 from tests.test_models import PagedRunner
 
 
@@ -84,7 +84,7 @@ def test_int8_model_logits_stay_close(tiny_models, family):
 def test_engine_generates_with_int8(tiny_llama):
     llm = LLM(tiny_llama, dtype="bfloat16", quantization="int8", max_num_seqs=4,
               num_gpu_blocks_override=16, block_size=8, max_model_len=64)
-    assert isinstance(llm.engine.worker.model.lm_head, Int8Linear)
+    assert isinstance(llm.engine.runner.model.lm_head, Int8Linear)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     outs = llm.generate([[1, 2, 3, 4, 5], [6, 7, 8]], params)
     for out in outs:

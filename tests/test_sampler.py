@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncengine.sampler import (
+from asyncengine.core.sampling_params import SamplingParams
+from asyncengine.executor.sampler import (
     SamplingBatch,
-    _apply_top_k,
-    _apply_top_p,
+    apply_top_k,
+    apply_top_p,
     make_generator,
     process_logits,
     prompt_logprobs,
     sample,
 )
-from asyncengine.sampling_params import SamplingParams
 
 V = 64
 
@@ -115,9 +115,9 @@ def test_top_p_nucleus_on_large_vocabularies():
         batch = SamplingBatch.build([(params[r], [], [], None) for r in rows])
         x = logits[rows].clone()
         if batch.top_k is not None:
-            _apply_top_k(x, batch.top_k, batch.max_top_k)
+            apply_top_k(x, batch.top_k, batch.max_top_k)
         if batch.top_p is not None:
-            _apply_top_p(x, batch)
+            apply_top_p(x, batch)
         return x
 
     got = filtered([0, 1, 2, 3, 4])

@@ -9,10 +9,10 @@ import weakref
 import pytest
 
 from asyncengine.config import EngineConfig
-from asyncengine.request import Logprob, Request, RequestStatus
-from asyncengine.sampling_params import SamplingParams
-from asyncengine.schedulers import BUILTIN_SCHEDULERS, FCFSScheduler, PriorityScheduler
-from asyncengine.scheduling import ModelRunnerOutput, SchedulerOutput
+from asyncengine.core.request import Logprob, Request, RequestStatus
+from asyncengine.core.sampling_params import SamplingParams
+from asyncengine.core.sched import BUILTIN_SCHEDULERS, FCFSScheduler, PriorityScheduler
+from asyncengine.core.sched.interface import ModelRunnerOutput, SchedulerOutput
 
 
 def make_config(block_size: int = 4, max_num_seqs: int = 8, max_num_batched_tokens: int = 32,
@@ -322,19 +322,21 @@ def test_prompt_logprobs_skip_the_cache_and_survive_preemption() -> None:
                                           enumerate(range(2, 8), start=1)]
 
 
-def test_requests_waiting_for_a_grammar_are_passed_over() -> None:
-    sched = FCFSScheduler(make_config(), 32)
-    slow = make_request("slow", 4)
-    slow.status = RequestStatus.WAITING_FOR_GRAMMAR
-    sched.add_request(slow)
-    sched.add_request(make_request("b", 4))
+@pytest.mark.parametrize("cls", [FCFSScheduler, PriorityScheduler])
+def test_aborting_waiting_requests_keeps_the_queue_in_order(cls) -> None:
+    """Aborts of waiting requests are lazy deletions: the rest keep their order, the queue's
+    length is right at once, and the aborted ones never run."""
+    sched = cls(make_config(max_num_seqs=2), 64)
+    ids = [f"r{i}" for i in range(10)]
+    for i, rid in enumerate(ids):
+        sched.add_request(make_request(rid, 4, max_tokens=2, arrival=float(i)))
+    gone = ["r0", "r3", "r4", "r9"]
+    sched.finish_requests(gone, RequestStatus.FINISHED_ABORTED)
+    assert len(sched.waiting) == 6
+    assert [r.request_id for r in sched.waiting] == ["r1", "r2", "r5", "r6", "r7", "r8"]
     out = sched.schedule()
-    assert [s.request.request_id for s in out.scheduled] == ["b"]
-    assert sched.waiting.peek() is slow
-    slow.grammar = CountingGrammar(100)
-    out2 = sched.schedule()
-    assert [s.request.request_id for s in out2.scheduled] == ["slow"]
-    assert slow.status == RequestStatus.RUNNING
+    assert [s.request.request_id for s in out.scheduled] == ["r1", "r2"]
+    assert sched.get_num_unfinished_requests() == 6
 
 
 # -- priority ----------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import anyio
 import openai
 import pytest
 
-from asyncengine.sampling_params import SamplingParams, StructuredOutputsParams
+from asyncengine.core.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.server_utils import KEY, ServerProcess, sse_events, tiny_server
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away"]
@@ -27,7 +27,7 @@ def server(tiny_llama) -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
-    from asyncengine.llm import LLM
+    from asyncengine.engine.llm import LLM
 
     return LLM(tiny_llama, num_gpu_blocks_override=256)
 

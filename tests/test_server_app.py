@@ -6,14 +6,14 @@ import anyio
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from asyncengine.hookspecs import hookimpl
-from asyncengine.http.app import build_app
-from asyncengine.http.errors import error_middleware
-from asyncengine.http.state import ServerSettings
+from asyncengine.entrypoints.http.app import build_app
+from asyncengine.entrypoints.http.errors import error_middleware
+from asyncengine.entrypoints.http.state import ServerSettings
+from asyncengine.ext.hookspecs import hookimpl
 
 
 def test_plugin_routes_are_served_and_documented(monkeypatch):
-    from asyncengine import registry
+    from asyncengine.ext import registry
 
     seen = {}
 

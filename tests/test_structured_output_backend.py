@@ -17,14 +17,14 @@ import jsonschema
 import pytest
 import torch
 
-from asyncengine.plugins.xgrammar_backend import XGrammarBackend
-from asyncengine.sampling_params import StructuredOutputsParams
-from asyncengine.structured_output import (
+from asyncengine.core.sampling_params import StructuredOutputsParams
+from asyncengine.ext.structured_output import (
     Grammar,
     StructuredOutputBackend,
     StructuredOutputManager,
 )
-from asyncengine.tokenization import load_tokenizer
+from asyncengine.ext.structured_output.xgrammar import XGrammarBackend
+from asyncengine.text.tokenizer import load_tokenizer
 
 PAD = 64  # the model's vocabulary is padded past the tokenizer's
 

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from asyncengine import LLM, SamplingParams
-from asyncengine.sampling_params import StructuredOutputsParams as SO
+from asyncengine.core.sampling_params import StructuredOutputsParams as SO
 
 from .structured_output_schemas import SCHEMAS
 

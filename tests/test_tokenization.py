@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from asyncengine.tokenization import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from asyncengine.text.detokenizer import IncrementalDetokenizer
+from asyncengine.text.tokenizer import Tokenizer, load_tokenizer
 
 TEXTS = [
     "The capital of France is Paris. It is known for the Eiffel Tower.",
@@ -210,7 +211,7 @@ def test_stop_token_text_left_out(tok):
 def test_older_decode_stream_and_stream_errors(tok, monkeypatch):
     """Without DecodeStream's prefill argument (older tokenizers), and when a step fails, the
     text still comes out right."""
-    import asyncengine.detokenizer as detokenizer
+    import asyncengine.text.detokenizer as detokenizer
 
     real = detokenizer.DecodeStream
 

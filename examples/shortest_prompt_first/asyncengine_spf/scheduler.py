@@ -14,8 +14,8 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from asyncengine.request import Request
-from asyncengine.schedulers.fcfs import FCFSScheduler
+from asyncengine.core.request import Request
+from asyncengine.core.sched.fcfs import FCFSScheduler
 
 
 class ShortestFirstQueue:

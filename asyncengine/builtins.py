@@ -1,0 +1,41 @@
+"""The built-in components, registered through the same hooks as any third-party plugin.
+
+Declared in asyncengine's own pyproject.toml (entry point ``builtins`` in the group
+``asyncengine``) and always registered first by ``asyncengine.ext.registry``, whatever
+``ASYNCENGINE_PLUGINS`` says. Imports happen inside the hooks, so loading this module is cheap
+and a component whose module cannot be imported only fails the lookup of its own kind.
+"""
+
+from __future__ import annotations
+
+from asyncengine.ext.hookspecs import Register, hookimpl
+
+
+@hookimpl
+def register_schedulers(register: Register) -> None:
+    from asyncengine.core.sched import BUILTIN_SCHEDULERS
+
+    for name, cls in BUILTIN_SCHEDULERS.items():
+        register(name, cls)
+
+
+@hookimpl
+def register_structured_output_backends(register: Register) -> None:
+    from asyncengine.ext.structured_output.xgrammar import XGrammarBackend
+
+    register("xgrammar", XGrammarBackend)
+
+
+@hookimpl
+def register_models(register: Register) -> None:
+    from asyncengine.executor.models.registry import BUILTIN_MODELS
+
+    for architecture, cls in BUILTIN_MODELS.items():
+        register(architecture, cls)
+
+
+@hookimpl
+def register_kv_connectors(register: Register) -> None:
+    from asyncengine.ext.kv_connector.safetensors import SafetensorsKVConnector
+
+    register("safetensors", SafetensorsKVConnector)

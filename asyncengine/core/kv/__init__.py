@@ -1,0 +1,1 @@
+"""KV-cache block accounting: the block pool, chained block hashes, the per-request manager."""

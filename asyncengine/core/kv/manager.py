@@ -1,0 +1,152 @@
+"""KVCacheManager: the block tables of running requests, with prefix caching.
+
+Pure Python, no torch: the runner turns the block ids into slots of its KV tensors
+(``block_table[p // block_size] * block_size + p % block_size`` for position ``p``).
+
+Lifecycle of a request's blocks::
+
+    blocks, n = kv.get_computed_blocks(req)        # on admission: the cached prefix
+    kv.allocate_slots(req, num_new, blocks)        # False, and nothing changed, if it won't fit
+    ...                                            # later steps: allocate_slots(req, num_new)
+    kv.cache_full_blocks(req, num_computed)        # once a step has computed the tokens
+    kv.free(req)                                   # finished or preempted
+
+A block enters the prefix cache only after its tokens' K/V have been computed, so a hit never
+reads a block that a step still has to write.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from asyncengine.core.kv.block_pool import Block, BlockPool
+from asyncengine.core.kv.hashing import update_block_hashes
+
+if TYPE_CHECKING:
+    from asyncengine.core.request import Request
+
+
+class KVCacheManager:
+    """Allocates blocks to requests from a :class:`BlockPool` and serves prefix-cache hits."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._blocks: dict[str, list[Block]] = {}
+        self._block_ids: dict[str, list[int]] = {}
+        # How many leading blocks of each request are already in the prefix-cache index.
+        self._num_cached_blocks: dict[str, int] = {}
+        # Prefix-cache stats, in tokens, counted once per admission.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # -- sizes -----------------------------------------------------------------------------
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached ones included); equals the total when idle."""
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- allocation ------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """The longest cached prefix of full blocks and its length in tokens.
+
+        Never the whole sequence: the last token is always recomputed (its logits are needed).
+        Takes no reference: pass the blocks to :meth:`allocate_slots` right away.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        hashes = update_block_hashes(request, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[Block] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[Block] | None = None
+    ) -> bool:
+        """Make room for ``num_new_tokens`` tokens after ``request.num_computed_tokens`` (and
+        after ``new_computed_blocks``, the prefix hit of an admission). Returns False, with no
+        state changed, when there are not enough free blocks."""
+        computed = new_computed_blocks or []
+        rid = request.request_id
+        blocks = self._blocks.get(rid)
+        if blocks and computed:
+            raise ValueError("new_computed_blocks are only for a request's first allocation")
+        have = len(blocks) if blocks else 0
+        num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_new_blocks = self.num_blocks_for(num_tokens) - have - len(computed)
+        if num_new_blocks <= 0 and blocks is not None:
+            return True  # the common decode step: the last block has room
+        num_new_blocks = max(num_new_blocks, 0)
+        # Hit blocks nobody holds sit in the free list: taking them shrinks it too.
+        num_evictable = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new_blocks + num_evictable > self.pool.num_free_blocks:
+            return False
+
+        if blocks is None:
+            blocks = self._blocks[rid] = []
+            self._block_ids[rid] = []
+            self._num_cached_blocks[rid] = len(computed)
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += len(computed) * self.block_size
+        self.pool.touch(computed)  # before allocate(), which could evict them
+        new = computed + self.pool.allocate(num_new_blocks)
+        blocks.extend(new)
+        self._block_ids[rid].extend(b.block_id for b in new)
+        return True
+
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Index the request's full blocks among its first ``num_computed_tokens`` tokens, whose
+        K/V a step has computed."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        blocks = self._blocks.get(rid)
+        if not blocks:
+            return
+        start = self._num_cached_blocks[rid]
+        end = min(num_computed_tokens // self.block_size, len(blocks))
+        if end <= start:
+            return
+        hashes = update_block_hashes(request, self.block_size)
+        for i in range(start, end):
+            if blocks[i].block_hash is None:
+                self.pool.cache_block(blocks[i], hashes[i])
+        self._num_cached_blocks[rid] = end
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so its tail is evicted before its prefix."""
+        rid = request.request_id
+        blocks = self._blocks.pop(rid, None)
+        self._block_ids.pop(rid, None)
+        self._num_cached_blocks.pop(rid, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """A copy of the request's block table."""
+        return list(self._block_ids.get(request_id, ()))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block that no request uses. False if some cached blocks are
+        still in use (they stay cached)."""
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,320 @@
+"""AsyncEngine: the step loop and the only owner of engine state.
+
+Everything runs on one event loop. Callers (HTTP handlers, the offline ``LLM``) add requests
+and iterate their streams; one task, the step loop, drives the scheduler and the device::
+
+    while running:
+        await work_available                        # no spinning when idle
+        out = scheduler.schedule()                  # plain data: requests, token counts, blocks
+        step = device.launch(runner.execute(...))   # the forward pass leaves the loop
+        fill grammar bitmasks for this step         # overlapped with the forward pass
+        emit(previous step's outputs)               # detokenize, stop strings, wake streams
+        result = await step                         # other tasks run meanwhile
+        updated = scheduler.update_from_output(out, result)
+
+Emitting step N's outputs while step N+1 runs means a stop string found during emission ends
+its request one step late: the request is finished right away (blocks freed; the in-flight
+step only writes KV the next schedule cannot see yet) and the scheduler drops the extra token.
+
+With a KV connector (``--kv-connector``), a step first awaits the loads of the blocks its
+admissions found in the connector, and after it the new full blocks are copied and saved in
+the background (``asyncengine.ext.kv_connector.transfer``).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from asyncengine.config import EngineConfig
+from asyncengine.core.request import Request, RequestStatus
+from asyncengine.core.sampling_params import SamplingParams
+from asyncengine.core.sched.interface import SchedulerOutput, SchedulerStats
+from asyncengine.engine.errors import EngineDeadError, EngineShuttingDown, RequestFailed
+from asyncengine.engine.output_processor import Emitted, OutputProcessor
+from asyncengine.engine.outputs import RequestOutput
+from asyncengine.engine.streams import RequestStream
+from asyncengine.executor.build import build
+from asyncengine.ext.kv_connector.transfer import KVTransfer
+
+logger = logging.getLogger("asyncengine")
+
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineShuttingDown", "RequestFailed"]
+
+#: Seconds the engine waits, when it stops, for KV-connector saves still in flight.
+KV_SAVE_DRAIN_TIMEOUT = 30.0
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, *, plugin_manager: Any = None,
+                 metrics: Any = None) -> None:
+        self.config = config or EngineConfig()
+        self.parts = parts = build(self.config, plugin_manager)
+        self.tokenizer = parts.tokenizer
+        self.max_model_len = parts.max_model_len
+        self.model_name = parts.model_name
+        self.vocab_size = parts.vocab_size
+        self.runner = parts.runner
+        self.device = parts.device
+        self.scheduler = parts.make_scheduler()
+        self.kv_transfer = (KVTransfer(parts.kv_connector, parts.runner,
+                                       self.config.cache.block_size)
+                            if parts.kv_connector is not None else None)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.metrics = metrics
+        self._wake = anyio.Event()
+        self._accepting = False
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._dead: BaseException | None = None
+        self._structured = None  # StructuredOutputManager, made on first use
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def __aenter__(self) -> AsyncEngine:
+        self._wake = anyio.Event()  # events belong to the loop that runs the engine
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._accepting = True
+        self._tg.start_soon(self._step_loop, self._tg)
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        self._accepting = False
+        self._abort_all()
+        assert self._tg is not None
+        if self.kv_transfer is not None and exc_info[0] is None:
+            with anyio.CancelScope(shield=True):
+                await self.kv_transfer.wait_for_saves(KV_SAVE_DRAIN_TIMEOUT)
+        self._tg.cancel_scope.cancel()
+        try:
+            return await self._tg.__aexit__(*exc_info)
+        finally:
+            self._tg = None
+
+    async def drain(self, timeout: float) -> None:
+        """Stop accepting; let in-flight requests finish within ``timeout``; abort the rest."""
+        self._accepting = False
+        with anyio.move_on_after(timeout):
+            while self.outputs.streams and self._dead is None:
+                await anyio.sleep(0.02)
+        self._abort_all()
+
+    # -- requests -------------------------------------------------------------------------------
+    async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                          request_id: str | None = None, priority: int = 0) -> RequestStream:
+        """Validate and queue a request; return its output stream. Raises ValueError for
+        invalid input, EngineShuttingDown when draining, EngineDeadError after a failure."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self._dead}")
+        if not self._accepting:
+            raise EngineShuttingDown("the engine is not accepting requests")
+        params = params or SamplingParams()
+        params.validate()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.outputs.streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._check_length(token_ids, params)
+        grammars = [None] * params.n
+        if params.structured_outputs is not None:
+            manager = await self._structured_manager()
+            grammars = [await manager.compile(params.structured_outputs) for _ in grammars]
+        samples = []
+        for i in range(params.n):
+            sp = params
+            if params.n > 1:
+                sp = params.clone()
+                sp.n = 1
+                if params.seed is not None:
+                    sp.seed = params.seed + i
+            req = Request(
+                request_id=request_id if params.n == 1 else f"{request_id}:{i}",
+                prompt_token_ids=token_ids, sampling_params=sp,
+                eos_token_ids=self.tokenizer.eos_token_ids, max_model_len=self.max_model_len,
+                priority=priority, index=i,
+            )
+            req.grammar = grammars[i]
+            if sp.prompt_logprobs is not None:
+                req.prompt_logprobs = [None]
+            samples.append(self.outputs.make_sample(req, sp))
+        stream = RequestStream(request_id, text, token_ids, samples, self._abort_now)
+        if not self._accepting:  # drain began while the grammar compiled
+            raise EngineShuttingDown("the engine is not accepting requests")
+        added: list[str] = []
+        try:
+            for s in samples:
+                self.scheduler.add_request(s.request)  # may refuse: ValueError
+                added.append(s.request.request_id)
+        except Exception:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        self.outputs.add(stream)
+        self._wake.set()
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                       request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Leaving the loop early aborts the request."""
+        stream = await self.add_request(prompt, params, request_id=request_id, priority=priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
+        stream = self.outputs.streams.get(request_id)
+        if stream is None:
+            return
+        ids = self.outputs.unfinished_ids(request_id)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self._emit([s.request for s in stream.samples if s.finish_reason is None])
+
+    def _abort_all(self) -> None:
+        for rid in list(self.outputs.streams):
+            self._abort_now(rid)
+
+    @property
+    def metrics(self) -> Any:
+        """The ``EngineMetrics`` observed each step and at emission (None: not observed)."""
+        return self.outputs.metrics
+
+    @metrics.setter
+    def metrics(self, value: Any) -> None:
+        self.outputs.metrics = value
+
+    # -- introspection --------------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.stats().num_total_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free KV-cache blocks (cached-but-unused ones count as free), from the scheduler's
+        stats: part of the scheduler contract, so every scheduler reports it."""
+        return self.stats().num_free_blocks
+
+    @property
+    def error(self) -> BaseException | None:
+        """The failure that stopped the step loop, or None while the engine is healthy."""
+        return self._dead
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # -- the step loop --------------------------------------------------------------------------
+    async def _step_loop(self, tg: anyio.abc.TaskGroup) -> None:
+        pending: list[Request] = []
+        try:
+            while True:
+                if not self.scheduler.has_unfinished_requests():
+                    self._emit(pending)
+                    pending = []
+                    await self._wake.wait()
+                    self._wake = anyio.Event()
+                    continue
+                out = self.scheduler.schedule()
+                if out.is_empty:  # nothing runnable this step (e.g. all blocks in use)
+                    self._emit(pending)
+                    pending = []
+                    await anyio.sleep(0.001)
+                    continue
+                pending = await self._step(tg, out, pending)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as e:  # a bug or a device failure: fail every request, loudly
+            logger.exception("the engine's step loop failed")
+            self._dead = e
+            self._accepting = False
+            error = EngineDeadError(f"the engine stopped after an error: {e}")
+            error.__cause__ = e
+            self.outputs.fail_all(error)
+
+    async def _step(self, tg: anyio.abc.TaskGroup, out: SchedulerOutput,
+                    previous: list[Request]) -> list[Request]:
+        if self.kv_transfer is not None:  # before prepare(): a failed load widens the step
+            await self.kv_transfer.load(out)
+        grammars = [s.request.grammar for s in out.scheduled if s.samples]
+        constrained = any(g is not None for g in grammars)
+        inputs = self.runner.prepare(out, with_bitmask=constrained)
+        handle = await self.device.launch(tg, partial(self.runner.execute, inputs))
+        if inputs.bitmask is not None:  # overlapped with the forward pass
+            try:
+                manager = self._structured
+                inputs.bitmask.set(manager.fill_bitmask(grammars), manager.apply_bitmask)
+            finally:
+                inputs.bitmask.ready.set()
+        self._emit(previous)  # overlapped with the forward pass
+        result = await handle.wait()
+        updated = self.scheduler.update_from_output(out, result)
+        if self.kv_transfer is not None:  # copies the blocks before the next schedule()
+            self.kv_transfer.save(tg, out)
+        if self.metrics is not None:
+            prompt_tokens = sum(max(0, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
+                                    - s.start) for s in out.scheduled)
+            self.metrics.on_step(self.scheduler.make_stats(), prompt_tokens,
+                                 len(result.sampled_token_ids))
+        return updated
+
+    # -- outputs --------------------------------------------------------------------------------
+    def _emit(self, requests: list[Request]) -> None:
+        """Deliver the requests' new outputs; finish the ones emission ended."""
+        done: Emitted = self.outputs.emit(requests)
+        if done.stopped:
+            self.scheduler.finish_requests(done.stopped, RequestStatus.FINISHED_STOPPED)
+        if done.failed:
+            self.scheduler.finish_requests(done.failed, RequestStatus.FINISHED_ABORTED)
+
+    def _fail_request(self, request_id: str, error: RequestFailed) -> None:
+        """End one request (all its samples) with ``error``; the others go on."""
+        failed = self.outputs.fail_request(request_id, error)
+        self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            ids, text = list(prompt), None
+            vocab = self.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is out of vocabulary (0..{vocab - 1})")
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return text, ids
+
+    def _check_length(self, ids: list[int], params: SamplingParams) -> None:
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"has {len(ids)} tokens; shorten it to fewer than {limit} tokens.")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{params.max_tokens} in the completion). Reduce the prompt or max_tokens.")
+
+    async def _structured_manager(self):
+        if self._structured is None:
+            self._structured = await anyio.to_thread.run_sync(
+                self.parts.make_structured_output_manager)
+        return self._structured
+

@@ -1,0 +1,71 @@
+"""LLM: the offline API on top of the same AsyncEngine.
+
+    llm = LLM()                                   # the embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+
+from asyncengine.config import EngineConfig
+from asyncengine.core.sampling_params import SamplingParams
+from asyncengine.engine.engine import AsyncEngine
+from asyncengine.engine.outputs import RequestOutput
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Batch generation without a server. ``kwargs`` are config fields by flag name
+    (``max_num_seqs=8``, ``dtype="float32"``, ``num_gpu_blocks_override=64``, ...)."""
+
+    def __init__(self, model: str | None = None, *, plugin_manager: Any = None,
+                 **kwargs: Any) -> None:
+        config = EngineConfig.from_dict({"model": model, **kwargs})
+        self.engine = AsyncEngine(config, plugin_manager=plugin_manager)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run all prompts concurrently (continuous batching); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        prios = list(priority) if priority is not None else [0] * len(prompts)
+        return anyio.run(self._run, prompts, params, prios)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; the chat template applies."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True)
+                   for c in convs]
+        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(ids, sampling_params)
+
+    async def _run(self, prompts: list[Prompt], params: list[SamplingParams],
+                   prios: list[int]) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        async with self.engine:
+            streams = [await self.engine.add_request(p, sp, priority=pr)
+                       for p, sp, pr in zip(prompts, params, prios, strict=True)]
+
+            async def collect(i: int) -> None:
+                async for out in streams[i]:
+                    results[i] = out
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(streams)):
+                    tg.start_soon(collect, i)
+        return results  # type: ignore[return-value]

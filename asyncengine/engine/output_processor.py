@@ -1,0 +1,166 @@
+"""Emission: from the requests a step updated to the deltas their streams deliver.
+
+Runs on the event loop, during the next step's forward pass. For each updated request it
+detokenizes the new tokens (``tokenizers``' ``DecodeStream``: O(new tokens)), holds back text
+that may begin a stop string, records finish reasons, and wakes the stream once.
+
+Faults are per request: an exception while handling one request's output (its detokenizer, a
+stop check, its logprobs) fails that request's stream with ``RequestFailed`` and is reported to
+the engine, which finishes it in the scheduler; the rest of the batch goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncengine.core.request import Request, RequestStatus
+from asyncengine.core.sampling_params import SamplingParams
+from asyncengine.engine.errors import RequestFailed
+from asyncengine.engine.streams import RequestStream, SampleState
+from asyncengine.text.detokenizer import IncrementalDetokenizer
+from asyncengine.text.tokenizer import Tokenizer
+
+logger = logging.getLogger("asyncengine")
+
+
+@dataclass
+class Emitted:
+    """Requests emission ended, which the engine must finish in the scheduler."""
+
+    stopped: list[str] = field(default_factory=list)  # a stop string matched
+    failed: list[str] = field(default_factory=list)  # handling their output raised
+
+
+class OutputProcessor:
+    """The streams of the requests in flight, and emission into them."""
+
+    def __init__(self, tokenizer: Tokenizer, metrics: Any = None) -> None:
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.streams: dict[str, RequestStream] = {}
+        self._stream_of: dict[str, RequestStream] = {}  # sample's request id -> its stream
+
+    def make_sample(self, request: Request, params: SamplingParams) -> SampleState:
+        return SampleState(
+            request=request,
+            detokenizer=IncrementalDetokenizer.from_params(
+                self.tokenizer, request.prompt_token_ids, params),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+
+    def add(self, stream: RequestStream) -> None:
+        for s in stream.samples:
+            self._stream_of[s.request.request_id] = stream
+        self.streams[stream.request_id] = stream
+
+    def unfinished_ids(self, request_id: str) -> list[str]:
+        """The scheduler ids of the samples of ``request_id`` that have not finished."""
+        stream = self.streams.get(request_id)
+        if stream is None:
+            return []
+        return [s.request.request_id for s in stream.samples if s.finish_reason is None]
+
+    def emit(self, requests: list[Request]) -> Emitted:
+        """Detokenize new tokens, apply stop strings, wake the streams (on the loop)."""
+        result = Emitted()
+        if not requests:
+            return result
+        now = time.monotonic()
+        touched: dict[str, RequestStream] = {}
+        for req in requests:
+            stream = self._stream_of.get(req.request_id)
+            if stream is None:
+                continue
+            try:
+                self._emit_one(stream, req, now, result)
+            except Exception as e:  # this request's fault alone
+                logger.exception("request %s failed while emitting its output", req.request_id)
+                self._fail(stream, RequestFailed(f"processing the output failed: "
+                                                 f"{type(e).__name__}: {e}"), result)
+                continue
+            touched[stream.request_id] = stream
+        for stream in touched.values():
+            if stream.finished:
+                self._close(stream, now)
+            stream.notify()
+        return result
+
+    def _emit_one(self, stream: RequestStream, req: Request, now: float,
+                  result: Emitted) -> None:
+        sample = stream.samples[req.index]
+        if sample.finish_reason is not None:
+            return
+        new = req.output_token_ids[len(sample.token_ids):]
+        if new:
+            self._observe_tokens(sample, len(new), now)
+            sample.token_ids.extend(new)
+            if sample.logprobs is not None:
+                sample.logprobs.extend(req.logprobs[len(sample.logprobs):])
+            detok = sample.detokenizer
+            sample.text += detok.update(new, stop_terminated=_ended_by_stop_token(req))
+            if detok.finished:  # a stop string: it wins over any other reason
+                sample.finish_reason, sample.stop_reason = "stop", detok.stop_reason
+                if not req.is_finished:
+                    result.stopped.append(req.request_id)
+        if req.is_finished and sample.finish_reason is None:
+            sample.text += sample.detokenizer.flush()
+            sample.finish_reason = req.status.finish_reason
+            sample.stop_reason = req.stop_reason
+
+    def fail_request(self, request_id: str, error: RequestFailed) -> list[str]:
+        """End one request's stream with ``error``; returns the scheduler ids to finish."""
+        stream = self._stream_of.get(request_id) or self.streams.get(request_id)
+        if stream is None:
+            return []
+        result = Emitted()
+        self._fail(stream, error, result)
+        return result.failed
+
+    def _fail(self, stream: RequestStream, error: RequestFailed, result: Emitted) -> None:
+        result.failed += [s.request.request_id for s in stream.samples
+                          if not s.request.is_finished]
+        for s in stream.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "error"
+        stream.fail(error)
+        self._close(stream, time.monotonic())
+
+    def fail_all(self, error: BaseException) -> None:
+        """The engine died: every stream ends with ``error``."""
+        for stream in self.streams.values():
+            stream.fail(error)
+        self.streams.clear()
+        self._stream_of.clear()
+
+    def _close(self, stream: RequestStream, now: float) -> None:
+        stream.mark_finished_time()
+        self.streams.pop(stream.request_id, None)
+        for s in stream.samples:
+            r = s.request
+            self._stream_of.pop(r.request_id, None)
+            if self.metrics is not None:
+                self.metrics.on_request_finished(now - r.arrival_time, s.finish_reason,
+                                                 r.num_prompt_tokens, len(s.token_ids))
+
+    def _observe_tokens(self, sample: SampleState, count: int, now: float) -> None:
+        """TTFT and inter-token latencies, as the caller sees them (at emission)."""
+        if self.metrics is not None:
+            if sample.last_emit is None:
+                self.metrics.on_first_token(now - sample.request.arrival_time)
+            else:
+                itl = (now - sample.last_emit) / count
+                for _ in range(count):
+                    self.metrics.on_token(itl)
+        sample.last_emit = now
+
+
+def _ended_by_stop_token(req: Request) -> bool:
+    """Whether the request ended on an EOS or stop_token_ids token (whose text is left out)."""
+    if req.status != RequestStatus.FINISHED_STOPPED or not req.output_token_ids:
+        return False
+    last = req.output_token_ids[-1]
+    return last in req.sampling_params.stop_token_ids or (
+        last in req.eos_token_ids and not req.sampling_params.ignore_eos)

@@ -1,0 +1,53 @@
+"""What the engine hands back to callers: one RequestOutput per update of a request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncengine.core.request import PositionLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    """One of the n samples of a request.
+
+    ``text``/``token_ids``/``logprobs`` are cumulative; ``delta_text``/``delta_token_ids`` hold
+    what is new since the previous RequestOutput the caller received (``logprobs[-len(delta
+    _token_ids):]`` are the new logprobs).
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0

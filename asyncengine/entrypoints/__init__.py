@@ -1,0 +1,1 @@
+"""What users run: the CLI, the aiohttp OpenAI server, the benchmarks."""

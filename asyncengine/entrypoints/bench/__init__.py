@@ -1,0 +1,1 @@
+"""``asyncengine bench ...``: serving and offline throughput benchmarks."""

@@ -1,0 +1,130 @@
+"""The ``asyncengine`` command: serve | generate | bench {serve, throughput}."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from asyncengine.config import EngineConfig, add_engine_args
+
+
+def _plugin_cli_hook(parser: argparse.ArgumentParser, command: str) -> None:
+    try:
+        from asyncengine.ext.registry import get_plugin_manager
+    except ImportError:
+        return
+    get_plugin_manager().hook.add_cli_arguments(parser=parser, command=command)
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE.yaml",
+                        help="read options from a YAML file (flags on the command line win)")
+    add_engine_args(parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asyncengine",
+        description="An LLM inference and serving engine built around one event loop.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, "
+                    "/v1/chat/completions, /v1/models, /metrics, ...). With no MODEL, the "
+                    "embedded SmolLM2-135M-Instruct is served.")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="HF directory, hub id or .gguf file (default: embedded SmolLM2)")
+    from asyncengine.entrypoints.http.server import add_serve_arguments
+
+    add_serve_arguments(serve)
+    _add_engine_flags(serve)
+    _plugin_cli_hook(serve, "serve")
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout",
+                         description="Generate a reply to PROMPT (through the chat template "
+                                     "unless --raw) and stream it to stdout.")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--model", default=None, help="HF directory, hub id or .gguf file "
+                                                   "(default: embedded SmolLM2)")
+    gen.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    gen.add_argument("--raw", action="store_true",
+                     help="send the prompt as is, without the chat template")
+    gen.add_argument("--log-level", default="warning",
+                     choices=["debug", "info", "warning", "error"])
+    _add_engine_flags(gen)
+    _plugin_cli_hook(gen, "generate")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    bserve = bsub.add_parser("serve", help="load-test an OpenAI-compatible server",
+                             description="An OpenAI-compatible load generator against any "
+                                         "base URL; reports throughput, TTFT, TPOT, ITL.")
+    from asyncengine.entrypoints.bench import serve as bench_serve
+
+    bench_serve.add_arguments(bserve)
+    bthr = bsub.add_parser("throughput", help="offline throughput against transformers",
+                           description="Offline output tokens/s of asyncengine next to "
+                                       "transformers' generate on the same prompts.")
+    from asyncengine.entrypoints.bench import throughput as bench_throughput
+
+    bench_throughput.add_arguments(bthr)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "bench":
+            if args.bench_command == "serve":
+                from asyncengine.entrypoints.bench import serve as bench_serve
+
+                return bench_serve.main(args)
+            from asyncengine.entrypoints.bench import throughput as bench_throughput
+
+            return bench_throughput.main(args)
+        config = EngineConfig.from_cli(args)
+        if args.command == "serve":
+            from asyncengine.entrypoints.http.server import main as serve_main
+
+            return serve_main(args, config)
+        return _generate(args, config)
+    except ValueError as e:
+        parser.exit(2, f"asyncengine {args.command}: error: {e}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+def _generate(args: argparse.Namespace, config: EngineConfig) -> int:
+    import anyio
+
+    from asyncengine.core.sampling_params import SamplingParams
+    from asyncengine.engine.engine import AsyncEngine
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+    engine = AsyncEngine(config)
+    prompt: str | list[int] = args.prompt
+    if not args.raw:
+        text = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+
+    async def run() -> None:
+        async with engine:
+            async for out in engine.generate(prompt, params):
+                sys.stdout.write(out.outputs[0].delta_text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+
+    anyio.run(run)
+    return 0

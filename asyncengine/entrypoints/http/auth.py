@@ -1,0 +1,34 @@
+"""Bearer-token authentication (``--api-key`` or ``$ASYNCENGINE_API_KEY``)."""
+
+from __future__ import annotations
+
+import hmac
+
+from aiohttp import web
+
+from asyncengine.entrypoints.http.errors import APIError
+
+#: Routes that answer without a key: probes and scrapers carry no credentials.
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+
+
+def auth_middleware(api_key: str):
+    """A middleware that answers 401 unless ``Authorization: Bearer <api_key>`` is sent.
+
+    The comparison is constant-time (``hmac.compare_digest`` over bytes) so response timing
+    does not reveal how much of a guessed key was right.
+    """
+    expected = api_key.encode()
+
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        if request.path not in PUBLIC_PATHS:
+            header = request.headers.get("Authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                    token.strip().encode(), expected):
+                raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer "
+                                    "<key>'.", code="invalid_api_key")
+        return await handler(request)
+
+    return middleware

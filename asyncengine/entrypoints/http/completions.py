@@ -1,0 +1,159 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from asyncengine.engine.outputs import RequestOutput
+from asyncengine.entrypoints.http.errors import APIError, bad_request
+from asyncengine.entrypoints.http.logprobs import CompletionLogprobsBuilder
+from asyncengine.entrypoints.http.params import to_sampling_params
+from asyncengine.entrypoints.http.protocol import CompletionRequest
+from asyncengine.entrypoints.http.responses import (
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    Usage,
+)
+from asyncengine.entrypoints.http.serving import (
+    SHUTDOWN_ABORT,
+    check_model,
+    collect,
+    json_response,
+    open_streams,
+    random_id,
+    read_body,
+    run_sse,
+)
+from asyncengine.entrypoints.http.sse import SSEStream, event
+from asyncengine.entrypoints.http.state import ServerState, state_of
+
+
+def completion_prompts(prompt: str | list) -> list[str | list[int]]:
+    """OpenAI's four prompt forms, as a list of engine prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if prompt and all(isinstance(p, list) for p in prompt):
+        return [list(p) for p in prompt]
+    raise bad_request("prompt must be a string, a list of strings, a list of token ids or a "
+                      "list of token-id lists (not empty, not mixed)", "prompt")
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    state = state_of(request)
+    engine = state.engine
+    body = await read_body(request, CompletionRequest)
+    check_model(engine, body.model)
+    prompts = completion_prompts(body.prompt)
+    echo = bool(body.echo)
+    params = to_sampling_params(
+        body, max_tokens=16 if body.max_tokens is None else body.max_tokens,
+        logprobs=body.logprobs,
+        prompt_logprobs=body.logprobs if echo and body.logprobs is not None else None,
+        vocab_size=engine.tokenizer.vocab_size)
+    call = _Completion(state, body, random_id("cmpl"), params.n)
+    streams = await open_streams(engine, prompts, params, call.id, body.priority or 0)
+    if body.stream:
+        return await run_sse(request, streams, call.on_output, call.on_end)
+    return json_response(call.response(await collect(streams)))
+
+
+class _Completion:
+    """One completions call: builds the response, or the chunks of its stream."""
+
+    def __init__(self, state: ServerState, body: CompletionRequest, id: str, n: int) -> None:
+        self.state = state
+        self.id = id
+        self.n = n
+        self.created = int(time.time())
+        self.model = state.engine.model_name
+        self.echo = bool(body.echo)
+        self.want_logprobs = body.logprobs is not None
+        opts = body.stream_options
+        self.include_usage = bool(opts and opts.include_usage)
+        self.continuous_usage = bool(opts and opts.continuous_usage_stats)
+        # Streaming state, per choice index.
+        self.builders: dict[int, CompletionLogprobsBuilder] = {}
+        self.started: set[int] = set()
+        self.finished: set[int] = set()
+        self.prompt_tokens: dict[int, int] = {}
+        self.completion_tokens: dict[int, int] = {}
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.state.engine.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+    def _usage(self) -> Usage:
+        p = sum(self.prompt_tokens.values())
+        c = sum(self.completion_tokens.values())
+        return Usage(p, c, p + c)
+
+    # -- non-streaming ----------------------------------------------------------------------
+    def response(self, finals: list[RequestOutput]) -> Completion:
+        choices = []
+        for i, out in enumerate(finals):
+            self.prompt_tokens[i] = len(out.prompt_token_ids)
+            prefix = self._prompt_text(out) if self.echo else ""
+            for c in out.outputs:
+                if c.finish_reason == "abort":
+                    raise APIError(503, SHUTDOWN_ABORT)
+                idx = i * self.n + c.index
+                self.completion_tokens[idx] = len(c.token_ids)
+                logprobs = None
+                if self.want_logprobs:
+                    builder = CompletionLogprobsBuilder(self.state.token_texts)
+                    logprobs = CompletionLogprobs([], [], [], [])
+                    if self.echo:
+                        builder.build(out.prompt_token_ids, out.prompt_logprobs, logprobs)
+                    builder.build(c.token_ids, c.logprobs, logprobs)
+                choices.append(CompletionChoice(idx, prefix + c.text, logprobs,
+                                                c.finish_reason, c.stop_reason))
+        return Completion(self.id, self.created, self.model, choices, usage=self._usage())
+
+    # -- streaming ----------------------------------------------------------------------------
+    async def on_output(self, sse: SSEStream, i: int, out: RequestOutput) -> None:
+        self.prompt_tokens[i] = len(out.prompt_token_ids)
+        data = b""
+        for c in out.outputs:
+            idx = i * self.n + c.index
+            if idx in self.finished:
+                continue
+            if c.finish_reason == "abort":
+                raise APIError(503, SHUTDOWN_ABORT)
+            text = c.delta_text
+            logprobs = None
+            if idx not in self.started:
+                self.started.add(idx)
+                if self.echo:
+                    text = self._prompt_text(out) + text
+                if self.want_logprobs:
+                    self.builders[idx] = CompletionLogprobsBuilder(self.state.token_texts)
+                    if self.echo:
+                        logprobs = self.builders[idx].build(out.prompt_token_ids,
+                                                            out.prompt_logprobs)
+            new = c.delta_token_ids
+            if self.want_logprobs and new:
+                positions = c.logprobs[-len(new):] if c.logprobs else None
+                logprobs = self.builders[idx].build(new, positions, logprobs)
+            self.completion_tokens[idx] = len(c.token_ids)
+            if c.finish_reason is not None:
+                self.finished.add(idx)
+            elif not text and logprobs is None:
+                continue
+            choice = CompletionChoice(idx, text, logprobs, c.finish_reason, c.stop_reason)
+            usage = self._usage() if self.continuous_usage else None
+            data += event(Completion(self.id, self.created, self.model, [choice], usage=usage))
+        if data:
+            await sse.write(data)
+
+    async def on_end(self, sse: SSEStream) -> None:
+        if self.include_usage:
+            await sse.send(Completion(self.id, self.created, self.model, [],
+                                      usage=self._usage()))

@@ -1,0 +1,106 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Handlers raise ``APIError``; the error middleware turns it (and aiohttp's own HTTP errors:
+unknown route, wrong method, oversized body) into a JSON response. Anything else is logged
+with its traceback and answered with a bare 500: the client never sees a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import msgspec
+from aiohttp import web
+
+from asyncengine.entrypoints.http.responses import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger("asyncengine.entrypoints.http")
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+          404: "invalid_request_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | int | None = None, type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(ErrorInfo(self.message, self.type, self.param, self.code))
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, body=msgspec.json.encode(self.body()),
+                            content_type="application/json")
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+_AT = re.compile(r"at `\$\.?([^`]*)`")
+_UNKNOWN = re.compile(r"unknown field `([^`]+)`")
+
+
+def from_decode_error(error: msgspec.DecodeError) -> APIError:
+    """A 400 for a body msgspec rejected: malformed JSON, a wrong type, an unknown field."""
+    text = str(error)
+    if not isinstance(error, msgspec.ValidationError):
+        return bad_request(f"The request body is not valid JSON: {text}")
+    at = _AT.search(text)
+    path = at.group(1) if at else ""
+    unknown = _UNKNOWN.search(text)
+    if unknown:
+        name = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        return bad_request(f"Unsupported parameter: '{name}' is not supported by this server.",
+                           param=name)
+    return bad_request(f"Invalid request: {text}", param=path or None)
+
+
+_PARAM_WORD = re.compile(r"^([a-z_]+)\b")
+
+
+def from_value_error(error: ValueError, known: set[str] | frozenset[str] = frozenset()) -> APIError:
+    """A 400 for a ValueError from validation (SamplingParams, the engine's add_request);
+    ``param`` is set when the message starts with the name of a known parameter."""
+    message = str(error)
+    word = _PARAM_WORD.match(message)
+    param = word.group(1) if word and word.group(1) in known else None
+    return bad_request(message, param=param)
+
+
+def from_http_exception(request: web.Request, exc: web.HTTPException) -> APIError:
+    """aiohttp's own errors (routing, body size) in OpenAI's shape."""
+    status = exc.status
+    if status == 404:
+        message = f"Not found: {request.method} {request.path}"
+    elif status == 405:
+        allowed = exc.headers.get("Allow", "")
+        message = f"Method {request.method} is not allowed for {request.path} (allowed: " \
+                  f"{allowed})"
+    elif status == 413:
+        message = f"The request body is too large: {exc.text}"
+    else:
+        message = exc.text or exc.reason
+    return APIError(status, message)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return from_http_exception(request, e).response()
+    except Exception:
+        logger.exception("unexpected error handling %s %s", request.method, request.path)
+        return APIError(500, "Internal server error (see the server log).").response()

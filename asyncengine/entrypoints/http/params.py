@@ -1,0 +1,95 @@
+"""From a request body to ``SamplingParams``: OpenAI's and vLLM's defaults, validation as 400s."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from asyncengine.core.sampling_params import SamplingParams, StructuredOutputsParams
+from asyncengine.entrypoints.http.errors import bad_request, from_value_error
+from asyncengine.entrypoints.http.protocol import (
+    GenerationBody,
+    ResponseFormatJsonObject,
+    ResponseFormatJsonSchema,
+)
+
+KNOWN_PARAMS = frozenset(f.name for f in fields(SamplingParams)) | {
+    "max_completion_tokens", "top_logprobs", "prompt", "messages", "response_format"}
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def to_sampling_params(body: GenerationBody, *, max_tokens: int | None, logprobs: int | None,
+                       prompt_logprobs: int | None, vocab_size: int) -> SamplingParams:
+    """Raise ``APIError`` (400) for an invalid value, naming the parameter."""
+    stop = body.stop
+    try:
+        return SamplingParams(
+            n=_or(body.n, 1),
+            temperature=_or(body.temperature, 1.0),
+            top_p=_or(body.top_p, 1.0),
+            top_k=_or(body.top_k, 0),
+            min_p=_or(body.min_p, 0.0),
+            presence_penalty=_or(body.presence_penalty, 0.0),
+            frequency_penalty=_or(body.frequency_penalty, 0.0),
+            repetition_penalty=_or(body.repetition_penalty, 1.0),
+            seed=body.seed,
+            max_tokens=max_tokens,
+            min_tokens=_or(body.min_tokens, 0),
+            stop=[stop] if isinstance(stop, str) else list(stop or []),
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=bool(body.ignore_eos),
+            include_stop_str_in_output=bool(body.include_stop_str_in_output),
+            skip_special_tokens=_or(body.skip_special_tokens, True),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=_logit_bias(body.logit_bias, vocab_size),
+            structured_outputs=_structured_outputs(body),
+        )
+    except ValueError as e:
+        raise from_value_error(e, KNOWN_PARAMS) from None
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
+                              "logit_bias") from None
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(f"logit_bias: token id {token_id} is out of vocabulary "
+                              f"(0..{vocab_size - 1})", "logit_bias")
+        if not -100 <= value <= 100:
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {value}",
+                              "logit_bias")
+        out[token_id] = value
+    return out
+
+
+def _structured_outputs(body: GenerationBody) -> StructuredOutputsParams | None:
+    fmt = body.response_format
+    spec = None
+    if isinstance(fmt, ResponseFormatJsonObject):
+        spec = StructuredOutputsParams(json_object=True)
+    elif isinstance(fmt, ResponseFormatJsonSchema):
+        if fmt.json_schema.schema_ is None:
+            raise bad_request("response_format.json_schema.schema is required",
+                              "response_format")
+        spec = StructuredOutputsParams(json=fmt.json_schema.schema_)
+    so = body.structured_outputs
+    if so is None:
+        return spec
+    if spec is not None:
+        raise bad_request("give either response_format or structured_outputs, not both",
+                          "structured_outputs")
+    try:
+        return StructuredOutputsParams(json=so.json, json_object=bool(so.json_object),
+                                       regex=so.regex, choice=so.choice, grammar=so.grammar)
+    except ValueError as e:
+        raise bad_request(str(e), "structured_outputs") from None

@@ -1,0 +1,99 @@
+"""The small routes: models, health, metrics, version, tokenize, detokenize."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from asyncengine.entrypoints.http.chat import render_chat
+from asyncengine.entrypoints.http.errors import APIError, bad_request
+from asyncengine.entrypoints.http.protocol import DetokenizeRequest, TokenizeRequest
+from asyncengine.entrypoints.http.responses import (
+    DetokenizeResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+)
+from asyncengine.entrypoints.http.serving import check_model, json_response, read_body
+from asyncengine.entrypoints.http.state import ServerState, state_of
+
+
+def _model_card(state: ServerState) -> ModelCard:
+    engine = state.engine
+    return ModelCard(id=engine.model_name, created=state.created, owned_by="asyncengine",
+                     max_model_len=engine.max_model_len, root=engine.config.model.model)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return json_response(ModelList([_model_card(state_of(request))]))
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    state = state_of(request)
+    name = request.match_info["model"]
+    if name != state.engine.model_name:
+        raise APIError(404, f"The model `{name}` does not exist.", param="model",
+                       code="model_not_found")
+    return json_response(_model_card(state))
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = state_of(request).engine
+    if engine.error is not None:
+        raise APIError(503, f"The engine stopped after an error: {engine.error}")
+    stats = engine.stats()
+    return json_response(HealthResponse("ok", stats.num_running, stats.num_waiting,
+                                        stats.num_free_blocks, stats.num_total_blocks))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = state_of(request)
+    if state.metrics is None:
+        raise APIError(404, "Metrics are disabled.")
+    state.metrics.set_stats(state.engine.stats())
+    return web.Response(body=state.metrics.render(),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def package_version() -> str:
+    try:
+        return version("asyncengine")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+async def get_version(request: web.Request) -> web.Response:
+    return json_response(VersionResponse(package_version()))
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    engine = state_of(request).engine
+    body = await read_body(request, TokenizeRequest)
+    check_model(engine, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt")
+    if body.messages is not None:
+        text = render_chat(engine, body.messages, body.add_generation_prompt is not False)
+        ids = engine.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    else:
+        ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens
+                                      is not False)
+    strs = None
+    if body.return_token_strs:
+        strs = engine.tokenizer.hf.convert_ids_to_tokens(ids)
+    return json_response(TokenizeResponse(len(ids), engine.max_model_len, ids, strs))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    engine = state_of(request).engine
+    body = await read_body(request, DetokenizeRequest)
+    check_model(engine, body.model)
+    vocab = engine.tokenizer.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is out of vocabulary (0..{vocab - 1})", "tokens")
+    return json_response(DetokenizeResponse(engine.tokenizer.decode(body.tokens)))

@@ -1,0 +1,180 @@
+"""What both generation endpoints do: read the body, check the model, start the engine
+requests, and consume their streams until they finish or the client goes away.
+
+Invariant: every engine request a handler starts is closed by ``consume`` (or by
+``open_streams`` when a later one fails) however the handler ends — normally, by an error,
+by a failed write to a client that left, or by cancellation (aiohttp cancels the handler of
+a disconnected client). Closing an unfinished stream aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+import msgspec
+from aiohttp import web
+
+from asyncengine.core.sampling_params import SamplingParams
+from asyncengine.engine.engine import AsyncEngine, EngineDeadError, EngineShuttingDown
+from asyncengine.engine.outputs import RequestOutput
+from asyncengine.engine.streams import RequestStream
+from asyncengine.entrypoints.http.errors import APIError, from_decode_error, from_value_error
+from asyncengine.entrypoints.http.params import KNOWN_PARAMS
+from asyncengine.entrypoints.http.protocol import Body
+from asyncengine.entrypoints.http.sse import ClientGone, SSEStream, encode_json
+
+B = TypeVar("B", bound=Body)
+
+logger = logging.getLogger("asyncengine.entrypoints.http")
+
+SHUTDOWN_ABORT = "The request was aborted: the server is shutting down."
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def json_response(obj: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=encode_json(obj), content_type="application/json")
+
+
+async def read_body(request: web.Request, type_: type[B]) -> B:
+    """Decode and validate a JSON body (413 past --max-request-body, 400 when invalid)."""
+    data = await request.read()
+    try:
+        return msgspec.json.decode(data, type=type_)
+    except msgspec.DecodeError as e:
+        raise from_decode_error(e) from None
+
+
+def check_model(engine: AsyncEngine, name: str | None) -> None:
+    if name is not None and name != engine.model_name:
+        raise APIError(404, f"The model `{name}` does not exist (this server serves "
+                            f"`{engine.model_name}`).", param="model", code="model_not_found")
+
+
+def to_api_error(error: Exception) -> APIError:
+    """An engine error (from ``add_request`` or while streaming) in OpenAI's shape."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, EngineShuttingDown):
+        return APIError(503, "The server is shutting down.")
+    if isinstance(error, EngineDeadError):
+        return APIError(500, f"The engine failed: {error}")
+    if isinstance(error, ValueError):
+        return from_value_error(error, KNOWN_PARAMS)
+    return APIError(500, "Internal server error (see the server log).")
+
+
+async def open_streams(engine: AsyncEngine, prompts: list[str | list[int]],
+                       params: SamplingParams, base_id: str,
+                       priority: int) -> list[RequestStream]:
+    """One engine request per prompt; all or none (a failure closes those already opened)."""
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            streams.append(await engine.add_request(
+                prompt, params if i == 0 else params.clone(), request_id=request_id,
+                priority=priority))
+    except (ValueError, EngineShuttingDown, EngineDeadError) as e:
+        for s in streams:
+            s.close()
+        raise to_api_error(e) from None
+    except BaseException:
+        for s in streams:
+            s.close()
+        raise
+    return streams
+
+
+Handler = Callable[[int, RequestOutput], Awaitable[None]]
+
+
+async def consume(streams: list[RequestStream], handle: Handler) -> None:
+    """Call ``handle(prompt_index, output)`` for every output of every stream, from this task
+    (so a handler may write to the client without locking); close every stream at the end."""
+    try:
+        if len(streams) == 1:
+            async for out in streams[0]:
+                await handle(0, out)
+            return
+        await _consume_many(streams, handle)
+    finally:
+        for s in streams:
+            s.close()
+
+
+async def _consume_many(streams: list[RequestStream], handle: Handler) -> None:
+    send, receive = anyio.create_memory_object_stream[tuple[int, object]](math.inf)
+
+    async def pump(i: int, stream: RequestStream, send) -> None:
+        async with send:
+            try:
+                async for out in stream:
+                    await send.send((i, out))
+            except Exception as e:  # forwarded: the consumer raises it
+                await send.send((i, e))
+
+    error: BaseException | None = None
+    async with anyio.create_task_group() as tg:
+        for i, stream in enumerate(streams):
+            tg.start_soon(pump, i, stream, send.clone())
+        send.close()
+        async with receive:
+            try:
+                async for i, item in receive:
+                    if isinstance(item, Exception):
+                        raise item
+                    await handle(i, item)
+            except Exception as e:
+                error = e
+                tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+
+
+async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The final output of each stream (non-streaming responses)."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+
+    async def keep(i: int, out: RequestOutput) -> None:
+        finals[i] = out
+
+    try:
+        await consume(streams, keep)
+    except EngineDeadError as e:
+        raise to_api_error(e) from None
+    return finals  # type: ignore[return-value]
+
+
+async def run_sse(request: web.Request, streams: list[RequestStream],
+                  on_output: Callable[[SSEStream, int, RequestOutput], Awaitable[None]],
+                  on_end: Callable[[SSEStream], Awaitable[None]]) -> web.StreamResponse:
+    """Stream the outputs of ``streams`` as server-sent events. A client that leaves ends it
+    quietly (its requests are aborted by ``consume``); an error becomes an error event."""
+    try:
+        sse = await SSEStream.open(request)
+    except BaseException:
+        for s in streams:
+            s.close()
+        raise
+    try:
+        await consume(streams, lambda i, out: on_output(sse, i, out))
+        await on_end(sse)
+        await sse.done()
+    except ClientGone:
+        logger.debug("client left %s before the end of its stream", request.path)
+    except Exception as e:
+        if not isinstance(e, APIError | EngineDeadError):
+            logger.exception("unexpected error while streaming %s", request.path)
+        try:
+            await sse.error(to_api_error(e))
+        except ClientGone:
+            pass
+    return sse.response

@@ -1,0 +1,190 @@
+"""Start-up: build what the engine runs on, once.
+
+:func:`build` resolves the components named in the configuration (scheduler,
+structured-output backend, KV connector, model architecture) through the plugin registry,
+loads the weights and the tokenizer, sizes and allocates the KV cache, and makes the device and
+the model runner. The engine receives the result, :class:`EngineParts`, and owns it from then
+on; nothing here runs per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from asyncengine.config import EngineConfig, parse_size
+from asyncengine.core.sched.interface import SchedulerInterface
+from asyncengine.executor.attention import get_attention_backend
+from asyncengine.executor.device import Device, make_device
+from asyncengine.executor.models.loader import load_model, pick_dtype, resolve_model
+from asyncengine.executor.models.registry import architecture_of
+from asyncengine.executor.runner import ModelRunner
+from asyncengine.ext import registry
+from asyncengine.ext.kv_connector.contract import KVCacheLayout, KVConnector, model_identity
+from asyncengine.ext.structured_output.manager import StructuredOutputManager
+from asyncengine.text.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger("asyncengine")
+
+CPU_KV_CACHE_DEFAULT = 1 << 30  # 1 GiB: ~45k tokens of the embedded model in bfloat16
+
+T = TypeVar("T")
+
+
+@dataclass
+class EngineParts:
+    """What :func:`build` makes: the model behind its runner and device, the tokenizer, the
+    sizes, and the component classes chosen by name."""
+
+    config: EngineConfig
+    model_name: str
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    dtype: torch.dtype
+    device: Device
+    runner: ModelRunner
+    scheduler_cls: type
+    structured_output_backend_cls: type
+    kv_connector: KVConnector | None
+
+    def make_scheduler(self) -> SchedulerInterface:
+        config = self.config.replace(max_model_len=self.max_model_len)
+        scheduler = self.scheduler_cls(config, self.num_blocks)
+        if self.kv_connector is not None:
+            scheduler.set_kv_connector(self.kv_connector)
+        return scheduler
+
+    def make_structured_output_manager(self) -> StructuredOutputManager:
+        backend = self.structured_output_backend_cls(self.tokenizer, self.vocab_size)
+        return StructuredOutputManager(backend)
+
+
+def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:
+    """Everything the engine needs, from its configuration (slow: loads the weights)."""
+    # Components named in the config are resolved (and contract-checked) before the slow
+    # part, so a typo in --scheduler fails at once.
+    scheduler_cls = registry.resolve_scheduler(config.scheduler.scheduler, plugin_manager)
+    so_backend_cls = registry.resolve_structured_output_backend(
+        config.plugins.structured_output_backend, plugin_manager)
+    kv_connector_cls = _resolve_kv_connector(config, scheduler_cls, plugin_manager)
+    mc = config.model
+    torch.manual_seed(mc.seed)  # unseeded sampling draws from the global generator
+    device = make_device(config.device.device, config.device.num_threads)
+    source = resolve_model(mc.model, config.load.load_format, mc.revision,
+                           config.load.download_dir)
+    dtype = pick_dtype(mc.dtype, device.type)
+    arch = architecture_of(source.hf_config)
+    model_cls = registry.resolve_model(arch, plugin_manager)
+    model = _off_the_loop_thread(device, lambda: load_model(
+        source, config.load.load_format, dtype, device.torch_device, seed=mc.seed,
+        model_cls=model_cls, quantization=mc.quantization))
+    model.eval()
+    tokenizer = load_tokenizer(
+        mc.tokenizer or source.path, gguf_file=None if mc.tokenizer else source.gguf_file,
+        revision=mc.revision, chat_template=mc.chat_template)
+    model_name = mc.served_model_name or source.name
+    max_model_len = _max_model_len(config, source.hf_config, model)
+    attn_backend = get_attention_backend(config.device.attention_backend, device.type)
+    num_blocks = _num_blocks(config, model, attn_backend, dtype, device, max_model_len)
+    kv_caches = _off_the_loop_thread(device, lambda: attn_backend.allocate_kv_cache(
+        model.num_layers, num_blocks, config.cache.block_size, model.num_kv_heads,
+        model.head_dim, dtype, device.torch_device))
+    runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size,
+                         device.torch_device, tokenizer.eos_token_ids)
+    kv_connector = None
+    if kv_connector_cls is not None:
+        layout = KVCacheLayout(
+            model_identity(config, source.path, source.gguf_file), model.num_layers,
+            config.cache.block_size, model.num_kv_heads, model.head_dim, dtype)
+        kv_connector = kv_connector_cls(config, layout)
+    quant = "" if mc.quantization == "none" else f", {mc.quantization} weights"
+    logger.info("loaded %s (%s, %s%s) on %s: %d KV blocks of %d tokens, max_model_len %d",
+                model_name, arch, dtype, quant, device.type, num_blocks,
+                config.cache.block_size, max_model_len)
+    return EngineParts(
+        config=config, model_name=model_name, tokenizer=tokenizer,
+        vocab_size=model.vocab_size, max_model_len=max_model_len, num_blocks=num_blocks,
+        dtype=dtype, device=device, runner=runner, scheduler_cls=scheduler_cls,
+        structured_output_backend_cls=so_backend_cls, kv_connector=kv_connector)
+
+
+def _off_the_loop_thread(device: Device, fn: Callable[[], T]) -> T:
+    """``fn()`` in a thread that ends when it returns, on the CPU.
+
+    OpenMP gives every thread that runs a parallel region its own team of threads, kept
+    until that thread exits. The forward pass runs on the device's worker thread; had the
+    loop's thread (this one) started a team too, the two teams would overcommit the cores
+    and libgomp would put idle team threads to sleep after very short spins: measured on
+    2 cores, every parallel kernel then pays a wake-up, and a batch-1 decode step of
+    SmolLM2-135M takes ~26 ms instead of ~18 ms. Loading the weights and filling the KV
+    cache are the parallel work done at start-up, so they run here.
+    """
+    if device.type != "cpu":
+        return fn()
+    with ThreadPoolExecutor(1, thread_name_prefix="asyncengine-load") as pool:
+        return pool.submit(fn).result()
+
+
+def _resolve_kv_connector(config: EngineConfig, scheduler_cls: type,
+                          plugin_manager: Any) -> type | None:
+    pc = config.plugins
+    if not pc.kv_connector:
+        if pc.kv_connector_path:
+            logger.warning("--kv-connector-path is set but no --kv-connector: ignored")
+        return None
+    cls = registry.resolve_kv_connector(pc.kv_connector, plugin_manager)
+    setter = getattr(scheduler_cls, "set_kv_connector", None)
+    if setter is None or setter is SchedulerInterface.set_kv_connector:
+        raise ValueError(f"--kv-connector: the scheduler {scheduler_cls.__name__} "
+                         "does not support KV connectors")
+    validate = getattr(cls, "validate_config", None)
+    if validate is not None:
+        validate(config)
+    return cls
+
+
+def _max_model_len(config: EngineConfig, hf_config: Any, model: torch.nn.Module) -> int:
+    native = getattr(hf_config, "max_position_embeddings", None) or 2048
+    # Attention here is full, never windowed: a sliding-window model is exact only within
+    # its window.
+    window = getattr(model, "sliding_window", None)
+    if window:
+        native = min(native, window)
+    wanted = config.model.max_model_len
+    if wanted is None:
+        return min(native, 8192)
+    if wanted > native:
+        raise ValueError(f"--max-model-len {wanted} exceeds the model's context length "
+                         f"({native})")
+    return wanted
+
+
+def _num_blocks(config: EngineConfig, model: torch.nn.Module, attn_backend: Any,
+                dtype: torch.dtype, device: Device, max_model_len: int) -> int:
+    cc = config.cache
+    if cc.num_gpu_blocks_override is not None:
+        return cc.num_gpu_blocks_override
+    per_block = attn_backend.bytes_per_block(model.num_layers, cc.block_size,
+                                             model.num_kv_heads, model.head_dim, dtype)
+    if cc.kv_cache_memory != "auto":
+        budget = parse_size(cc.kv_cache_memory, "kv_cache_memory")
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        budget = int(free * 0.9)
+    else:
+        budget = CPU_KV_CACHE_DEFAULT
+    num_blocks = budget // per_block
+    needed = -(-max_model_len // cc.block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"--kv-cache-memory: {budget} bytes hold {num_blocks} blocks of {cc.block_size} "
+            f"tokens, fewer than one full-length request needs ({needed} blocks for "
+            f"--max-model-len {max_model_len}); raise it or lower --max-model-len")
+    return num_blocks
