@@ -62,7 +62,9 @@ def run_step(cases: list[tuple[int, int]], heads: int, kv_heads: int, dtype=torc
         seq_lens.append(L)
         starts.append(starts[-1] + n)
         hist.append((k, v, slot))
-    meta = AttentionMetadata(query_start_loc=starts, seq_lens=seq_lens, block_tables=tables,
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    meta = AttentionMetadata(query_start_loc=starts, seq_lens=seq_lens, block_tables=padded,
                              slot_mapping=torch.tensor(slots), block_size=BLOCK)
     backend.prepare(meta)
     scale = head_dim**-0.5

@@ -68,6 +68,8 @@ class PagedRunner:
             seq_lens.append(end)
             tables.append(list(table))
             self.lens[req] = end
+        width = max(len(t) for t in tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         meta = AttentionMetadata(query_start_loc=starts, seq_lens=seq_lens, block_tables=tables,
                                  slot_mapping=torch.tensor(slots), block_size=self.bs)
         self.backend.prepare(meta)

@@ -7,13 +7,15 @@ import torch
 
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.executor.sampler import (
+    NO_TOKEN,
     SamplingBatch,
     apply_top_k,
     apply_top_p,
-    make_generator,
     process_logits,
     prompt_logprobs,
+    reference_uniform,
     sample,
+    seeded_uniform,
 )
 
 V = 64
@@ -23,13 +25,12 @@ def logits_for(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def batch_of(*params: SamplingParams, outputs=None, prompts=None, generators=None,
+def batch_of(*params: SamplingParams, outputs=None, prompts=None,
              eos=frozenset(), method=None) -> SamplingBatch:
     n = len(params)
     outputs = outputs or [[] for _ in range(n)]
     prompts = prompts or [[] for _ in range(n)]
-    generators = generators or [None] * n
-    return SamplingBatch.build(list(zip(params, prompts, outputs, generators, strict=True)),
+    return SamplingBatch.build(list(zip(params, prompts, outputs, strict=True)),
                                eos_token_ids=eos, vocab_size=V, method=method)
 
 
@@ -194,12 +195,10 @@ def test_seeded_rows_reproducible_alone_and_in_batch(method):
     seeded = SamplingParams(temperature=0.9, seed=42)
 
     def run(others: list[SamplingParams], steps: int = 20) -> list[int]:
-        gen = make_generator(42, "cpu")
-        other_gens = [make_generator(p.seed) for p in others]
         tokens = []
         for step in range(steps):
-            rows = [(seeded, [1, 2], tokens[:], gen)]
-            rows += [(p, [5], [0] * step, g) for p, g in zip(others, other_gens, strict=True)]
+            rows = [(seeded, [1, 2], tokens[:])]
+            rows += [(p, [5], [0] * step) for p in others]
             batch = SamplingBatch.build(rows, eos_token_ids=frozenset({0}), vocab_size=V,
                                         method=method)
             tokens.append(sample(logits.expand(len(rows), -1), batch).token_ids[0])
@@ -213,7 +212,44 @@ def test_seeded_rows_reproducible_alone_and_in_batch(method):
               SamplingParams(temperature=1.5)]
     assert run(others) == alone
     assert run(others[::-1]) == alone
-    assert make_generator(None) is None
+
+
+def test_seeded_noise_is_the_exact_hash_and_uniform():
+    """The vectorized int64 hash equals the exact integer one (so wrap-around multiplication
+    behaves), and its uniforms look uniform."""
+    seeds = torch.tensor([0, 1, 42, -5, 2**62, -(2**63)], dtype=torch.long)
+    counters = torch.tensor([0, 7, 3, 1, 100, 9], dtype=torch.long)
+    got = seeded_uniform(seeds, counters).tolist()
+    want = [reference_uniform(s, c) for s, c in zip(seeds.tolist(), counters.tolist(),
+                                                     strict=True)]
+    assert got == pytest.approx(want, abs=0)
+    wide = seeded_uniform(seeds[:2], counters[:2], width=5)
+    assert wide[1, 3].item() == reference_uniform(1, 7, 3)
+    many = seeded_uniform(torch.full((20000,), 7), torch.arange(20000))
+    assert 0 < many.min() and many.max() < 1
+    hist = torch.histc(many, bins=10, min=0, max=1)
+    assert (hist - 2000).abs().max() < 200  # ~4.7 sigma for a binomial(20000, 0.1)
+
+
+@pytest.mark.parametrize("method", ["cdf", "race"])
+def test_rows_without_valid_tokens_get_no_token(method):
+    """NaN or infinite logits, or every token masked, end that row alone; the others sample
+    normally and no id is ever outside the vocabulary."""
+    logits = logits_for(4, seed=8)
+    logits[0, 3] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, 5] = float("inf")
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=1),
+                   SamplingParams(temperature=0.7, top_p=0.9, top_k=10)):
+        out = sample(logits, batch_of(*[params] * 4, method=method)).token_ids
+        assert out[:3] == [NO_TOKEN] * 3
+        assert 0 <= out[3] < V
+    # A repetition penalty that pushes logits to infinity
+    huge = SamplingParams(temperature=0.8, repetition_penalty=1e-45)
+    out = sample(logits_for(2, seed=1) * 10, batch_of(huge, SamplingParams(temperature=0),
+                                                      prompts=[list(range(V)), []],
+                                                      method=method)).token_ids
+    assert out[0] == NO_TOKEN and 0 <= out[1] < V
 
 
 def test_logprobs_are_raw_log_softmax_with_ranks():

@@ -237,7 +237,67 @@ def test_prefix_hit_skips_computation() -> None:
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (80, 32)
     c = make_request("c", prompt[:32], max_tokens=2)  # all cached: the last block is redone
     sched.add_request(c)
-    assert sched.schedule().scheduled[0].num_new_tokens == 16
+    step = {s.request.request_id: s.num_new_tokens for s in sched.schedule().scheduled}
+    assert step == {"b": 1, "c": 16}  # b decodes its in-flight token (async scheduling)
+
+
+def test_async_scheduling_schedules_on_tokens_in_flight() -> None:
+    """Step N+1 is scheduled before step N's result: a request that sampled in N decodes
+    that token in N+1; results apply in order; a request whose in-flight token is its last is
+    not scheduled again; results for requests that left meanwhile are dropped."""
+    sched = FCFSScheduler(make_config(max_num_seqs=4), 32)
+    a = make_request("a", 5, max_tokens=3)
+    b = make_request("b", 5, max_tokens=8)
+    c = make_request("c", 5, max_tokens=8)
+    for r in (a, b, c):
+        sched.add_request(r)
+    s1 = sched.schedule()  # prefills: every request samples its first token
+    assert all(s.samples for s in s1.scheduled)
+    assert [r.num_output_placeholders for r in (a, b, c)] == [1, 1, 1]
+    s2 = sched.schedule()  # before s1's result: decode the in-flight tokens
+    assert [(s.request.request_id, s.start, s.num_new_tokens) for s in s2.scheduled] == \
+        [("a", 5, 1), ("b", 5, 1), ("c", 5, 1)]
+    assert [r.num_output_placeholders for r in (a, b, c)] == [2, 2, 2]
+
+    def result(out, token):
+        return ModelRunnerOutput({s.request.request_id: token for s in out.scheduled})
+
+    sched.finish_requests("c", RequestStatus.FINISHED_ABORTED)  # gone while s1, s2 run
+    assert sched.update_from_output(s1, result(s1, 10)) == [a, b]
+    assert a.output_token_ids == [10] and c.output_token_ids == []
+    s3 = sched.schedule()  # a: 1 known + 2 in flight... the third is its last (max_tokens=3)
+    assert [s.request.request_id for s in s3.scheduled] == ["a", "b"]
+    assert sched.update_from_output(s2, result(s2, 11)) == [a, b]
+    s4 = sched.schedule()
+    assert [s.request.request_id for s in s4.scheduled] == ["b"]  # a's last token is in s3
+    sched.update_from_output(s3, result(s3, 12))
+    assert a.is_finished and a.output_token_ids == [10, 11, 12]
+    sched.update_from_output(s4, result(s4, 13))
+    assert b.output_token_ids == [10, 11, 12, 13] and b.num_output_placeholders == 0
+    assert a.num_output_placeholders == 0
+
+
+def test_a_fault_of_one_request_ends_it_alone() -> None:
+    """A sampled id of -1 (no valid token) or a grammar that raises ends that request with
+    FINISHED_ERROR; the others get their tokens."""
+
+    class Exploding(CountingGrammar):
+        def accept_token(self, token_id):
+            raise RuntimeError("grammar bug")
+
+    sched = FCFSScheduler(make_config(max_num_seqs=4), 32)
+    reqs = [make_request(f"r{i}", 4, max_tokens=4) for i in range(3)]
+    reqs[2].grammar = Exploding(100)
+    for r in reqs:
+        sched.add_request(r)
+    out = sched.schedule()
+    tokens = {"r0": 5, "r1": -1, "r2": 6}
+    sched.update_from_output(out, ModelRunnerOutput(tokens))
+    assert reqs[0].output_token_ids == [5] and not reqs[0].is_finished
+    assert reqs[1].status == RequestStatus.FINISHED_ERROR and "no valid next token" in \
+        reqs[1].error
+    assert reqs[2].status == RequestStatus.FINISHED_ERROR and "grammar bug" in reqs[2].error
+    assert sched.kv_cache_manager.num_free_blocks == 32 - 1
 
 
 def test_abort_waiting_and_running_requests() -> None:

@@ -23,6 +23,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11
     FINISHED_ABORTED = 12
+    # A fault of this request alone (its grammar raised, its logits had no valid token);
+    # ``Request.error`` says what. The others in the batch go on.
+    FINISHED_ERROR = 13
 
     @property
     def finished(self) -> bool:
@@ -37,6 +40,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -68,12 +72,18 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose KV is in the cache (prompt + output). The next step computes from here.
     num_computed_tokens: int = 0
+    # Tokens sampled by steps still in flight, not yet appended (async scheduling: step N+1 is
+    # scheduled before step N's token reaches the host). The next step's input at position
+    # ``num_tokens`` is such a token; the runner takes it from the device.
+    num_output_placeholders: int = 0
     # Tokens found in the prefix cache when the request was (last) admitted.
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     # Chained hashes of the full blocks of all_token_ids (filled by the KV-cache manager).
     block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: int | str | None = None
+    # Why the request ended with FINISHED_ERROR.
+    error: str | None = None
 
     # Sampled tokens' logprobs (one entry per output token), and the prompt's (entry 0 is None).
     logprobs: list[PositionLogprobs] = field(default_factory=list)
@@ -140,6 +150,7 @@ class Request:
         """Preemption by recompute: drop the KV, keep the tokens."""
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        self.num_output_placeholders = 0  # an in-flight token is dropped, then recomputed
         self.num_preemptions += 1
         self.status = RequestStatus.PREEMPTED
 

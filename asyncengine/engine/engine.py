@@ -1,20 +1,9 @@
-"""AsyncEngine: the step loop and the only owner of engine state.
+"""AsyncEngine: the engine's state, its requests and their streams, and the step loop's task.
 
 Everything runs on one event loop. Callers (HTTP handlers, the offline ``LLM``) add requests
-and iterate their streams; one task, the step loop, drives the scheduler and the device::
-
-    while running:
-        await work_available                        # no spinning when idle
-        out = scheduler.schedule()                  # plain data: requests, token counts, blocks
-        step = device.launch(runner.execute(...))   # the forward pass leaves the loop
-        fill grammar bitmasks for this step         # overlapped with the forward pass
-        emit(previous step's outputs)               # detokenize, stop strings, wake streams
-        result = await step                         # other tasks run meanwhile
-        updated = scheduler.update_from_output(out, result)
-
-Emitting step N's outputs while step N+1 runs means a stop string found during emission ends
-its request one step late: the request is finished right away (blocks freed; the in-flight
-step only writes KV the next schedule cannot see yet) and the scheduler drops the extra token.
+and iterate their streams; one task, the step loop (``step_loop.py``), drives the scheduler
+and the device, launching step N+1 before it processes step N. Emission (``output_processor``)
+turns each step's tokens into the streams' deltas while the next step runs.
 
 With a KV connector (``--kv-connector``), a step first awaits the loads of the blocks its
 admissions found in the connector, and after it the new full blocks are copied and saved in
@@ -26,7 +15,6 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from functools import partial
 from typing import Any
 
 import anyio
@@ -35,10 +23,11 @@ import anyio.abc
 from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.sampling_params import SamplingParams
-from asyncengine.core.sched.interface import SchedulerOutput, SchedulerStats
+from asyncengine.core.sched.interface import SchedulerStats
 from asyncengine.engine.errors import EngineDeadError, EngineShuttingDown, RequestFailed
 from asyncengine.engine.output_processor import Emitted, OutputProcessor
 from asyncengine.engine.outputs import RequestOutput
+from asyncengine.engine.step_loop import StepLoop
 from asyncengine.engine.streams import RequestStream
 from asyncengine.executor.build import build
 from asyncengine.ext.kv_connector.transfer import KVTransfer
@@ -46,6 +35,9 @@ from asyncengine.ext.kv_connector.transfer import KVTransfer
 logger = logging.getLogger("asyncengine")
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineShuttingDown", "RequestFailed"]
+
+#: Prompts longer than this (characters) are tokenized in a worker thread, off the loop.
+OFF_LOOP_TOKENIZE_CHARS = 4096
 
 #: Seconds the engine waits, when it stops, for KV-connector saves still in flight.
 KV_SAVE_DRAIN_TIMEOUT = 30.0
@@ -72,7 +64,8 @@ class AsyncEngine:
         self._accepting = False
         self._tg: anyio.abc.TaskGroup | None = None
         self._dead: BaseException | None = None
-        self._structured = None  # StructuredOutputManager, made on first use
+        self.structured = None  # the StructuredOutputManager, made on first use
+        self.loop = StepLoop(self)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncEngine:
@@ -80,7 +73,7 @@ class AsyncEngine:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._accepting = True
-        self._tg.start_soon(self._step_loop, self._tg)
+        self._tg.start_soon(self._run_step_loop, self._tg)
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
@@ -95,6 +88,8 @@ class AsyncEngine:
             return await self._tg.__aexit__(*exc_info)
         finally:
             self._tg = None
+            with anyio.CancelScope(shield=True):
+                await self.device.aclose()
 
     async def drain(self, timeout: float) -> None:
         """Stop accepting; let in-flight requests finish within ``timeout``; abort the rest."""
@@ -106,7 +101,8 @@ class AsyncEngine:
 
     # -- requests -------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                          request_id: str | None = None, priority: int = 0) -> RequestStream:
+                          request_id: str | None = None, priority: int = 0,
+                          deltas_only: bool = False) -> RequestStream:
         """Validate and queue a request; return its output stream. Raises ValueError for
         invalid input, EngineShuttingDown when draining, EngineDeadError after a failure."""
         if self._dead is not None:
@@ -118,7 +114,7 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.outputs.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = await self._tokenize(prompt)
         self._check_length(token_ids, params)
         grammars = [None] * params.n
         if params.structured_outputs is not None:
@@ -142,7 +138,8 @@ class AsyncEngine:
             if sp.prompt_logprobs is not None:
                 req.prompt_logprobs = [None]
             samples.append(self.outputs.make_sample(req, sp))
-        stream = RequestStream(request_id, text, token_ids, samples, self._abort_now)
+        stream = RequestStream(request_id, text, token_ids, samples, self._abort_now,
+                               deltas_only=deltas_only)
         if not self._accepting:  # drain began while the grammar compiled
             raise EngineShuttingDown("the engine is not accepting requests")
         added: list[str] = []
@@ -177,7 +174,7 @@ class AsyncEngine:
             return
         ids = self.outputs.unfinished_ids(request_id)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-        self._emit([s.request for s in stream.samples if s.finish_reason is None])
+        self.emit([s.request for s in stream.samples if s.finish_reason is None])
 
     def _abort_all(self) -> None:
         for rid in list(self.outputs.streams):
@@ -216,23 +213,9 @@ class AsyncEngine:
         return self.scheduler.get_num_unfinished_requests()
 
     # -- the step loop --------------------------------------------------------------------------
-    async def _step_loop(self, tg: anyio.abc.TaskGroup) -> None:
-        pending: list[Request] = []
+    async def _run_step_loop(self, tg: anyio.abc.TaskGroup) -> None:
         try:
-            while True:
-                if not self.scheduler.has_unfinished_requests():
-                    self._emit(pending)
-                    pending = []
-                    await self._wake.wait()
-                    self._wake = anyio.Event()
-                    continue
-                out = self.scheduler.schedule()
-                if out.is_empty:  # nothing runnable this step (e.g. all blocks in use)
-                    self._emit(pending)
-                    pending = []
-                    await anyio.sleep(0.001)
-                    continue
-                pending = await self._step(tg, out, pending)
+            await self.loop.run(tg)
         except anyio.get_cancelled_exc_class():
             raise
         except Exception as e:  # a bug or a device failure: fail every request, loudly
@@ -243,34 +226,13 @@ class AsyncEngine:
             error.__cause__ = e
             self.outputs.fail_all(error)
 
-    async def _step(self, tg: anyio.abc.TaskGroup, out: SchedulerOutput,
-                    previous: list[Request]) -> list[Request]:
-        if self.kv_transfer is not None:  # before prepare(): a failed load widens the step
-            await self.kv_transfer.load(out)
-        grammars = [s.request.grammar for s in out.scheduled if s.samples]
-        constrained = any(g is not None for g in grammars)
-        inputs = self.runner.prepare(out, with_bitmask=constrained)
-        handle = await self.device.launch(tg, partial(self.runner.execute, inputs))
-        if inputs.bitmask is not None:  # overlapped with the forward pass
-            try:
-                manager = self._structured
-                inputs.bitmask.set(manager.fill_bitmask(grammars), manager.apply_bitmask)
-            finally:
-                inputs.bitmask.ready.set()
-        self._emit(previous)  # overlapped with the forward pass
-        result = await handle.wait()
-        updated = self.scheduler.update_from_output(out, result)
-        if self.kv_transfer is not None:  # copies the blocks before the next schedule()
-            self.kv_transfer.save(tg, out)
-        if self.metrics is not None:
-            prompt_tokens = sum(max(0, min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
-                                    - s.start) for s in out.scheduled)
-            self.metrics.on_step(self.scheduler.make_stats(), prompt_tokens,
-                                 len(result.sampled_token_ids))
-        return updated
+    async def wait_for_work(self) -> None:
+        """Sleep until a request arrives (no spinning when idle)."""
+        await self._wake.wait()
+        self._wake = anyio.Event()
 
     # -- outputs --------------------------------------------------------------------------------
-    def _emit(self, requests: list[Request]) -> None:
+    def emit(self, requests: list[Request]) -> None:
         """Deliver the requests' new outputs; finish the ones emission ended."""
         done: Emitted = self.outputs.emit(requests)
         if done.stopped:
@@ -284,9 +246,12 @@ class AsyncEngine:
         self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
 
     # -- helpers --------------------------------------------------------------------------------
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    async def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            if len(prompt) > OFF_LOOP_TOKENIZE_CHARS:  # keep the streams flowing meanwhile
+                ids = await anyio.to_thread.run_sync(self.tokenizer.encode, prompt)
+            else:
+                ids = self.tokenizer.encode(prompt)
             text: str | None = prompt
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             ids, text = list(prompt), None
@@ -313,8 +278,8 @@ class AsyncEngine:
                 f"{params.max_tokens} in the completion). Reduce the prompt or max_tokens.")
 
     async def _structured_manager(self):
-        if self._structured is None:
-            self._structured = await anyio.to_thread.run_sync(
+        if self.structured is None:
+            self.structured = await anyio.to_thread.run_sync(
                 self.parts.make_structured_output_manager)
-        return self._structured
+        return self.structured
 

@@ -76,6 +76,9 @@ class OutputProcessor:
                 continue
             try:
                 self._emit_one(stream, req, now, result)
+            except RequestFailed as e:
+                self._fail(stream, e, result)
+                continue
             except Exception as e:  # this request's fault alone
                 logger.exception("request %s failed while emitting its output", req.request_id)
                 self._fail(stream, RequestFailed(f"processing the output failed: "
@@ -93,6 +96,8 @@ class OutputProcessor:
         sample = stream.samples[req.index]
         if sample.finish_reason is not None:
             return
+        if req.status == RequestStatus.FINISHED_ERROR:
+            raise RequestFailed(f"request {req.request_id} failed: {req.error}")
         new = req.output_token_ids[len(sample.token_ids):]
         if new:
             self._observe_tokens(sample, len(new), now)
@@ -100,13 +105,13 @@ class OutputProcessor:
             if sample.logprobs is not None:
                 sample.logprobs.extend(req.logprobs[len(sample.logprobs):])
             detok = sample.detokenizer
-            sample.text += detok.update(new, stop_terminated=_ended_by_stop_token(req))
+            detok.update(new, stop_terminated=_ended_by_stop_token(req))
             if detok.finished:  # a stop string: it wins over any other reason
                 sample.finish_reason, sample.stop_reason = "stop", detok.stop_reason
                 if not req.is_finished:
                     result.stopped.append(req.request_id)
         if req.is_finished and sample.finish_reason is None:
-            sample.text += sample.detokenizer.flush()
+            sample.detokenizer.flush()
             sample.finish_reason = req.status.finish_reason
             sample.stop_reason = req.stop_reason
 

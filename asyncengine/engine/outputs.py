@@ -13,7 +13,9 @@ class CompletionOutput:
 
     ``text``/``token_ids``/``logprobs`` are cumulative; ``delta_text``/``delta_token_ids`` hold
     what is new since the previous RequestOutput the caller received (``logprobs[-len(delta
-    _token_ids):]`` are the new logprobs).
+    _token_ids):]`` are the new logprobs). A stream opened with ``deltas_only`` (the HTTP
+    streaming routes) gives only what is new in ``text``/``token_ids``/``logprobs`` too.
+    ``num_output_tokens`` is the cumulative count either way.
     """
 
     index: int
@@ -23,8 +25,9 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    num_output_tokens: int = 0
 
     @property
     def finished(self) -> bool:

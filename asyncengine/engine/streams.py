@@ -21,26 +21,39 @@ from asyncengine.text.detokenizer import IncrementalDetokenizer
 
 @dataclass
 class SampleState:
-    """One of the n samples: the request, its detokenizer and what the consumer has seen."""
+    """One of the n samples: the request, its detokenizer (which holds the text emitted so far,
+    in chunks) and what the consumer has been given."""
 
     request: Request
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     sent_tokens: int = 0
-    sent_text: int = 0
+    sent_chunks: int = 0
     last_emit: float | None = None  # when tokens were last pushed (for inter-token latency)
+
+    @property
+    def has_news(self) -> bool:
+        return self.sent_tokens < len(self.token_ids) or \
+            self.sent_chunks < len(self.detokenizer.chunks)
 
 
 class RequestStream:
     """Async iterator of RequestOutput for one request (all n samples). Leaving the iteration
-    early (``aclose``, ``close``, a cancelled consumer) aborts the request."""
+    early (``aclose``, ``close``, a cancelled consumer) aborts the request.
+
+    ``deltas_only``: every output carries only what is new (``text``, ``token_ids`` and
+    ``logprobs`` equal the deltas), so a long stream costs O(new tokens) per output; the HTTP
+    streaming routes use it. Otherwise (the default) they are cumulative, as the offline API
+    returns them, and ``delta_*`` hold what is new.
+    """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 samples: list[SampleState], on_abort: Callable[[str], None]) -> None:
+                 samples: list[SampleState], on_abort: Callable[[str], None], *,
+                 deltas_only: bool = False) -> None:
+        self.deltas_only = deltas_only
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -80,8 +93,7 @@ class RequestStream:
         while True:
             if self._error is not None:
                 raise self._error
-            if self.finished or any(s.sent_tokens < len(s.token_ids) or s.sent_text < len(s.text)
-                                    for s in self.samples):
+            if self.finished or any(s.has_news for s in self.samples):
                 break
             await self._event.wait()
             self._event = anyio.Event()
@@ -90,20 +102,29 @@ class RequestStream:
     def _take(self) -> RequestOutput:
         outputs = []
         for i, s in enumerate(self.samples):
-            out = CompletionOutput(
+            chunks = s.detokenizer.chunks
+            new_text = "".join(chunks[s.sent_chunks:])
+            new_ids = s.token_ids[s.sent_tokens:]
+            if self.deltas_only:
+                text, token_ids = new_text, new_ids
+                logprobs = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
+            else:
+                text, token_ids = s.detokenizer.text, list(s.token_ids)
+                logprobs = list(s.logprobs) if s.logprobs is not None else None
+            outputs.append(CompletionOutput(
                 index=i,
-                text=s.text,
-                token_ids=list(s.token_ids),
-                delta_text=s.text[s.sent_text:],
-                delta_token_ids=s.token_ids[s.sent_tokens:],
+                text=text,
+                token_ids=token_ids,
+                delta_text=new_text,
+                delta_token_ids=new_ids,
                 cumulative_logprob=(s.request.cumulative_logprob
                                     if s.logprobs is not None else None),
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                logprobs=logprobs,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
-            )
-            s.sent_tokens, s.sent_text = len(s.token_ids), len(s.text)
-            outputs.append(out)
+                num_output_tokens=len(s.token_ids),
+            ))
+            s.sent_tokens, s.sent_chunks = len(s.token_ids), len(chunks)
         finished = self.finished
         self._delivered_final = finished
         r = self._first

@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     from asyncengine.entrypoints.bench import throughput as bench_throughput
 
     bench_throughput.add_arguments(bthr)
+    bover = bsub.add_parser("overhead", help="the event loop's own cost at many streams",
+                            description="Output tokens/s over real HTTP at many streams with a "
+                                        "null and a tiny-weights runner, next to a bare "
+                                        "aiohttp server; the loop's CPU per stream per step.")
+    from asyncengine.entrypoints.bench import overhead as bench_overhead
+
+    bench_overhead.add_arguments(bover)
     return parser
 
 
@@ -89,6 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from asyncengine.entrypoints.bench import serve as bench_serve
 
                 return bench_serve.main(args)
+            if args.bench_command == "overhead":
+                from asyncengine.entrypoints.bench import overhead as bench_overhead
+
+                return bench_overhead.main(args)
             from asyncengine.entrypoints.bench import throughput as bench_throughput
 
             return bench_throughput.main(args)

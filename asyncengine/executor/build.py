@@ -97,7 +97,8 @@ def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:
         model.num_layers, num_blocks, config.cache.block_size, model.num_kv_heads,
         model.head_dim, dtype, device.torch_device))
     runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size,
-                         device.torch_device, tokenizer.eos_token_ids)
+                         device.torch_device, tokenizer.eos_token_ids,
+                         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len)
     kv_connector = None
     if kv_connector_cls is not None:
         layout = KVCacheLayout(

@@ -1,30 +1,46 @@
-"""ModelRunner: SchedulerOutput → tensors → forward → sampled tokens.
+"""ModelRunner: SchedulerOutput -> tensors -> forward -> sampled tokens.
 
 Split in two so the loop never waits on the device:
 
-* ``prepare(out)`` runs on the event loop. It reads the scheduled requests (the only place the
-  runner touches ``Request`` objects) and builds plain tensors: flattened input ids and
-  positions, the slot mapping, attention metadata, the rows to sample and their parameters.
-* ``execute(inputs)`` runs on the device (the CPU worker thread, or enqueued on a CUDA stream).
-  It touches only ``inputs``, the model and the KV cache, so the loop may go on changing
-  requests (aborts, stop strings) while it runs.
+* ``prepare(out)`` runs on the event loop. It updates the persistent batch
+  (``input_batch.py``: rows join, leave, or get new blocks) and gathers the step's arrays with
+  numpy (no torch kernels on the loop's thread: a thread that runs a parallel torch kernel
+  keeps its own OpenMP team, and two teams on the cores slow every forward pass). It is the
+  only place the runner reads ``Request`` objects.
+* ``execute(inputs)`` runs on the device, in step order. It touches only ``inputs``, the
+  model, the KV cache and the device-side state (the previous step's sampled ids, penalty
+  counts), so the loop may go on changing requests (aborts, stop strings) and prepare the next
+  step while it runs.
+
+Async scheduling: step N+1 is prepared before step N's tokens reach the host. A request that
+sampled in step N decodes that token in N+1: ``prepare`` leaves its input id blank and records
+where it is in step N's sampled ids; ``execute`` copies it from there on the device.
 
 ``read_kv_blocks`` / ``write_kv_blocks`` copy whole KV blocks (all layers) out of and into
-the cache for a KV connector; they are called between steps, never while one runs.
+the cache for a KV connector.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from asyncengine.core.request import PositionLogprobs
+from asyncengine.core.request import PositionLogprobs, Request
 from asyncengine.core.sched.interface import ModelRunnerOutput, SchedulerOutput
 from asyncengine.executor.attention.base import AttentionBackend, AttentionMetadata
-from asyncengine.executor.sampler import SamplingBatch, make_generator, prompt_logprobs, sample
+from asyncengine.executor.input_batch import InputBatch, RowReset
+from asyncengine.executor.sampler import NO_TOKEN, SamplingBatch, prompt_logprobs, sample
+from asyncengine.executor.sampling_inputs import gather_sampling_batch
+
+#: Seconds between checks of an abandoned step while the sampler waits for a bitmask.
+_BITMASK_POLL_S = 0.05
+
+
+class StepAbandoned(RuntimeError):
+    """The engine stopped while this step waited for its grammar bitmask."""
 
 
 @dataclass
@@ -39,16 +55,28 @@ class PromptLogprobsTask:
 
 
 class BitmaskSlot:
-    """A grammar bitmask the loop fills while the device runs the forward pass."""
+    """A grammar bitmask the loop fills while the device runs the forward pass. The device
+    waits for it before sampling; ``abandon()`` (the engine stopping) ends that wait."""
 
     def __init__(self) -> None:
         self.ready = threading.Event()
+        self.abandoned = False
         self.bitmask: torch.Tensor | None = None
         self.apply = None  # callable(logits, bitmask) from the structured-output manager
 
     def set(self, bitmask: torch.Tensor | None, apply) -> None:
         self.bitmask, self.apply = bitmask, apply
         self.ready.set()
+
+    def abandon(self) -> None:
+        self.abandoned = True
+        self.ready.set()
+
+    def wait(self) -> None:
+        while not self.ready.wait(_BITMASK_POLL_S):
+            pass
+        if self.abandoned:
+            raise StepAbandoned("the engine stopped before this step's grammar mask was ready")
 
 
 @dataclass
@@ -59,6 +87,12 @@ class StepInputs:
     sample_indices: torch.Tensor  # [S] rows of the flattened step to sample from
     sample_req_ids: list[str]
     sampling_batch: SamplingBatch | None
+    # Penalty state: persistent rows of the sampled rows that have penalties ([P]), and the
+    # rows (re)joined this step whose state the device resets first.
+    penalty_rows: torch.Tensor | None = None
+    resets: list[RowReset] = field(default_factory=list)
+    # Input tokens still in flight: input_ids[dst] = previous step's sampled ids[src].
+    from_previous: tuple[torch.Tensor, torch.Tensor] | None = None
     prompt_tasks: list[PromptLogprobsTask] = field(default_factory=list)
     bitmask: BitmaskSlot | None = None
 
@@ -72,6 +106,9 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         eos_token_ids: frozenset[int],
+        *,
+        max_num_seqs: int = 256,
+        max_model_len: int = 8192,
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
@@ -80,78 +117,112 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.vocab_size: int = model.vocab_size
-        self._generators: dict[str, torch.Generator | None] = {}
+        self.batch = InputBatch(max_num_seqs, -(-max_model_len // block_size) + 1,
+                                self.vocab_size, eos_token_ids)
+        # Where each request's token sits in the last prepared step's sampled ids.
+        self._sample_pos: dict[str, int] = {}
+        # Device side (touched by execute only): the last step's sampled ids, penalty state.
+        self._last_sampled: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None  # [rows, V] int32 output-token counts
+        self._prompt_mask: torch.Tensor | None = None  # [rows, V] bool
 
     # -- on the loop -----------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput, *, with_bitmask: bool = False) -> StepInputs:
+        ib = self.batch
         for rid in out.finished_req_ids:
-            self._generators.pop(rid, None)
-        bs = self.block_size
+            ib.remove(rid)
+        for rid in out.preempted_req_ids:
+            ib.remove(rid)
+        num_reqs = len(out.scheduled)
+        rows = np.empty(num_reqs, dtype=np.int64)
+        starts = np.empty(num_reqs, dtype=np.int64)
+        lens = np.empty(num_reqs, dtype=np.int64)
         input_ids: list[int] = []
-        positions: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        block_tables: list[list[int]] = []
-        sample_rows: list[int] = []
+        prev_dst: list[int] = []
+        prev_src: list[int] = []
+        sample_flat: list[int] = []
         sample_req_ids: list[str] = []
-        sampling_rows = []
+        sample_rows: list[int] = []
+        counters: list[int] = []
         prompt_tasks: list[PromptLogprobsTask] = []
-        for s in out.scheduled:
+        prev_pos, sample_pos = self._sample_pos, {}
+        row_of = ib.row_of
+        for i, s in enumerate(out.scheduled):
             req, start, n = s.request, s.start, s.num_new_tokens
+            rid = req.request_id
+            row = row_of.get(rid)
+            if row is None:
+                row = ib.add(req, s.block_ids)
+            elif len(s.block_ids) > ib.num_blocks[row]:
+                ib.append_blocks(row, s.block_ids)
+            rows[i], starts[i], lens[i] = row, start, n
             first = len(input_ids)
-            input_ids.extend(req.all_token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            query_start_loc.append(first + n)
-            seq_lens.append(start + n)
-            block_tables.append(s.block_ids)
-            sp = req.sampling_params
-            if sp.prompt_logprobs is not None:
+            tokens = req.all_token_ids
+            end = start + n
+            if n == 1 and start < len(tokens):
+                input_ids.append(tokens[start])
+            elif end <= len(tokens):
+                input_ids.extend(tokens[start:end])
+            else:  # the last input token was sampled by the step still in flight
+                input_ids.extend(tokens[start:end - 1])
+                input_ids.append(0)
+                prev_dst.append(first + n - 1)
+                prev_src.append(prev_pos[rid])
+            if req.sampling_params.prompt_logprobs is not None:
                 task = self._prompt_logprobs_task(req, start, n, first)
                 if task is not None:
                     prompt_tasks.append(task)
             if s.samples:
-                sample_rows.append(first + n - 1)
-                sample_req_ids.append(req.request_id)
-                if req.request_id not in self._generators:
-                    self._generators[req.request_id] = make_generator(sp.seed, self.device)
-                if req.grammar is not None and sp.min_tokens:
-                    # The grammar decides when output may end; holding EOS back for min_tokens
-                    # could leave a complete grammar with no allowed token at all.
-                    sp = dataclasses.replace(sp, min_tokens=0)
-                sampling_rows.append((sp, req.prompt_token_ids, req.output_token_ids,
-                                      self._generators[req.request_id]))
-        pos = torch.tensor(positions, dtype=torch.long)
-        # slot = block_table[req][pos // bs] * bs + pos % bs, vectorized over the step's tokens.
-        query_lens = torch.tensor([query_start_loc[i + 1] - query_start_loc[i]
-                                   for i in range(len(seq_lens))], dtype=torch.long)
-        width = max(len(b) for b in block_tables)
-        table = torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=torch.long)
-        row_of_token = torch.repeat_interleave(torch.arange(len(seq_lens)), query_lens)
-        slots = table[row_of_token, pos // bs] * bs + pos % bs
+                sample_pos[rid] = len(sample_req_ids)
+                sample_flat.append(first + n - 1)
+                sample_req_ids.append(rid)
+                sample_rows.append(row)
+                # This token's output position: the ones known, plus earlier in-flight ones.
+                counters.append(len(req.output_token_ids) + req.num_output_placeholders - 1)
+        self._sample_pos = sample_pos
+
+        bs = self.block_size
+        cu = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        total = int(cu[-1])
+        # positions: start_i, start_i + 1, ... for each request's tokens, laid end to end
+        positions = np.repeat(starts - cu[:-1], lens) + np.arange(total, dtype=np.int64)
+        row_of_token = np.repeat(rows, lens)
+        slots = ib.block_table[row_of_token, positions // bs] * bs + positions % bs
+        seq_lens = starts + lens
+        width = int((seq_lens.max() + bs - 1) // bs) if num_reqs else 0
         meta = AttentionMetadata(
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-            slot_mapping=slots.to(self.device),
+            query_start_loc=cu.tolist(),
+            seq_lens=seq_lens.tolist(),
+            block_tables=torch.from_numpy(ib.block_table[rows, :width]).to(self.device),
+            slot_mapping=torch.from_numpy(slots).to(self.device),
             block_size=bs,
         )
         self.attn_backend.prepare(meta)
-        return StepInputs(
+        inputs = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            positions=pos.to(self.device),
+            positions=torch.from_numpy(positions).to(self.device),
             attn_metadata=meta,
-            sample_indices=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            sample_indices=torch.tensor(sample_flat, dtype=torch.long, device=self.device),
             sample_req_ids=sample_req_ids,
-            sampling_batch=(SamplingBatch.build(sampling_rows, device=self.device,
-                                                eos_token_ids=self.eos_token_ids,
-                                                vocab_size=self.vocab_size)
-                            if sampling_rows else None),
+            sampling_batch=None,
             prompt_tasks=prompt_tasks,
             bitmask=BitmaskSlot() if with_bitmask else None,
         )
+        if prev_dst:
+            inputs.from_previous = (torch.tensor(prev_dst, dtype=torch.long, device=self.device),
+                                    torch.tensor(prev_src, dtype=torch.long, device=self.device))
+        if ib.pending_resets:
+            inputs.resets, ib.pending_resets = ib.pending_resets, []
+        if sample_req_ids:
+            srows = np.array(sample_rows, dtype=np.int64)
+            inputs.sampling_batch, inputs.penalty_rows = gather_sampling_batch(
+                ib, srows, np.array(counters, dtype=np.int64), self.device)
+        return inputs
 
     @staticmethod
-    def _prompt_logprobs_task(req, start: int, n: int, first: int) -> PromptLogprobsTask | None:
+    def _prompt_logprobs_task(req: Request, start: int, n: int,
+                              first: int) -> PromptLogprobsTask | None:
         # Position p predicts prompt token p + 1: this chunk yields tokens start + 1 .. hi.
         hi = min(start + n, req.num_prompt_tokens - 1)
         if hi <= start or len(req.prompt_logprobs or ()) >= req.num_prompt_tokens:
@@ -163,6 +234,11 @@ class ModelRunner:
     # -- on the device ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> ModelRunnerOutput:
+        if inputs.resets:
+            self._reset_rows(inputs.resets)
+        if inputs.from_previous is not None:
+            dst, src = inputs.from_previous
+            inputs.input_ids[dst] = self._last_sampled[src]
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                             inputs.attn_metadata, self.attn_backend)
         result = ModelRunnerOutput()
@@ -171,20 +247,56 @@ class ModelRunner:
             entries: list[PositionLogprobs | None] = list(
                 prompt_logprobs(logits, task.next_token_ids.to(logits.device), task.k))
             result.prompt_logprobs[task.req_id] = entries
-        if inputs.sampling_batch is None:
+        batch = inputs.sampling_batch
+        if batch is None:
             return result
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
         if inputs.bitmask is not None:
-            inputs.bitmask.ready.wait()
+            inputs.bitmask.wait()
             if inputs.bitmask.bitmask is not None:
                 inputs.bitmask.apply(logits, inputs.bitmask.bitmask)
-        sampled = sample(logits, inputs.sampling_batch)
+        if batch.penalties is not None:
+            prow = inputs.penalty_rows
+            batch.penalties.counts = self._counts.index_select(0, prow)
+            if batch.penalties.repetition is not None:
+                batch.penalties.prompt_mask = self._prompt_mask.index_select(0, prow)
+        sampled = sample(logits, batch)
+        ids = sampled.token_ids_tensor
+        if batch.penalties is not None:
+            self._count_outputs(inputs.penalty_rows, ids[batch.penalties.rows])
+        # Next step's in-flight inputs; a row with no token feeds id 0 to a step whose result
+        # is dropped (the request has ended with an error by then).
+        self._last_sampled = ids.clamp(min=0)
         for i, rid in enumerate(inputs.sample_req_ids):
             result.sampled_token_ids[rid] = sampled.token_ids[i]
             lp = sampled.logprobs[i]
             if lp is not None:
                 result.logprobs[rid] = lp
         return result
+
+    def _reset_rows(self, resets: list[RowReset]) -> None:
+        rows = self.batch.capacity
+        if self._counts is None or self._counts.shape[0] < rows:
+            counts = torch.zeros(rows, self.vocab_size, dtype=torch.int32, device=self.device)
+            mask = torch.zeros(rows, self.vocab_size, dtype=torch.bool, device=self.device)
+            if self._counts is not None:
+                counts[:self._counts.shape[0]] = self._counts
+                mask[:self._prompt_mask.shape[0]] = self._prompt_mask
+            self._counts, self._prompt_mask = counts, mask
+        for r in resets:
+            self._counts[r.row].zero_()
+            self._prompt_mask[r.row].zero_()
+            prompt = torch.tensor(r.prompt_token_ids, dtype=torch.long, device=self.device)
+            self._prompt_mask[r.row, prompt] = True
+            if r.output_token_ids:
+                out = torch.tensor(r.output_token_ids, dtype=torch.long, device=self.device)
+                self._counts[r.row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+
+    def _count_outputs(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        ok = ids != NO_TOKEN
+        self._counts.index_put_((rows[ok], ids[ok]),
+                                torch.ones(1, dtype=torch.int32, device=ids.device),
+                                accumulate=True)
 
     # -- whole KV blocks, between steps (KV connectors) ------------------------------------------
     @torch.no_grad()

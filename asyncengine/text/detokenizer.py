@@ -62,6 +62,11 @@ class IncrementalDetokenizer:
                    stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
 
     @property
+    def chunks(self) -> list[str]:
+        """The emitted text, in the pieces ``update``/``flush`` returned (grows in place)."""
+        return self._chunks
+
+    @property
     def text(self) -> str:
         if self._text is None:
             self._text = "".join(self._chunks)

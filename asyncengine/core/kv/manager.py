@@ -143,8 +143,9 @@ class KVCacheManager:
             self.pool.free(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """A copy of the request's block table."""
-        return list(self._block_ids.get(request_id, ()))
+        """The request's block table: the live list (no copy per step), which later
+        allocations extend. Read it, never mutate it."""
+        return self._block_ids.get(request_id, [])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block that no request uses. False if some cached blocks are

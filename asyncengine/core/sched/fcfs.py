@@ -153,7 +153,10 @@ class FCFSScheduler(SchedulerInterface):
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            if request.num_output_placeholders and _finishes_in_flight(request):
+                continue  # its in-flight token is its last: no step to waste on it
+            num_new = min(request.num_tokens + request.num_output_placeholders
+                          - request.num_computed_tokens, step.budget)
             if num_new > 0 and self._allocate_running(request, num_new, step):
                 self._add_to_step(request, num_new, step)
         if not step.preempted:
@@ -230,10 +233,12 @@ class FCFSScheduler(SchedulerInterface):
 
     def _add_to_step(self, request: Request, num_new: int, step: _Step) -> None:
         rid = request.request_id
-        step.scheduled[rid] = ScheduledRequest(
+        scheduled = step.scheduled[rid] = ScheduledRequest(
             request, request.num_computed_tokens, num_new,
             self.kv_cache_manager.get_block_ids(rid))
         request.num_computed_tokens += num_new
+        if scheduled.samples:
+            request.num_output_placeholders += 1
         step.budget -= num_new
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
@@ -257,7 +262,7 @@ class FCFSScheduler(SchedulerInterface):
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
             if request.status != RequestStatus.RUNNING:
-                continue  # finished (aborted) while the step ran
+                continue  # finished, aborted or preempted while the step ran: dropped
             rid = request.request_id
             computed = scheduled.start + scheduled.num_new_tokens
             self.kv_cache_manager.cache_full_blocks(request, computed)
@@ -269,12 +274,27 @@ class FCFSScheduler(SchedulerInterface):
             token = runner_output.sampled_token_ids.get(rid)
             if token is None:
                 raise RuntimeError(f"the runner sampled no token for request {rid!r}")
-            _append_token(request, token, runner_output.logprobs.get(rid))
-            status = request.check_stop()
+            request.num_output_placeholders -= 1
+            try:
+                status = self._apply_token(request, token, runner_output.logprobs.get(rid))
+            except Exception as e:  # this request's grammar (a plugin) failed: it alone ends
+                request.error = f"its structured-output grammar failed: {type(e).__name__}: {e}"
+                status = RequestStatus.FINISHED_ERROR
             if status is not None:
                 self._finish(request, status)
             updated.append(request)
         return updated
+
+    @staticmethod
+    def _apply_token(request: Request, token: int,
+                     logprobs: PositionLogprobs | None) -> RequestStatus | None:
+        if token < 0:
+            request.error = ("the model produced no valid next token (its logits were NaN or "
+                             "infinite after the sampling parameters were applied, or the "
+                             "structured-output grammar allowed no token)")
+            return RequestStatus.FINISHED_ERROR
+        _append_token(request, token, logprobs)
+        return request.check_stop()
 
     # -- misc ------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
@@ -292,6 +312,13 @@ class FCFSScheduler(SchedulerInterface):
         self.finish_requests(list(self.requests), RequestStatus.FINISHED_ABORTED)
 
 
+def _finishes_in_flight(request: Request) -> bool:
+    """The tokens in flight bring the request to its length limit."""
+    num_out = request.num_output_tokens + request.num_output_placeholders
+    return num_out >= request.max_tokens or \
+        request.num_tokens + request.num_output_placeholders >= request.max_model_len
+
+
 def _needs_every_position(request: Request) -> bool:
     """Prompt logprobs need every prompt position computed, at least once."""
     return request.sampling_params.prompt_logprobs is not None and \
@@ -304,8 +331,8 @@ def _append_token(request: Request, token: int, logprobs: PositionLogprobs | Non
     if logprobs is not None:
         request.logprobs.append(logprobs)
         request.cumulative_logprob += logprobs[token].logprob
-    if request.grammar is not None:
-        request.grammar.accept_token(token)
+    if request.grammar is not None and not request.grammar.accept_token(token):
+        raise ValueError(f"the grammar does not allow token {token} here")
     if request.first_token_time is None:
         request.first_token_time = now
     request.last_token_time = now

@@ -14,14 +14,22 @@ One step, as the engine drives it::
 Invariants every scheduler keeps:
 
 * ``schedule()`` advances ``request.num_computed_tokens`` by the tokens it schedules, and
-  records the value before that in ``ScheduledRequest.start`` (so the next step could be
-  scheduled before this one's tokens are known).
-* A request that reaches the end of its known tokens (``start + num_new_tokens ==
-  request.num_tokens``) samples one token this step; a partial prefill chunk samples none.
+  records the value before that in ``ScheduledRequest.start``.
+* Async scheduling: the engine calls ``schedule()`` for step N+1 *before*
+  ``update_from_output`` for step N. A step that samples a token counts it in
+  ``request.num_output_placeholders`` until its result is applied; the next step may then
+  schedule the decode of that not-yet-known token (the runner feeds it from the device).
+  ``update_from_output`` turns a placeholder into an appended token; results for a request
+  that is no longer running (finished, aborted, preempted meanwhile) are dropped.
+* A request that reaches the end of its known and in-flight tokens samples one token this
+  step (``ScheduledRequest.samples``); a partial prefill chunk samples none.
 * Preemption is by recompute: the preempted request's blocks are freed, it keeps its tokens,
   goes back to the waiting queue and is prefilled again later. No request is ever dropped.
-* A finished request (stopped, length, aborted) has had all its blocks freed before the call
-  that finished it returns.
+* A finished request (stopped, length, aborted, error) has had all its blocks freed before the
+  call that finished it returns. (Steps run in order on one device stream, so a block freed
+  while an earlier step is in flight is rewritten only by a later step, after that one ends.)
+* Faults are per request: an exception from a request's grammar, or a sampled id of -1 (no
+  valid token), ends that request with ``FINISHED_ERROR`` and ``request.error`` set.
 """
 
 from __future__ import annotations
@@ -61,8 +69,16 @@ class KVLoad:
 
 @dataclass
 class ScheduledRequest:
-    """One request in a step: compute tokens ``[start, start + num_new_tokens)`` of
-    ``request.all_token_ids``, with its KV in ``block_ids`` (its whole block table).
+    """One request in a step: compute tokens ``[start, start + num_new_tokens)`` of the
+    request's sequence, with its KV in ``block_ids``.
+
+    ``block_ids`` is the request's whole block table as the KV-cache manager holds it (the
+    live list, not a copy: read it when the step is prepared, never mutate it). The runner
+    keeps each request's table and copies only the blocks it has not seen yet.
+
+    ``samples`` is decided when the step is scheduled: the step computes the last token of the
+    sequence, including tokens still in flight (``Request.num_output_placeholders``), so it
+    produces a new token.
 
     ``kv_load``, set on admission when a KV connector holds blocks after the local prefix-cache
     hit, ends at ``start``. If the engine cannot load all of it, it moves ``start`` back to
@@ -74,11 +90,13 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]
     kv_load: KVLoad | None = None
+    samples: bool = field(default=None)  # type: ignore[assignment]
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step produces a new token for the request."""
-        return self.start + self.num_new_tokens >= self.request.num_tokens
+    def __post_init__(self) -> None:
+        if self.samples is None:
+            r = self.request
+            self.samples = (self.start + self.num_new_tokens
+                            >= r.num_tokens + r.num_output_placeholders)
 
 
 @dataclass
@@ -102,6 +120,8 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     """What one step computed, keyed by request id."""
 
+    # -1: the row had no valid token (NaN/inf logits, or a grammar that allows nothing); the
+    # scheduler ends that request with FINISHED_ERROR.
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     # The sampled token's logprob (+ top alternatives) for requests that asked for logprobs.
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)

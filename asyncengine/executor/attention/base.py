@@ -28,7 +28,9 @@ class AttentionMetadata:
 
     query_start_loc: list[int]  # [B + 1], cumulative query lengths
     seq_lens: list[int]  # [B], tokens in the cache after this step (context + query)
-    block_tables: list[list[int]]  # [B][ceil(seq_len / block_size)]
+    # [B, max blocks of the step] int64: row i's first ceil(seq_lens[i] / block_size) entries
+    # are its blocks; entries past them are stale (any valid block id), never attended.
+    block_tables: torch.Tensor
     slot_mapping: torch.Tensor  # [T] int64, where each query token's K/V is written
     block_size: int
     # Backend-specific precomputed tensors (index tensors, masks, planned wrappers).

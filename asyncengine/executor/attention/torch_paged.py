@@ -180,8 +180,6 @@ def _padded_group(members: list[int], meta: AttentionMetadata, device: torch.dev
     max_blocks = max(n_blocks)
     rows = [[qsl[i] + min(t, n - 1) for t in range(Q)]
             for i, n in zip(members, q_lens, strict=True)]
-    blocks = [meta.block_tables[i][:nb] + [0] * (max_blocks - nb)
-              for i, nb in zip(members, n_blocks, strict=True)]
     token_rows = torch.tensor(rows, dtype=torch.long)  # [G, Q]
     q_len_t = torch.tensor(q_lens)
     ctx = torch.tensor(seq_lens) - q_len_t  # [G] tokens before this step's
@@ -189,8 +187,12 @@ def _padded_group(members: list[int], meta: AttentionMetadata, device: torch.dev
     real = t[None, :] < q_len_t[:, None]  # [G, Q]
     last_key = torch.where(real, ctx[:, None] + t[None, :], 0)  # [G, Q] causal limit
     mask = torch.arange(max_blocks * bs)[None, None, :] <= last_key[:, :, None]  # [G, Q, L]
-    group = _Group(max_q=Q, token_rows=token_rows.to(device),
-                   blocks=torch.tensor(blocks, dtype=torch.long).to(device))
+    tables = meta.block_tables
+    if len(members) == tables.shape[0] and members == list(range(len(members))):
+        blocks = tables[:, :max_blocks]
+    else:
+        blocks = tables[torch.tensor(members, device=tables.device), :max_blocks]
+    group = _Group(max_q=Q, token_rows=token_rows.to(device), blocks=blocks.to(device))
     if not bool(mask.all()):
         group.mask = mask[:, None].to(device)
     flat_rows = token_rows.flatten()

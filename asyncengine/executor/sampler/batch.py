@@ -1,4 +1,11 @@
-"""SamplingBatch: a step's sampling parameters as tensors, built from one row per request."""
+"""SamplingBatch: one step's sampling parameters as tensors, one row per sampled request.
+
+Two ways to make one: :meth:`SamplingBatch.build` from per-row ``SamplingParams`` and token
+lists (the offline path, and tests), and the persistent input batch
+(``asyncengine.executor.input_batch``), which keeps every request's parameters in preallocated
+columns and its penalty state on the device, and gathers a step's rows with a few indexing
+ops. Either way the sampler sees the same fields.
+"""
 
 from __future__ import annotations
 
@@ -11,48 +18,55 @@ import torch
 
 from asyncengine.core.sampling_params import SamplingParams
 
-# Candidates searched for the top-p nucleus on the CPU before falling back to a full sort.
-_TOP_P_CANDIDATES = 1024
+#: ``temperature`` below this is greedy (as ``SamplingParams.greedy``).
+GREEDY_EPS = 1e-5
 
 
 class SamplingRow(NamedTuple):
-    """One row of the logits: the request's params, tokens so far and seeded generator."""
+    """One row of the logits: the request's params and its tokens so far. A seeded row draws
+    its noise from (seed, number of output tokens so far)."""
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    generator: torch.Generator | None = None
 
 
 @dataclass
-class _Penalties:
+class Penalties:
+    """Repetition (prompt + output tokens), presence and frequency (output tokens) penalties
+    of the rows that have any. Token occurrences come either dense (``counts`` [P, V] and
+    ``prompt_mask`` [P, V], the persistent batch's device state) or as flat (row, token) index
+    pairs (``output_index``, ``prompt_index``), made dense when applied."""
+
     rows: torch.Tensor  # [P] row indices
-    repetition: torch.Tensor | None  # [P, 1]
-    presence: torch.Tensor | None  # [P, 1]
-    frequency: torch.Tensor | None  # [P, 1]
-    prompt_index: tuple[torch.Tensor, torch.Tensor] | None  # (penalty row, token id) pairs
-    output_index: tuple[torch.Tensor, torch.Tensor] | None
+    repetition: torch.Tensor | None = None  # [P, 1]
+    presence: torch.Tensor | None = None  # [P, 1]
+    frequency: torch.Tensor | None = None  # [P, 1]
+    counts: torch.Tensor | None = None  # [P, V] output-token occurrences
+    prompt_mask: torch.Tensor | None = None  # [P, V] bool: in the prompt
+    output_index: tuple[torch.Tensor, torch.Tensor] | None = None
+    prompt_index: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
 class SamplingBatch:
-    """The per-step sampling tensors of a batch, built once by :meth:`build`. A field is None
-    when no row needs it, so a plain batch (greedy, or temperature only) costs almost nothing."""
-
     num_rows: int
     all_greedy: bool
-    greedy: torch.Tensor | None = None  # [N] bool, when greedy and sampled rows are mixed
-    temperature: torch.Tensor | None = None  # [N, 1]; 1.0 for greedy rows
-    top_k: torch.Tensor | None = None  # [N] int64; 0 = disabled
+    greedy: torch.Tensor | None = None  # [N] bool, when some rows are greedy
+    temperature: torch.Tensor | None = None  # [N, 1]
+    top_k: torch.Tensor | None = None  # [N]; <= 0 = disabled
     max_top_k: int = 0
-    top_p_within_top_k: bool = False  # every row with top-p also has a top-k
     top_p: torch.Tensor | None = None  # [N, 1]; inf = disabled
+    top_p_within_top_k: bool = False
     min_p: torch.Tensor | None = None  # [N, 1]
     # Entries set to -inf (min_tokens) and entries biased: flat (row, token) index pairs.
     masked: tuple[torch.Tensor, torch.Tensor] | None = None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    penalties: _Penalties | None = None
-    generators: list[tuple[int, torch.Generator]] = field(default_factory=list)
+    penalties: Penalties | None = None
+    # Seeded rows: their indices, seeds and counters (output tokens so far), int64 [K].
+    seeded_rows: torch.Tensor | None = None
+    seeds: torch.Tensor | None = None
+    counters: torch.Tensor | None = None
     # Requested number of top logprobs per row (None: no logprobs).
     logprobs: list[int | None] = field(default_factory=list)
     # How sampled rows draw: "race" (exponential race, one noise value per token: no host
@@ -68,75 +82,93 @@ class SamplingBatch:
     def build(cls, rows: Sequence[SamplingRow | tuple], *, device: torch.device | str = "cpu",
               eos_token_ids: frozenset[int] | set[int] = frozenset(),
               vocab_size: int | None = None, method: str | None = None) -> SamplingBatch:
-        """Rows are ``(params, prompt_token_ids, output_token_ids, generator)``.
-        ``eos_token_ids`` are masked, with ``params.stop_token_ids``, until a row has
-        ``min_tokens`` outputs (unless ``ignore_eos``). Token ids at or past ``vocab_size`` in
-        ``logit_bias`` or ``stop_token_ids`` are ignored."""
-        rows = [r if isinstance(r, SamplingRow) else SamplingRow(*r) for r in rows]
-        n = len(rows)
+        """Rows are ``(params, prompt_token_ids, output_token_ids)``. ``eos_token_ids`` are
+        masked, with ``params.stop_token_ids``, until a row has ``min_tokens`` outputs (unless
+        ``ignore_eos``). Token ids at or past ``vocab_size`` in ``logit_bias`` or
+        ``stop_token_ids`` are ignored."""
+        rows = [SamplingRow(*r[:3]) for r in rows]
         params = [r.params for r in rows]
-        greedy = [p.greedy for p in params]
-        if method is None:
-            method = "race" if torch.device(device).type == "cuda" else "cdf"
-        elif method not in ("race", "cdf"):
-            raise ValueError(f"sampling method must be 'race' or 'cdf', got {method!r}")
-        batch = cls(num_rows=n, all_greedy=all(greedy), logprobs=[p.logprobs for p in params],
-                    method=method)
-
-        def in_vocab(t: int) -> bool:
-            return 0 <= t and (vocab_size is None or t < vocab_size)
 
         def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(data, dtype=dtype, device=device)
 
-        # min_tokens and logit bias
+        batch = cls.from_columns(
+            temperature=[p.temperature for p in params], top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params], min_p=[p.min_p for p in params],
+            seeds=[p.seed for p in params], counters=[len(r.output_token_ids) for r in rows],
+            logprobs=[p.logprobs for p in params], device=device, method=method)
         mask_rows: list[int] = []
         mask_cols: list[int] = []
-        bias_rows: list[int] = []
-        bias_cols: list[int] = []
-        bias_vals: list[float] = []
         for i, (p, r) in enumerate(zip(params, rows, strict=True)):
             if len(r.output_token_ids) < p.min_tokens:
-                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-                cols = [t for t in stops if in_vocab(t)]
+                cols = min_tokens_stops(p, eos_token_ids, vocab_size)
                 mask_rows += [i] * len(cols)
                 mask_cols += cols
-            if p.logit_bias:
-                for t, v in p.logit_bias.items():
-                    if in_vocab(int(t)):
-                        bias_rows.append(i)
-                        bias_cols.append(int(t))
-                        bias_vals.append(float(v))
         if mask_rows:
             batch.masked = (tensor(mask_rows, torch.long), tensor(mask_cols, torch.long))
-        if bias_rows:
-            batch.bias = (tensor(bias_rows, torch.long), tensor(bias_cols, torch.long),
-                          tensor(bias_vals, torch.float32))
-        batch.penalties = _build_penalties(rows, tensor)
+        biased = [(i, t, v) for i, p in enumerate(params) if p.logit_bias
+                  for t, v in p.logit_bias.items()
+                  if 0 <= int(t) and (vocab_size is None or int(t) < vocab_size)]
+        if biased:
+            b_rows, b_cols, b_vals = zip(*biased, strict=True)
+            batch.bias = (tensor(list(b_rows), torch.long), tensor([int(c) for c in b_cols],
+                                                                   torch.long),
+                          tensor([float(v) for v in b_vals], torch.float32))
+        batch.penalties = _penalties_from_lists(rows, tensor)
+        return batch
 
+    @classmethod
+    def from_columns(cls, *, temperature: Sequence[float], top_k: Sequence[int],
+                     top_p: Sequence[float], min_p: Sequence[float],
+                     seeds: Sequence[int | None], counters: Sequence[int],
+                     logprobs: list[int | None], device: torch.device | str = "cpu",
+                     method: str | None = None) -> SamplingBatch:
+        """The filters and seeds of a batch from per-row values (no masks or penalties)."""
+        if method is None:
+            method = "race" if torch.device(device).type == "cuda" else "cdf"
+        elif method not in ("race", "cdf"):
+            raise ValueError(f"sampling method must be 'race' or 'cdf', got {method!r}")
+        greedy = [t < GREEDY_EPS for t in temperature]
+        batch = cls(num_rows=len(greedy), all_greedy=all(greedy), logprobs=logprobs,
+                    method=method)
         if batch.all_greedy:
             return batch
+
+        def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(data, dtype=dtype, device=device)
+
         if any(greedy):
             batch.greedy = tensor(greedy, torch.bool)
-        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        temps = [1.0 if g else t for t, g in zip(temperature, greedy, strict=True)]
         if any(t != 1.0 for t in temps):
             batch.temperature = tensor(temps, torch.float32).unsqueeze(1)
-        if any(p.top_k > 0 for p in params):
-            batch.top_k = tensor([p.top_k for p in params], torch.long)
-            batch.max_top_k = max(p.top_k for p in params)
-        if any(p.top_p < 1.0 for p in params):
+        if any(k > 0 for k in top_k):
+            batch.top_k = tensor(list(top_k), torch.long)
+            batch.max_top_k = max(top_k)
+        if any(p < 1.0 for p in top_p):
             # inf for disabled rows: a float cumsum may exceed 1.0 and must not cut their tail.
-            top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
-            batch.top_p = tensor(top_p, torch.float32).unsqueeze(1)
-            batch.top_p_within_top_k = all(p.top_k > 0 for p in params if p.top_p < 1.0)
-        if any(p.min_p > 0.0 for p in params):
-            batch.min_p = tensor([p.min_p for p in params], torch.float32).unsqueeze(1)
-        batch.generators = [(i, r.generator) for i, r in enumerate(rows)
-                            if r.generator is not None and not greedy[i]]
+            batch.top_p = tensor([p if p < 1.0 else float("inf") for p in top_p],
+                                 torch.float32).unsqueeze(1)
+            batch.top_p_within_top_k = all(k > 0 for k, p in zip(top_k, top_p, strict=True)
+                                           if p < 1.0)
+        if any(m > 0.0 for m in min_p):
+            batch.min_p = tensor(list(min_p), torch.float32).unsqueeze(1)
+        seeded = [i for i, s in enumerate(seeds) if s is not None and not greedy[i]]
+        if seeded:
+            batch.seeded_rows = tensor(seeded, torch.long)
+            batch.seeds = tensor([seeds[i] for i in seeded], torch.long)
+            batch.counters = tensor([counters[i] for i in seeded], torch.long)
         return batch
 
 
-def _build_penalties(rows: list[SamplingRow], tensor) -> _Penalties | None:
+def min_tokens_stops(params: SamplingParams, eos_token_ids: frozenset[int] | set[int],
+                     vocab_size: int | None) -> list[int]:
+    """The tokens held back until a request has ``min_tokens`` outputs."""
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    return [t for t in stops if 0 <= t and (vocab_size is None or t < vocab_size)]
+
+
+def _penalties_from_lists(rows: list[SamplingRow], tensor) -> Penalties | None:
     idx = [i for i, r in enumerate(rows)
            if r.params.repetition_penalty != 1.0 or r.params.presence_penalty != 0.0
            or r.params.frequency_penalty != 0.0]
@@ -156,7 +188,7 @@ def _build_penalties(rows: list[SamplingRow], tensor) -> _Penalties | None:
         return tensor(row, torch.long), tensor(list(chain.from_iterable(seqs)), torch.long)
 
     repetition = column([p.repetition_penalty for p in ps], 1.0)
-    return _Penalties(
+    return Penalties(
         rows=tensor(idx, torch.long),
         repetition=repetition,
         presence=column([p.presence_penalty for p in ps], 0.0),
@@ -165,10 +197,3 @@ def _build_penalties(rows: list[SamplingRow], tensor) -> _Penalties | None:
         else None,
         output_index=pairs([rows[i].output_token_ids for i in idx]),
     )
-
-
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A generator for a seeded request (None for an unseeded one)."""
-    if seed is None:
-        return None
-    return torch.Generator(device=torch.device(device)).manual_seed(seed)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncengine.executor.sampler.batch import SamplingBatch
+from asyncengine.executor.sampler.batch import Penalties, SamplingBatch
 
 # Candidates searched for the top-p nucleus on the CPU before falling back to a full sort.
 _TOP_P_CANDIDATES = 1024
@@ -20,26 +20,32 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         x[batch.masked] = float("-inf")
     pen = batch.penalties
     if pen is not None:
-        sub = x[pen.rows]
-        counts = None
-        if pen.output_index is not None:
-            counts = torch.zeros_like(sub)
-            ones = torch.ones(pen.output_index[0].numel(), dtype=sub.dtype, device=sub.device)
-            counts.index_put_(pen.output_index, ones, accumulate=True)
-        if pen.repetition is not None:
-            seen = counts > 0 if counts is not None else torch.zeros_like(sub, dtype=torch.bool)
-            if pen.prompt_index is not None:
-                seen[pen.prompt_index] = True
-            rep = pen.repetition.expand_as(sub)
-            penalized = torch.where(sub > 0, sub / rep, sub * rep)
-            sub = torch.where(seen, penalized, sub)
-        if counts is not None:
-            if pen.frequency is not None:
-                sub = sub - pen.frequency * counts
-            if pen.presence is not None:
-                sub = sub - pen.presence * (counts > 0).to(sub.dtype)
-        x[pen.rows] = sub
+        x[pen.rows] = _penalize(x[pen.rows], pen)
     return x
+
+
+def _penalize(sub: torch.Tensor, pen: Penalties) -> torch.Tensor:
+    """vLLM's order: repetition (prompt and output tokens), then frequency and presence
+    (output tokens) on the rows ``sub`` [P, V]."""
+    counts = pen.counts
+    if counts is None and pen.output_index is not None:
+        counts = torch.zeros_like(sub)
+        ones = torch.ones(pen.output_index[0].numel(), dtype=sub.dtype, device=sub.device)
+        counts.index_put_(pen.output_index, ones, accumulate=True)
+    if pen.repetition is not None:
+        seen = counts > 0 if counts is not None else torch.zeros_like(sub, dtype=torch.bool)
+        if pen.prompt_mask is not None:
+            seen |= pen.prompt_mask
+        elif pen.prompt_index is not None:
+            seen[pen.prompt_index] = True
+        rep = pen.repetition.expand_as(sub)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    if counts is not None:
+        if pen.frequency is not None:
+            sub = sub - pen.frequency * counts.to(sub.dtype)
+        if pen.presence is not None:
+            sub = sub - pen.presence * (counts > 0).to(sub.dtype)
+    return sub
 
 
 def apply_top_k(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> None:

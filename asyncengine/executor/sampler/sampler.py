@@ -1,12 +1,19 @@
-"""Batched sampling and logprobs on the final logits.
+"""Batched sampling on the final logits.
 
 The order of processing is vLLM's: logit bias, min_tokens (stop tokens masked), penalties
 (repetition on prompt + output tokens, presence/frequency on output tokens); greedy rows then
 take the argmax, the others go through temperature, top-k, top-p and min-p and are sampled.
 On CUDA sampling is the exponential race (``argmax(probs / q)``, ``q ~ Exp(1)``, no host sync);
 on the CPU, where noise for the whole vocabulary is the dominant cost, it is the inverse CDF
-(one uniform per row). Either way a seeded row draws from its own generator, so it samples the
-same tokens alone and in any batch.
+(one uniform per row). Seeded rows take their noise from a counter-based hash of (seed,
+output position) (``noise.py``), so they sample the same tokens alone and in any batch, with
+no per-row generator or kernel.
+
+A row with no valid probability mass (NaN or infinite logits after processing, everything
+masked by a grammar) gets the id ``-1`` instead of a token: the scheduler ends that request
+alone with an error. The sampler never returns an id outside ``[0, vocab)`` otherwise. The
+checks cost O(rows), not O(rows x vocab): they look at the chosen logit, or at the row's
+total mass.
 
 Logprobs are those of the raw model distribution (``log_softmax`` of the logits before any
 processing).
@@ -21,14 +28,19 @@ import torch
 from asyncengine.core.request import PositionLogprobs
 from asyncengine.executor.sampler.batch import SamplingBatch
 from asyncengine.executor.sampler.logprobs import compute_logprobs
+from asyncengine.executor.sampler.noise import seeded_uniform
 from asyncengine.executor.sampler.processing import apply_top_k, apply_top_p, process_logits
+
+#: The id of a row that had no valid token.
+NO_TOKEN = -1
 
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int]  # NO_TOKEN for a row with no valid token
     # Per row: the sampled token's raw logprob and rank plus the top alternatives, or None.
     logprobs: list[PositionLogprobs | None]
+    token_ids_tensor: torch.Tensor | None = None  # [N] on the logits' device
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -38,23 +50,26 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     token_ids = sample_ids(logits, batch)
     want = [i for i, k in enumerate(batch.logprobs) if k is not None]
     logprobs: list[PositionLogprobs | None] = [None] * batch.num_rows
+    ids = token_ids.tolist()
     if want:
         rows = torch.tensor(want, device=logits.device)
-        entries = compute_logprobs(logits[rows], token_ids[rows],
-                                   [batch.logprobs[i] or 0 for i in want])
+        chosen = token_ids[rows].clamp(min=0)
+        entries = compute_logprobs(logits[rows], chosen, [batch.logprobs[i] or 0 for i in want])
         for i, entry in zip(want, entries, strict=True):
-            logprobs[i] = entry
-    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+            if ids[i] != NO_TOKEN:
+                logprobs[i] = entry
+    return SamplerOutput(token_ids=ids, logprobs=logprobs, token_ids_tensor=token_ids)
 
 
 def sample_ids(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The sampled token ids as a device tensor ``[N]`` (no host synchronization on CUDA)."""
+    """The sampled token ids as a device tensor ``[N]`` (no host synchronization on CUDA);
+    ``NO_TOKEN`` for rows with no valid token."""
     x = logits
     if batch.needs_processing:
         x = process_logits(logits, batch)
     if batch.all_greedy:
-        return x.argmax(dim=-1)
-    greedy_ids = x.argmax(dim=-1) if batch.greedy is not None else None
+        return _greedy(x)
+    greedy_ids = _greedy(x) if batch.greedy is not None else None
     if batch.temperature is not None:
         x = x / batch.temperature
     elif x is logits:
@@ -76,30 +91,49 @@ def sample_ids(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return sampled
 
 
+def _greedy(x: torch.Tensor) -> torch.Tensor:
+    ids = x.argmax(dim=-1)
+    # argmax returns a NaN's index if there is one; an all -inf row returns -inf; a +inf
+    # logit means the numbers broke. All show in the chosen value.
+    chosen = x.gather(1, ids[:, None]).squeeze(1)
+    return torch.where(torch.isfinite(chosen), ids, NO_TOKEN)
+
+
+def _noise(batch: SamplingBatch, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Uniforms in (0, 1): the global generator's for unseeded rows, (seed, position)'s for
+    seeded ones. ``shape`` is ``(N, 1)`` (one per row) or ``(N, V)`` (one per token)."""
+    n, width = shape
+    if batch.seeded_rows is not None and batch.seeded_rows.numel() == n:
+        u = torch.empty(shape, device=device)
+    else:
+        u = torch.rand(shape, device=device)
+    if batch.seeded_rows is not None:
+        seeded = seeded_uniform(batch.seeds, batch.counters, None if width == 1 else width)
+        u[batch.seeded_rows] = seeded.view(-1, width)
+    return u
+
+
 def _exponential_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """``argmax(probs / q)`` with ``q ~ Exp(1)``: one noise value per token, no sync."""
-    q = torch.empty_like(probs)
-    if len(batch.generators) < batch.num_rows:
-        q.exponential_()
-    for i, gen in batch.generators:
-        q[i].exponential_(generator=gen)
+    q = _noise(batch, tuple(probs.shape), probs.device).log_().neg_()
     # An Exp(1) draw of exactly 0 would turn a zero probability into 0/0 = nan (and argmax
     # picks nan); clamping keeps masked tokens at probability 0.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+    scores = probs.div_(q)
+    ids = scores.argmax(dim=-1)
+    best = scores.gather(1, ids[:, None]).squeeze(1)
+    # No mass (all zero) or broken numbers (NaN, inf) leave no valid token.
+    return torch.where(torch.isfinite(best) & (best > 0), ids, NO_TOKEN)
 
 
 def _inverse_cdf(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """One uniform draw per row, located in the row's cumulative distribution."""
-    n = probs.shape[0]
-    if len(batch.generators) < n:
-        u = torch.rand(n, 1, device=probs.device)
-    else:
-        u = torch.empty(n, 1, device=probs.device)
-    for i, gen in batch.generators:
-        u[i] = torch.rand(1, generator=gen, device=probs.device)
+    u = _noise(batch, (probs.shape[0], 1), probs.device)
     cdf = probs.cumsum_(dim=-1)
     total = cdf[:, -1:]
     # Strictly below the total, so the first entry above it is a token of non-zero mass.
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    total = total.squeeze(1)
+    ok = torch.isfinite(total) & (total > 0) & (ids < probs.shape[1])
+    return torch.where(ok, ids, NO_TOKEN)
