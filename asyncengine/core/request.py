@@ -99,6 +99,10 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        # Output tokens this request may produce (bounded by the model's context).
+        limit = self.max_model_len - len(self.prompt_token_ids)
+        mt = self.sampling_params.max_tokens
+        self.max_tokens: int = limit if mt is None else min(mt, limit)
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -113,12 +117,6 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    @property
-    def max_tokens(self) -> int:
-        """Output tokens this request may produce (bounded by the model's context)."""
-        limit = self.max_model_len - self.num_prompt_tokens
-        mt = self.sampling_params.max_tokens
-        return limit if mt is None else min(mt, limit)
 
     @property
     def is_finished(self) -> bool:

@@ -48,7 +48,7 @@ class OutputProcessor:
             request=request,
             detokenizer=IncrementalDetokenizer.from_params(
                 self.tokenizer, request.prompt_token_ids, params),
-            logprobs=[] if params.logprobs is not None else None,
+            want_logprobs=params.logprobs is not None,
         )
 
     def add(self, stream: RequestStream) -> None:
@@ -98,14 +98,14 @@ class OutputProcessor:
             return
         if req.status == RequestStatus.FINISHED_ERROR:
             raise RequestFailed(f"request {req.request_id} failed: {req.error}")
-        new = req.output_token_ids[len(sample.token_ids):]
-        if new:
+        tokens = req.output_token_ids
+        if len(tokens) > sample.num_emitted:
+            new = tokens[sample.num_emitted:]
             self._observe_tokens(sample, len(new), now)
-            sample.token_ids.extend(new)
-            if sample.logprobs is not None:
-                sample.logprobs.extend(req.logprobs[len(sample.logprobs):])
+            sample.num_emitted = len(tokens)
             detok = sample.detokenizer
-            detok.update(new, stop_terminated=_ended_by_stop_token(req))
+            detok.update(new, stop_terminated=req.status == RequestStatus.FINISHED_STOPPED
+                         and _ended_by_stop_token(req))
             if detok.finished:  # a stop string: it wins over any other reason
                 sample.finish_reason, sample.stop_reason = "stop", detok.stop_reason
                 if not req.is_finished:
@@ -148,7 +148,7 @@ class OutputProcessor:
             self._stream_of.pop(r.request_id, None)
             if self.metrics is not None:
                 self.metrics.on_request_finished(now - r.arrival_time, s.finish_reason,
-                                                 r.num_prompt_tokens, len(s.token_ids))
+                                                 r.num_prompt_tokens, s.num_emitted)
 
     def _observe_tokens(self, sample: SampleState, count: int, now: float) -> None:
         """TTFT and inter-token latencies, as the caller sees them (at emission)."""

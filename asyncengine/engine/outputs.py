@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from asyncengine.core.request import PositionLogprobs
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One of the n samples of a request.
 
@@ -34,7 +34,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -44,7 +44,7 @@ class RequestMetrics:
     num_cached_tokens: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

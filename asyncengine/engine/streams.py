@@ -7,13 +7,12 @@ never makes a backlog grow: the steps it missed merge into one RequestOutput.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import anyio
-
-from asyncengine.core.request import PositionLogprobs, Request
+from asyncengine.core.request import Request
 from asyncengine.engine.errors import EngineDeadError, RequestFailed
 from asyncengine.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from asyncengine.text.detokenizer import IncrementalDetokenizer
@@ -21,13 +20,14 @@ from asyncengine.text.detokenizer import IncrementalDetokenizer
 
 @dataclass
 class SampleState:
-    """One of the n samples: the request, its detokenizer (which holds the text emitted so far,
-    in chunks) and what the consumer has been given."""
+    """One of the n samples: the request (whose ``output_token_ids`` and ``logprobs`` hold the
+    tokens), its detokenizer (which holds the emitted text, in chunks), how many tokens have
+    been emitted, and what the consumer has been given. Nothing is kept twice."""
 
     request: Request
     detokenizer: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] | None = None
+    want_logprobs: bool = False
+    num_emitted: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     sent_tokens: int = 0
@@ -36,7 +36,7 @@ class SampleState:
 
     @property
     def has_news(self) -> bool:
-        return self.sent_tokens < len(self.token_ids) or \
+        return self.sent_tokens < self.num_emitted or \
             self.sent_chunks < len(self.detokenizer.chunks)
 
 
@@ -59,7 +59,9 @@ class RequestStream:
         self.prompt_token_ids = prompt_token_ids
         self.samples = samples
         self._on_abort = on_abort
-        self._event = anyio.Event()
+        # asyncio's own Event, set by the loop and cleared by the consumer: no allocation per
+        # step (the engine runs on asyncio, as aiohttp does).
+        self._event = asyncio.Event()
         self._error: BaseException | None = None
         self._delivered_final = False
         self._first = samples[0].request
@@ -81,7 +83,10 @@ class RequestStream:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        for s in self.samples:
+            if s.finish_reason is None:
+                return False
+        return True
 
     # -- consumer side --------------------------------------------------------------------------
     def __aiter__(self) -> RequestStream:
@@ -96,35 +101,38 @@ class RequestStream:
             if self.finished or any(s.has_news for s in self.samples):
                 break
             await self._event.wait()
-            self._event = anyio.Event()
+            self._event.clear()
         return self._take()
 
     def _take(self) -> RequestOutput:
         outputs = []
         for i, s in enumerate(self.samples):
             chunks = s.detokenizer.chunks
-            new_text = "".join(chunks[s.sent_chunks:])
-            new_ids = s.token_ids[s.sent_tokens:]
+            sent = s.sent_chunks
+            n = len(chunks)
+            new_text = "" if n == sent else chunks[sent] if n == sent + 1 else \
+                "".join(chunks[sent:])
+            req, emitted = s.request, s.num_emitted
+            new_ids = req.output_token_ids[s.sent_tokens:emitted]
             if self.deltas_only:
                 text, token_ids = new_text, new_ids
-                logprobs = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
+                logprobs = req.logprobs[s.sent_tokens:emitted] if s.want_logprobs else None
             else:
-                text, token_ids = s.detokenizer.text, list(s.token_ids)
-                logprobs = list(s.logprobs) if s.logprobs is not None else None
+                text, token_ids = s.detokenizer.text, req.output_token_ids[:emitted]
+                logprobs = req.logprobs[:emitted] if s.want_logprobs else None
             outputs.append(CompletionOutput(
                 index=i,
                 text=text,
                 token_ids=token_ids,
                 delta_text=new_text,
                 delta_token_ids=new_ids,
-                cumulative_logprob=(s.request.cumulative_logprob
-                                    if s.logprobs is not None else None),
+                cumulative_logprob=req.cumulative_logprob if s.want_logprobs else None,
                 logprobs=logprobs,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
-                num_output_tokens=len(s.token_ids),
+                num_output_tokens=emitted,
             ))
-            s.sent_tokens, s.sent_chunks = len(s.token_ids), len(chunks)
+            s.sent_tokens, s.sent_chunks = emitted, n
         finished = self.finished
         self._delivered_final = finished
         r = self._first

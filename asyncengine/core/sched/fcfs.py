@@ -259,6 +259,7 @@ class FCFSScheduler(SchedulerInterface):
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
         updated: list[Request] = []
+        now = time.monotonic()
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
             if request.status != RequestStatus.RUNNING:
@@ -276,7 +277,7 @@ class FCFSScheduler(SchedulerInterface):
                 raise RuntimeError(f"the runner sampled no token for request {rid!r}")
             request.num_output_placeholders -= 1
             try:
-                status = self._apply_token(request, token, runner_output.logprobs.get(rid))
+                status = self._apply_token(request, token, runner_output.logprobs.get(rid), now)
             except Exception as e:  # this request's grammar (a plugin) failed: it alone ends
                 request.error = f"its structured-output grammar failed: {type(e).__name__}: {e}"
                 status = RequestStatus.FINISHED_ERROR
@@ -286,14 +287,14 @@ class FCFSScheduler(SchedulerInterface):
         return updated
 
     @staticmethod
-    def _apply_token(request: Request, token: int,
-                     logprobs: PositionLogprobs | None) -> RequestStatus | None:
+    def _apply_token(request: Request, token: int, logprobs: PositionLogprobs | None,
+                     now: float) -> RequestStatus | None:
         if token < 0:
             request.error = ("the model produced no valid next token (its logits were NaN or "
                              "infinite after the sampling parameters were applied, or the "
                              "structured-output grammar allowed no token)")
             return RequestStatus.FINISHED_ERROR
-        _append_token(request, token, logprobs)
+        _append_token(request, token, logprobs, now)
         return request.check_stop()
 
     # -- misc ------------------------------------------------------------------------------
@@ -325,8 +326,8 @@ def _needs_every_position(request: Request) -> bool:
         len(request.prompt_logprobs or ()) < request.num_prompt_tokens
 
 
-def _append_token(request: Request, token: int, logprobs: PositionLogprobs | None) -> None:
-    now = time.monotonic()
+def _append_token(request: Request, token: int, logprobs: PositionLogprobs | None,
+                  now: float) -> None:
     request.append_output_token(token)
     if logprobs is not None:
         request.logprobs.append(logprobs)

@@ -93,7 +93,8 @@ async def _serve_engine(args: argparse.Namespace) -> None:
     config = EngineConfig.from_dict({
         "model": args.model_dir, "load_format": "dummy", "dtype": "float32",
         "max_num_seqs": n, "max_num_batched_tokens": max(2048, 16 * n),
-        "max_model_len": 1024, "kv_cache_memory": "256MiB"})
+        "max_model_len": 1024, "kv_cache_memory": "256MiB",
+        "num_threads": int(os.environ.get("ASYNCENGINE_BENCH_THREADS", "0")) or None})
     engine = AsyncEngine(config)
     if args.serve == "null":
         token = engine.tokenizer.encode(" the", add_special_tokens=False)[0]
