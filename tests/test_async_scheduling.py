@@ -95,11 +95,11 @@ def test_step_n_plus_1_is_launched_before_step_n_reaches_the_host(tiny_llama):
     assert steps >= 12
     for n in range(steps - 1):
         assert order[("launch", n + 1)] < order[("update", n)], f"step {n + 1} waited for {n}"
-    # The device idles between steps only for what the host did not overlap: the gap from a
-    # step's end to the next one's start is small next to the 10 ms steps.
+    # Step N+1 was already queued while step N still ran on the device (its 10 ms), so the
+    # device never waited for the host to schedule and prepare it.
     at = {(kind, n): t for kind, n, t in events}
-    gaps = sorted(at[("start", n + 1)] - at[("end", n)] for n in range(steps - 1))
-    assert gaps[len(gaps) // 2] < 0.005
+    queued_early = sum(at[("launch", n + 1)] < at[("end", n)] for n in range(steps - 1))
+    assert queued_early >= 0.8 * (steps - 1)
 
 
 def test_abort_during_an_in_flight_step_frees_every_block(tiny_llama):
@@ -131,10 +131,15 @@ def test_abort_during_an_in_flight_step_frees_every_block(tiny_llama):
                     kept[i] = out.outputs[0].token_ids
 
             async def drop(prompt: str, after: int) -> None:
+                rid = f"drop-{after}"
                 async for out in engine.generate(prompt, SamplingParams(max_tokens=50,
-                                                                        ignore_eos=True)):
+                                                                        ignore_eos=True),
+                                                 request_id=rid):
                     if len(out.outputs[0].token_ids) >= after:
-                        aborted_in_flight.append(in_step.is_set())
+                        # a launched step that is not processed yet computes this request
+                        aborted_in_flight.append(any(
+                            s.request.request_id == rid
+                            for step in engine.loop.in_flight for s in step.out.scheduled))
                         break  # leaving the stream aborts the request
 
             async with anyio.create_task_group() as tg:
@@ -152,4 +157,4 @@ def test_abort_during_an_in_flight_step_frees_every_block(tiny_llama):
     alone, kept, free, total, aborted_in_flight = anyio.run(main)
     assert kept == alone
     assert free == total
-    assert len(aborted_in_flight) == 6 and any(aborted_in_flight)  # aborts landed mid-step
+    assert aborted_in_flight == [True] * 6  # every abort landed while its step was in flight
