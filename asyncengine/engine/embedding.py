@@ -1,8 +1,10 @@
 """``AsyncEngine.embed``: embeddings of token-id prompts, computed on the engine's device.
 
 The forward pass (``executor/pooling.py``) is submitted through the engine's ``Device``,
-like a step: the one worker runs it between two steps, never at the same time as one, and
-the event loop keeps serving while it runs. Prompts are grouped so that one submission
+like a step: its one worker thread runs it in launch order between two steps, never at the
+same time as one, and the event loop keeps serving while it runs. It uses a KV cache of its
+own and none of the runner's per-step state, so it may sit between step N and a step N+1
+launched before N finished. Prompts are grouped so that one submission
 holds at most ``--max-num-batched-tokens`` tokens (or one prompt): a large request delays
 the steps of running generations by about one prefill of that size at a time.
 """
@@ -12,7 +14,6 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-import anyio
 import numpy as np
 
 from asyncengine.engine.errors import EngineDeadError
@@ -41,12 +42,11 @@ async def embed(engine: Any, prompts: list[list[int]], *, pooling: str | None = 
     runner = engine.runner
     budget = engine.config.scheduler.max_num_batched_tokens
     out: list[np.ndarray] = []
-    async with anyio.create_task_group() as tg:
-        for batch in _batches(prompts, budget):
-            fn = partial(embed_batch, runner.model, runner.attn_backend, runner.block_size,
-                         runner.device, engine.parts.dtype, batch, pooling, normalize)
-            handle = await engine.device.launch(tg, fn)
-            out.append(await handle.wait())
+    for batch in _batches(prompts, budget):
+        fn = partial(embed_batch, runner.model, runner.attn_backend, runner.block_size,
+                     runner.device, engine.parts.dtype, batch, pooling, normalize)
+        # Queued behind the steps already launched; the next ones queue behind it.
+        out.append(await engine.device.launch(fn).wait())
     return np.concatenate(out) if out else np.zeros((0, embedding_size(engine)), np.float32)
 
 

@@ -37,8 +37,7 @@ def embed_batch(model: torch.nn.Module, attn_backend: AttentionBackend, block_si
     meta = AttentionMetadata(
         query_start_loc=[int(s) for s in starts],
         seq_lens=lens,
-        block_tables=[list(range(int(first_block[i]), int(first_block[i + 1])))
-                      for i in range(len(prompts))],
+        block_tables=_block_tables(first_block, device),
         slot_mapping=torch.from_numpy(slots).to(device),
         block_size=bs,
     )
@@ -58,3 +57,12 @@ def embed_batch(model: torch.nn.Module, attn_backend: AttentionBackend, block_si
     if normalize:
         pooled = F.normalize(pooled, p=2, dim=-1)
     return pooled.cpu().numpy()
+
+
+def _block_tables(first_block: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``[B, max blocks]``: row i holds its consecutive blocks, padded with its first one."""
+    counts = np.diff(first_block)
+    width = int(counts.max())
+    table = first_block[:-1, None] + np.minimum(np.arange(width)[None, :],
+                                                np.maximum(counts - 1, 0)[:, None])
+    return torch.from_numpy(table.astype(np.int64)).to(device)

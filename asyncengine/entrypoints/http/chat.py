@@ -62,12 +62,15 @@ def render_chat(engine: AsyncEngine, messages: list[ChatMessage],
         if m.tool_calls is not None and m.role != "assistant":
             raise bad_request("only assistant messages hold tool_calls",
                               f"messages[{i}].tool_calls")
-    if continue_final_message and add_generation_prompt:
-        raise bad_request("continue_final_message needs add_generation_prompt to be false",
-                          "continue_final_message")
     kwargs = dict(template_kwargs or {})
     for reserved in ("messages", "conversation", "chat_template", "tokenize"):
         kwargs.pop(reserved, None)
+    # chat_template_kwargs may set the template's own switches too (as vLLM lets them).
+    add_generation_prompt = bool(kwargs.pop("add_generation_prompt", add_generation_prompt))
+    continue_final_message = bool(kwargs.pop("continue_final_message", continue_final_message))
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("continue_final_message needs add_generation_prompt to be false",
+                          "continue_final_message")
     if tools:
         kwargs["tools"] = tools
     if continue_final_message:

@@ -85,7 +85,9 @@ async def create_embeddings(request: web.Request) -> web.Response:
         prompts = [p[-k:] for p in prompts]
     try:
         vectors = await engine.embed(prompts, normalize=body.normalize is not False)
-    except (ValueError, EngineDeadError) as e:
+    except ValueError as e:  # an empty or too long input
+        raise bad_request(str(e), "input") from None
+    except EngineDeadError as e:
         raise to_api_error(e) from None
     as_base64 = body.encoding_format == "base64"
     data = [Embedding(i, _b64(v) if as_base64 else v.tolist()) for i, v in enumerate(vectors)]

@@ -85,8 +85,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             structured_outputs=plan.structured_outputs or fmt)
     except ValueError as e:
         err = from_value_error(e, KNOWN_PARAMS)
-        if err.param == "max_tokens":
-            err.param = "max_output_tokens"
+        if err.param == "max_tokens":  # this API's name for it
+            err = bad_request(err.message.replace("max_tokens", "max_output_tokens"),
+                              "max_output_tokens")
         raise err from None
     call = _Response(state, body, request_id(request, "resp"), plan)
     streams = await open_streams(engine, [prompt], params, call.id, 0)
