@@ -20,6 +20,8 @@ logger = logging.getLogger("asyncengine.entrypoints.http")
 T = TypeVar("T")
 
 _logged: set[str] = set()
+#: Names remembered at most (clients could send endless distinct names).
+MAX_LOGGED = 1024
 
 
 def decode(data: bytes, type_: type[T]) -> T:
@@ -28,7 +30,7 @@ def decode(data: bytes, type_: type[T]) -> T:
     unknown: list[str] = []
     _walk(obj, _info(type_), "", unknown)
     for name in unknown:
-        if name not in _logged:
+        if name not in _logged and len(_logged) < MAX_LOGGED:
             _logged.add(name)
             logger.warning("ignoring the request field %r: not used by this server (logged once "
                            "per field name)", name)
