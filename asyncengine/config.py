@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -19,6 +20,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("none", "int8")
+POOLING_TYPES = ("last", "mean")
+GENERATION_CONFIG_HELP = (
+    "server-side sampling defaults: auto (the model's generation_config.json: temperature, "
+    "top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (none: OpenAI's "
+    "defaults), or a directory holding a generation_config.json")
 
 
 @dataclass
@@ -38,20 +44,40 @@ class ModelConfig:
                 "with bfloat16, at a small accuracy cost)", "choices": QUANTIZATIONS})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context length (default: the model's, capped at 8192)"})
-    served_model_name: str | None = field(default=None, metadata={
-        "help": "the model name clients use (default: the model argument)"})
+    served_model_name: list[str] | None = field(default=None, metadata={
+        "help": "the model names clients may use; the first is the one responses and "
+                "metrics carry (default: the model argument)", "nargs": "+"})
     seed: int = field(default=0, metadata={"help": "seed for dummy weights and unseeded "
                                            "sampling"})
     chat_template: str | None = field(default=None, metadata={
         "help": "a Jinja chat template, or a file holding one"})
+    generation_config: str = field(default="auto", metadata={"help": GENERATION_CONFIG_HELP})
+    override_generation_config: dict[str, Any] | str | None = field(default=None, metadata={
+        "help": "JSON object of sampling defaults over the generation config's, e.g. "
+                "'{\"temperature\": 0.5}'"})
+    max_logprobs: int = field(default=20, metadata={
+        "help": "most logprobs a request may ask for per token"})
+    pooling_type: str = field(default="last", metadata={
+        "help": "how /v1/embeddings pools the final hidden states: last (token) or mean",
+        "choices": POOLING_TYPES})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "accepted for vLLM compatibility; the model code here is our own, so no code "
+                "from the model repository ever runs"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "accepted for vLLM compatibility (no graph capture here yet: no effect)"})
 
 
 @dataclass
 class CacheConfig:
     block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
     kv_cache_memory: str = field(default="auto", metadata={
-        "help": "KV-cache size, e.g. 2GiB or 512MiB (auto: 1 GiB on the CPU, 90%% of free "
-                "memory on CUDA)"})
+        "help": "KV-cache size, e.g. 2GiB or 512MiB (auto: 1 GiB on the CPU; on CUDA the "
+                "free memory times --gpu-memory-utilization)",
+        "aliases": ("--kv-cache-memory-bytes",)})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "fraction of the GPU's free memory the KV cache may take (CUDA only)"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "KV-cache dtype: auto (the model's dtype; the only one supported)"})
     num_gpu_blocks_override: int | None = field(default=None, metadata={
         "help": "use exactly this many KV-cache blocks (testing)"})
     enable_prefix_caching: bool = field(default=True, metadata={
@@ -61,7 +87,8 @@ class CacheConfig:
 @dataclass
 class SchedulerConfig:
     scheduler: str = field(default="fcfs", metadata={
-        "help": "scheduler: a registered name (fcfs, priority) or pkg.module:Class"})
+        "help": "scheduler: a registered name (fcfs, priority) or pkg.module:Class",
+        "aliases": ("--scheduling-policy",)})
     max_num_seqs: int = field(default=64, metadata={"help": "most requests in one step"})
     max_num_batched_tokens: int = field(default=2048, metadata={
         "help": "most tokens computed in one step"})
@@ -86,9 +113,19 @@ class DeviceConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "devices per model (only 1 until tensor parallelism exists)",
+        "aliases": ("-tp",)})
+    pipeline_parallel_size: int = field(default=1, metadata={
+        "help": "pipeline stages (only 1)", "aliases": ("-pp",)})
+
+
+@dataclass
 class PluginConfig:
     structured_output_backend: str = field(default="xgrammar", metadata={
-        "help": "structured-output backend: a registered name or pkg.module:Class"})
+        "help": "structured-output backend: a registered name or pkg.module:Class (auto: "
+                "xgrammar)", "aliases": ("--guided-decoding-backend",)})
     kv_connector: str | None = field(default=None, metadata={
         "help": "KV connector: a registered name or pkg.module:Class"})
     kv_connector_path: str | None = field(default=None, metadata={
@@ -96,7 +133,13 @@ class PluginConfig:
 
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-            "load": LoadConfig, "device": DeviceConfig, "plugins": PluginConfig}
+            "load": LoadConfig, "device": DeviceConfig, "parallel": ParallelConfig,
+            "plugins": PluginConfig}
+#: ``serve --help`` groups the flags the way vLLM's does.
+SECTION_TITLES = {"model": "ModelConfig", "cache": "CacheConfig",
+                  "scheduler": "SchedulerConfig", "load": "LoadConfig",
+                  "device": "DeviceConfig", "parallel": "ParallelConfig",
+                  "plugins": "StructuredOutputsConfig and KVTransferConfig (plugins)"}
 
 
 @dataclass
@@ -106,6 +149,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     plugins: PluginConfig = field(default_factory=PluginConfig)
 
     def __post_init__(self) -> None:
@@ -114,18 +158,19 @@ class EngineConfig:
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
-        """From a flat ({'max_num_seqs': 8}) or nested ({'scheduler': {...}}) mapping."""
+        """From a flat ({'max_num_seqs': 8}) or nested ({'scheduler': {...}}) mapping; vLLM's
+        names are accepted for the leaves where ours differ (``scheduling_policy``...)."""
         flat: dict[str, Any] = {}
         for key, value in values.items():
             key = key.replace("-", "_")
             if key in SECTIONS and isinstance(value, dict):
                 for k, v in value.items():
-                    k = k.replace("-", "_")
+                    k = ALIASES.get(k.replace("-", "_"), k.replace("-", "_"))
                     if k not in _SECTION_OF or _SECTION_OF[k] != key:
                         raise ValueError(f"unknown config key {key}.{k}")
                     flat[k] = v
-            elif key in _SECTION_OF:
-                flat[key] = value
+            elif ALIASES.get(key, key) in _SECTION_OF:
+                flat[ALIASES.get(key, key)] = value
             else:
                 raise ValueError(f"unknown config key {key!r} (see `asyncengine serve --help`)")
         parts: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
@@ -135,6 +180,7 @@ class EngineConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> dict[str, Any]:
+        """The YAML file's options, flat (sections merged), keys with underscores."""
         import yaml
 
         try:
@@ -149,10 +195,13 @@ class EngineConfig:
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
-        """Defaults < YAML file (``--config``) < flags given on the command line."""
+        """Defaults < YAML file (``--config``) < flags given on the command line. YAML keys
+        that are other flags of the command (``port``, ``host``...) are left to it."""
         values: dict[str, Any] = {}
         if getattr(args, "config", None):
-            values.update(_flatten(cls.from_yaml(args.config)))
+            for k, v in _flatten(cls.from_yaml(args.config)).items():
+                if ALIASES.get(k, k) in _SECTION_OF or not hasattr(args, k):
+                    values[k] = v
         for name in _SECTION_OF:
             v = getattr(args, name, None)
             if v is not None:
@@ -170,23 +219,52 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{_flag(name)}: must be a positive integer, got {value!r}")
 
-        check_choice("dtype", self.model.dtype, DTYPES)
-        check_choice("quantization", self.model.quantization, QUANTIZATIONS)
+        mc, cc = self.model, self.cache
+        check_choice("dtype", mc.dtype, DTYPES)
+        check_choice("quantization", mc.quantization, QUANTIZATIONS)
+        check_choice("pooling_type", mc.pooling_type, POOLING_TYPES)
         check_choice("load_format", self.load.load_format, LOAD_FORMATS)
         check_choice("device", self.device.device, DEVICES)
-        for name, value in (("block_size", self.cache.block_size),
+        for name, value in (("block_size", cc.block_size),
                             ("max_num_seqs", self.scheduler.max_num_seqs),
                             ("max_num_batched_tokens", self.scheduler.max_num_batched_tokens),
-                            ("max_model_len", self.model.max_model_len),
+                            ("max_model_len", mc.max_model_len),
+                            ("max_logprobs", mc.max_logprobs),
                             ("num_threads", self.device.num_threads),
-                            ("num_gpu_blocks_override", self.cache.num_gpu_blocks_override)):
+                            ("num_gpu_blocks_override", cc.num_gpu_blocks_override),
+                            ("tensor_parallel_size", self.parallel.tensor_parallel_size),
+                            ("pipeline_parallel_size", self.parallel.pipeline_parallel_size)):
             check_positive(name, value)
-        if self.cache.block_size & (self.cache.block_size - 1):
-            raise ValueError(f"--block-size: must be a power of two, got {self.cache.block_size}")
-        if self.cache.kv_cache_memory != "auto":
-            parse_size(self.cache.kv_cache_memory, "kv_cache_memory")
+        if cc.block_size & (cc.block_size - 1):
+            raise ValueError(f"--block-size: must be a power of two, got {cc.block_size}")
+        if cc.kv_cache_memory != "auto":
+            parse_size(cc.kv_cache_memory, "kv_cache_memory")
         if self.scheduler.max_num_batched_tokens < self.scheduler.max_num_seqs:
             raise ValueError("--max-num-batched-tokens must be at least --max-num-seqs")
+        if not 0 < cc.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization: must be in (0, 1], got "
+                             f"{cc.gpu_memory_utilization}")
+        if cc.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {cc.kv_cache_dtype}: not supported; the KV cache "
+                             "is kept in the model's dtype (only 'auto')")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self.parallel, name) > 1:
+                raise ValueError(f"{_flag(name)} {getattr(self.parallel, name)}: not supported "
+                                 "yet (one device per engine); use 1")
+        if isinstance(mc.served_model_name, str):
+            mc.served_model_name = [mc.served_model_name]
+        if mc.served_model_name is not None and not (
+                mc.served_model_name and all(isinstance(n, str) and n
+                                             for n in mc.served_model_name)):
+            raise ValueError("--served-model-name: give one or more non-empty names")
+        mc.override_generation_config = _json_object(mc.override_generation_config,
+                                                     "override_generation_config")
+        gen = mc.generation_config
+        if gen not in ("auto", "vllm") and not Path(gen, "generation_config.json").is_file():
+            raise ValueError(f"--generation-config: no generation_config.json in {gen!r} (give "
+                             "auto, vllm, or a directory holding one)")
+        if self.plugins.structured_output_backend == "auto":  # vLLM's default value
+            self.plugins.structured_output_backend = "xgrammar"
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with some leaf fields changed, by flat name."""
@@ -199,10 +277,27 @@ class EngineConfig:
 
 
 _SECTION_OF: dict[str, str] = {f.name: s for s, c in SECTIONS.items() for f in fields(c)}
+#: vLLM's names for our leaves (YAML keys and flags), e.g. scheduling_policy -> scheduler.
+ALIASES: dict[str, str] = {
+    a.lstrip("-").replace("-", "_"): f.name
+    for c in SECTIONS.values() for f in fields(c) for a in f.metadata.get("aliases", ())
+    if a.startswith("--")}
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _json_object(value: Any, name: str) -> dict[str, Any] | None:
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except (TypeError, ValueError):
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{_flag(name)}: must be a JSON object, got {value!r}")
+    return parsed
 
 
 def _flatten(data: dict[str, Any]) -> dict[str, Any]:
@@ -231,28 +326,3 @@ def parse_size(text: str | int, name: str = "size") -> int:
     if not m or unit not in _UNITS:
         raise ValueError(f"{_flag(name)}: cannot read {text!r} as a size (e.g. 512MiB, 2GiB)")
     return int(float(m.group(1)) * _UNITS[unit])
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add one flag per config leaf. Defaults are None so YAML values are not overridden."""
-    for section, cls in SECTIONS.items():
-        group = parser.add_argument_group(section)
-        for f in fields(cls):
-            if f.name == "model":
-                continue  # positional in the CLI
-            flag = _flag(f.name)
-            help_ = f.metadata.get("help", "")
-            default = f.default if f.default is not dataclasses.MISSING else None
-            if "default:" not in help_ and "auto:" not in help_:
-                help_ = f"{help_} (default: {default})"
-
-            if f.type in ("bool", bool):
-                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                   default=None, help=help_)
-                continue
-            kind = int if "int" in str(f.type) else str
-            kw: dict[str, Any] = {"dest": f.name, "type": kind, "default": None}
-            if "choices" in f.metadata:
-                kw["choices"] = f.metadata["choices"]
-            group.add_argument(flag, help=help_, **kw)
-    return parser

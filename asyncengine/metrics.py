@@ -1,134 +1,295 @@
-"""Prometheus metrics of one engine (``GET /metrics``), named after vLLM's under ``asyncengine:``.
+"""Prometheus metrics of one engine (``GET /metrics``), under vLLM's names and meanings.
 
-Each ``EngineMetrics`` owns its ``CollectorRegistry``, so several engines (or tests) in one
-process never collide. The engine calls the ``on_*`` methods from its event loop; the server
-calls ``set_stats`` and ``render`` when ``/metrics`` is scraped.
+Every series a vLLM dashboard, autoscaler or router reads is here as ``vllm:*`` with vLLM's
+labels (``model_name``, ``engine``) and semantics; the older ``asyncengine:*`` names are kept
+as aliases of the same numbers (see docs/serving.md, "Coming from vLLM").
+
+The engine calls the ``on_*`` methods from its event loop, once per step or per finished
+request, never per token: every update is O(1) (``on_token(itl, count)`` adds ``count``
+observations of one value at once). The numbers are plain Python ints and lists; the
+Prometheus families are built only when ``/metrics`` is scraped (``collect``), so nothing is
+locked or allocated per step. Each ``EngineMetrics`` owns its ``CollectorRegistry`` (with the
+process, platform and GC collectors), so several engines in one process never collide.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.utils import floatToGoString
 
 from asyncengine.core.sched.interface import SchedulerStats
 
+if TYPE_CHECKING:
+    from asyncengine.config import CacheConfig
+    from asyncengine.core.request import Request
+
+#: Finish reasons of ``vllm:request_success`` (an abort is not a success: never counted).
+SUCCESS_REASONS = ("stop", "length")
 FINISH_REASONS = ("stop", "length", "abort")
 
-# Bucket edges as vLLM uses them (seconds).
+# Bucket edges as vLLM uses them.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
-PREFIX = "asyncengine:"
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+class Histogram:
+    """Bucket counts, a sum and a count; ``observe(value, count)`` is one bisect."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(float(b) for b in bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        """Add ``count`` observations of ``value`` (O(log buckets), whatever ``count``)."""
+        self.counts[bisect_left(self.bounds, value)] += count
+        self.sum += value * count
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def add_to(self, family: HistogramMetricFamily, labels: list[str]) -> None:
+        cumulative, buckets = 0, []
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            cumulative += n
+            buckets.append((floatToGoString(bound), cumulative))
+        family.add_metric(labels, buckets, sum_value=self.sum)
 
 
 class EngineMetrics:
-    """The engine's gauges, counters and histograms, labelled with ``model_name``."""
+    """The numbers behind ``/metrics``; a Prometheus collector of them."""
 
-    def __init__(self, model_name: str = "default") -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+    def __init__(self, model_name: str = "default", *, max_model_len: int = 8192,
+                 cache_config: CacheConfig | None = None, num_gpu_blocks: int | None = None,
+                 extra_cache_info: dict[str, Any] | None = None) -> None:
         self.model_name = model_name
-        labels = ["model_name"]
+        # Scheduler state, refreshed every step and at scrape time.
+        self.stats = SchedulerStats()
+        # Counters.
+        self.prompt_tokens_computed = 0  # prefilled by a forward pass
+        self.generation_tokens = 0
+        self.finished: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)  # incl. aborts
+        self.success: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)  # "abort" stays 0
+        # Histograms.
+        tokens = buckets_1_2_5(max_model_len)
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.queue_time = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.decode_time = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.inference_time = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = Histogram(tokens)
+        self.request_generation_tokens = Histogram(tokens)
+        self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
+        self.cache_info = _cache_info(cache_config, num_gpu_blocks, extra_cache_info)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(self)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
-                             registry=self.registry).labels(model_name)
-
-        self.num_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage = gauge("kv_cache_usage_perc",
-                                    "Fraction of KV-cache blocks in use (0..1).")
-        self.free_blocks = gauge("kv_cache_free_blocks", "KV-cache blocks free or evictable.")
-        self.total_blocks = gauge("kv_cache_total_blocks", "KV-cache blocks in the pool.")
-        self.prefix_hit_rate = gauge("prefix_cache_hit_rate",
-                                     "Prefix-cache hits / queries, in tokens, since start.")
-        self.prefix_queries = counter("prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.preemptions = counter("num_preemptions", "Requests preempted (by recompute).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefill).")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
-                              TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.",
-                             ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to "
-                             "finish.", E2E_BUCKETS)
-        self.request_prompt_tokens = histogram("request_prompt_tokens",
-                                               "Prompt length of finished requests.",
-                                               TOKEN_BUCKETS)
-        self.request_generation_tokens = histogram("request_generation_tokens",
-                                                   "Output length of finished requests.",
-                                                   TOKEN_BUCKETS)
-        finished = Counter(PREFIX + "request_finished", "Finished requests by finish reason.",
-                           ["model_name", "finished_reason"], registry=self.registry)
-        self.finished = {r: finished.labels(model_name, r) for r in FINISH_REASONS}
-        self._finished_family = finished
-        self._last_queries = 0
-        self._last_hits = 0
-        self._last_preemptions = 0
-
-    # -- called by the engine -------------------------------------------------------------------
+    # -- called by the engine (on its loop) ------------------------------------------------------
     def on_step(self, stats: SchedulerStats, num_prompt_tokens: int,
                 num_generation_tokens: int) -> None:
-        """After each step: the scheduler's state and the tokens this step computed."""
-        self._set_stats(stats)
-        if num_prompt_tokens:
-            self.prompt_tokens.inc(num_prompt_tokens)
-        if num_generation_tokens:
-            self.generation_tokens.inc(num_generation_tokens)
+        """After each step: the scheduler's state, the prompt tokens this step computed and the
+        tokens it sampled."""
+        self.stats = stats
+        self.prompt_tokens_computed += num_prompt_tokens
+        self.generation_tokens += num_generation_tokens
+        if num_prompt_tokens or num_generation_tokens:
+            self.iteration_tokens.observe(num_prompt_tokens + num_generation_tokens)
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
 
-    def on_token(self, itl_s: float) -> None:
-        self.itl.observe(itl_s)
+    def on_token(self, itl_s: float, count: int = 1) -> None:
+        """``count`` output tokens that each took ``itl_s`` (they arrived together)."""
+        self.itl.observe(itl_s, count)
 
-    def on_request_finished(self, e2e_s: float, finish_reason: str, num_prompt_tokens: int,
-                            num_generation_tokens: int) -> None:
+    def on_request_finished(self, e2e_s: float, finish_reason: str | None,
+                            num_prompt_tokens: int, num_generation_tokens: int, *,
+                            request: Request | None = None) -> None:
+        """A request (one sample) ended. Like vLLM, only the ones that ran to a stop or to
+        their length count as successes and feed the per-request histograms; aborted and
+        failed ones are counted in ``asyncengine:request_finished`` alone."""
+        reason = finish_reason or "abort"
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        if reason not in SUCCESS_REASONS:
+            return
+        self.success[reason] += 1
         self.e2e.observe(e2e_s)
-        counter = self.finished.get(finish_reason)
-        if counter is None:
-            counter = self.finished[finish_reason] = self._finished_family.labels(
-                self.model_name, finish_reason)
-        counter.inc()
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_generation_tokens)
+        if request is None:
+            return
+        arrived, scheduled = request.arrival_time, request.first_scheduled_time
+        first, last = request.first_token_time, request.last_token_time
+        if scheduled is not None:
+            self.queue_time.observe(scheduled - arrived)
+            if first is not None:
+                self.prefill_time.observe(first - scheduled)
+            if last is not None:
+                self.inference_time.observe(last - scheduled)
+        if first is not None and last is not None:
+            self.decode_time.observe(last - first)
 
-    # -- called by the server -------------------------------------------------------------------
+    # -- called by the server --------------------------------------------------------------------
     def set_stats(self, stats: SchedulerStats) -> None:
         """Refresh the gauges from the scheduler (at scrape time, between steps)."""
-        self._set_stats(stats)
+        self.stats = stats
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
         return generate_latest(self.registry)
 
-    # -- helpers --------------------------------------------------------------------------------
-    def _set_stats(self, stats: SchedulerStats) -> None:
-        self.num_running.set(stats.num_running)
-        self.num_waiting.set(stats.num_waiting)
-        self.kv_cache_usage.set(stats.kv_cache_usage)
-        self.free_blocks.set(stats.num_free_blocks)
-        self.total_blocks.set(stats.num_total_blocks)
-        # The scheduler's prefix-cache and preemption numbers are cumulative: add the growth.
-        if stats.prefix_cache_queries > self._last_queries:
-            self.prefix_queries.inc(stats.prefix_cache_queries - self._last_queries)
-            self._last_queries = stats.prefix_cache_queries
-        if stats.prefix_cache_hits > self._last_hits:
-            self.prefix_hits.inc(stats.prefix_cache_hits - self._last_hits)
-            self._last_hits = stats.prefix_cache_hits
-        if stats.num_preemptions > self._last_preemptions:
-            self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
-            self._last_preemptions = stats.num_preemptions
-        if self._last_queries:
-            self.prefix_hit_rate.set(self._last_hits / self._last_queries)
+    # -- the collector ---------------------------------------------------------------------------
+    @property
+    def prompt_tokens(self) -> int:
+        """vLLM's ``prompt_tokens``: every prompt token, computed or found in the prefix cache."""
+        return self.prompt_tokens_computed + self.stats.prefix_cache_hits
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        v_labels, v_values = ["model_name", "engine"], [self.model_name, "0"]
+        a_labels, a_values = ["model_name"], [self.model_name]
+
+        def gauge(name: str, doc: str, value: float, vllm: bool = True,
+                  alias: bool = True) -> Iterator[Metric]:
+            for prefix, labels, values, on in (("vllm:", v_labels, v_values, vllm),
+                                               ("asyncengine:", a_labels, a_values, alias)):
+                if on:
+                    g = GaugeMetricFamily(prefix + name, doc, labels=labels)
+                    g.add_metric(values, value)
+                    yield g
+
+        def counter(name: str, doc: str, value: float, vllm: bool = True,
+                    alias: bool = True) -> Iterator[Metric]:
+            for prefix, labels, values, on in (("vllm:", v_labels, v_values, vllm),
+                                               ("asyncengine:", a_labels, a_values, alias)):
+                if on:
+                    c = CounterMetricFamily(prefix + name, doc, labels=labels)
+                    c.add_metric(values, value)
+                    yield c
+
+        def histogram(name: str, doc: str, h: Histogram, alias: bool = False,
+                      also: str | None = None) -> Iterator[Metric]:
+            names = [("vllm:" + name, v_labels, v_values)]
+            if also:
+                names.append(("vllm:" + also, v_labels, v_values))
+            if alias:
+                names.append(("asyncengine:" + name, a_labels, a_values))
+            for full, labels, values in names:
+                f = HistogramMetricFamily(full, doc, labels=labels)
+                h.add_to(f, values)
+                yield f
+
+        yield from gauge("num_requests_running", "Number of requests in model execution "
+                         "batches.", s.num_running)
+        yield from gauge("num_requests_waiting", "Number of requests waiting to be processed.",
+                         s.num_waiting)
+        yield from gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                         s.kv_cache_usage)
+        yield from gauge("kv_cache_free_blocks", "KV-cache blocks free or evictable.",
+                         s.num_free_blocks, vllm=False)
+        yield from gauge("kv_cache_total_blocks", "KV-cache blocks in the pool.",
+                         s.num_total_blocks, vllm=False)
+        rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        yield from gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries, in tokens, "
+                         "since start.", rate, vllm=False)
+        yield from counter("prefix_cache_queries", "Prefix cache queries, in terms of number "
+                           "of queried tokens.", s.prefix_cache_queries)
+        yield from counter("prefix_cache_hits", "Prefix cache hits, in terms of number of "
+                           "cached tokens.", s.prefix_cache_hits)
+        yield from counter("num_preemptions", "Cumulative number of preemption from the "
+                           "engine.", s.num_preemptions)
+        yield from counter("prompt_tokens", "Number of prefill tokens processed (computed or "
+                           "found in the prefix cache).", self.prompt_tokens, alias=False)
+        yield from counter("prompt_tokens", "Prompt tokens computed by a forward pass (prefix "
+                           "cache hits left out).", self.prompt_tokens_computed, vllm=False)
+        yield from counter("generation_tokens", "Number of generation tokens processed.",
+                           self.generation_tokens)
+        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed "
+                                      "requests.", labels=[*v_labels, "finished_reason"])
+        for reason, n in self.success.items():
+            success.add_metric([*v_values, reason], n)
+        yield success
+        finished = CounterMetricFamily("asyncengine:request_finished", "Finished requests by "
+                                       "finish reason, aborts and failures included.",
+                                       labels=[*a_labels, "finished_reason"])
+        for reason, n in self.finished.items():
+            finished.add_metric([*a_values, reason], n)
+        yield finished
+        yield from histogram("time_to_first_token_seconds", "Histogram of time to first token "
+                             "in seconds.", self.ttft, alias=True)
+        yield from histogram("inter_token_latency_seconds", "Histogram of inter-token latency "
+                             "in seconds.", self.itl, alias=True,
+                             also="time_per_output_token_seconds")
+        yield from histogram("e2e_request_latency_seconds", "Histogram of e2e request latency "
+                             "in seconds.", self.e2e, alias=True)
+        yield from histogram("request_queue_time_seconds", "Histogram of time spent in WAITING "
+                             "phase for request.", self.queue_time)
+        yield from histogram("request_prefill_time_seconds", "Histogram of time spent in "
+                             "PREFILL phase for request.", self.prefill_time)
+        yield from histogram("request_decode_time_seconds", "Histogram of time spent in DECODE "
+                             "phase for request.", self.decode_time)
+        yield from histogram("request_inference_time_seconds", "Histogram of time spent in "
+                             "RUNNING phase for request.", self.inference_time)
+        yield from histogram("request_prompt_tokens", "Number of prefill tokens processed.",
+                             self.request_prompt_tokens, alias=True)
+        yield from histogram("request_generation_tokens", "Number of generation tokens "
+                             "processed.", self.request_generation_tokens, alias=True)
+        yield from histogram("iteration_tokens_total", "Histogram of number of tokens per "
+                             "engine_step.", self.iteration_tokens)
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine "
+                                 "CacheConfig", labels=list(self.cache_info))
+        info.add_metric(list(self.cache_info.values()), 1)
+        yield info
+
+
+def _cache_info(cache: CacheConfig | None, num_gpu_blocks: int | None,
+                extra: dict[str, Any] | None) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info``: the cache configuration, as strings."""
+    info: dict[str, Any] = {}
+    if cache is not None:
+        info.update((k, v) for k, v in vars(cache).items() if not k.startswith("_"))
+        info.setdefault("cache_dtype", info.pop("kv_cache_dtype", "auto"))
+    info["num_gpu_blocks"] = num_gpu_blocks
+    info["num_cpu_blocks"] = None
+    info.update(extra or {})
+    info["engine"] = "0"
+    return {k: str(v) for k, v in info.items()}

@@ -146,3 +146,20 @@ def sse_events(raw: bytes) -> list[Any]:
         payload = block[len("data: "):]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+#: The names the tool-calling test server answers to (--served-model-name).
+TOOLS_SERVER_NAMES = ("tiny-tools", "tiny-alias")
+ALLOWED_ORIGIN = "http://app.example"
+
+
+def tools_server(tiny_llama: str) -> ServerProcess:
+    """The tiny random llama with a Hermes-style chat template that renders tools, tool calls
+    on (``--enable-auto-tool-choice --tool-call-parser hermes``), two served names, CORS for
+    one origin and ``--root-path /llm``; API key ``KEY``. Shared by the drop-in test files."""
+    return shared_server(
+        tiny_llama, "--chat-template", str(TEMPLATES / "hermes_tools.jinja"),
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--served-model-name", *TOOLS_SERVER_NAMES, "--allowed-origins", ALLOWED_ORIGIN,
+        "--root-path", "/llm", "--num-gpu-blocks-override", "512", api_key=KEY)

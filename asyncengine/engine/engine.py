@@ -24,6 +24,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.core.sched.interface import SchedulerStats
+from asyncengine.engine.embedding import embed
 from asyncengine.engine.errors import EngineDeadError, EngineShuttingDown, RequestFailed
 from asyncengine.engine.output_processor import Emitted, OutputProcessor
 from asyncengine.engine.outputs import RequestOutput
@@ -164,6 +165,10 @@ class AsyncEngine:
                 yield out
         finally:
             stream.close()
+
+    async def embed(self, prompts: list[list[int]], **kwargs: Any) -> Any:
+        """Pooled, normalized hidden states of token-id prompts (``engine/embedding.py``)."""
+        return await embed(self, prompts, **kwargs)
 
     async def abort(self, request_id: str) -> None:
         self._abort_now(request_id)

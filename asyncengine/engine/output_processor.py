@@ -148,7 +148,8 @@ class OutputProcessor:
             self._stream_of.pop(r.request_id, None)
             if self.metrics is not None:
                 self.metrics.on_request_finished(now - r.arrival_time, s.finish_reason,
-                                                 r.num_prompt_tokens, s.num_emitted)
+                                                 r.num_prompt_tokens, s.num_emitted,
+                                                 request=r)
 
     def _observe_tokens(self, sample: SampleState, count: int, now: float) -> None:
         """TTFT and inter-token latencies, as the caller sees them (at emission)."""

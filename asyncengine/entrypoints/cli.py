@@ -7,7 +7,12 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from asyncengine.config import EngineConfig, add_engine_args
+from asyncengine.config import EngineConfig
+from asyncengine.entrypoints.engine_args import (
+    add_config_arg,
+    add_engine_args,
+    apply_yaml_defaults,
+)
 
 
 def _plugin_cli_hook(parser: argparse.ArgumentParser, command: str) -> None:
@@ -19,15 +24,24 @@ def _plugin_cli_hook(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE.yaml",
-                        help="read options from a YAML file (flags on the command line win)")
+    add_config_arg(parser)
     add_engine_args(parser)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("asyncengine")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncengine",
         description="An LLM inference and serving engine built around one event loop.")
+    parser.add_argument("--version", action="version", version=f"asyncengine {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     serve = sub.add_parser(
@@ -37,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "embedded SmolLM2-135M-Instruct is served.")
     serve.add_argument("model", nargs="?", default=None,
                        help="HF directory, hub id or .gguf file (default: embedded SmolLM2)")
+    serve.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                       help="the model, as a flag (vLLM's form; instead of the positional)")
     from asyncengine.entrypoints.http.server import add_serve_arguments
 
     add_serve_arguments(serve)
@@ -85,9 +101,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[command]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("serve", "generate"):
+        try:
+            args = apply_yaml_defaults(parser, _subparser(parser, args.command), argv, args)
+        except ValueError as e:
+            parser.exit(2, f"asyncengine {args.command}: error: {e}\n")
+    if getattr(args, "model_flag", None):
+        if args.model and args.model != args.model_flag:
+            parser.exit(2, f"asyncengine {args.command}: error: the model is given twice "
+                           f"({args.model!r} and --model {args.model_flag!r})\n")
+        args.model = args.model_flag
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

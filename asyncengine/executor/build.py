@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -27,6 +27,7 @@ from asyncengine.executor.runner import ModelRunner
 from asyncengine.ext import registry
 from asyncengine.ext.kv_connector.contract import KVCacheLayout, KVConnector, model_identity
 from asyncengine.ext.structured_output.manager import StructuredOutputManager
+from asyncengine.text.generation_config import load_generation_defaults
 from asyncengine.text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("asyncengine")
@@ -53,6 +54,8 @@ class EngineParts:
     scheduler_cls: type
     structured_output_backend_cls: type
     kv_connector: KVConnector | None
+    # Sampling defaults from generation_config.json (--generation-config): SamplingParams names.
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     def make_scheduler(self) -> SchedulerInterface:
         config = self.config.replace(max_model_len=self.max_model_len)
@@ -82,6 +85,9 @@ def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:
     dtype = pick_dtype(mc.dtype, device.type)
     arch = architecture_of(source.hf_config)
     model_cls = registry.resolve_model(arch, plugin_manager)
+    generation_defaults = load_generation_defaults(
+        mc.generation_config, source.path, revision=mc.revision,
+        overrides=mc.override_generation_config)
     model = _off_the_loop_thread(device, lambda: load_model(
         source, config.load.load_format, dtype, device.torch_device, seed=mc.seed,
         model_cls=model_cls, quantization=mc.quantization))
@@ -89,7 +95,7 @@ def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:
     tokenizer = load_tokenizer(
         mc.tokenizer or source.path, gguf_file=None if mc.tokenizer else source.gguf_file,
         revision=mc.revision, chat_template=mc.chat_template)
-    model_name = mc.served_model_name or source.name
+    model_name = (mc.served_model_name or [source.name])[0]
     max_model_len = _max_model_len(config, source.hf_config, model)
     attn_backend = get_attention_backend(config.device.attention_backend, device.type)
     num_blocks = _num_blocks(config, model, attn_backend, dtype, device, max_model_len)
@@ -113,7 +119,8 @@ def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:
         config=config, model_name=model_name, tokenizer=tokenizer,
         vocab_size=model.vocab_size, max_model_len=max_model_len, num_blocks=num_blocks,
         dtype=dtype, device=device, runner=runner, scheduler_cls=scheduler_cls,
-        structured_output_backend_cls=so_backend_cls, kv_connector=kv_connector)
+        structured_output_backend_cls=so_backend_cls, kv_connector=kv_connector,
+        generation_defaults=generation_defaults)
 
 
 def _off_the_loop_thread(device: Device, fn: Callable[[], T]) -> T:
@@ -178,7 +185,7 @@ def _num_blocks(config: EngineConfig, model: torch.nn.Module, attn_backend: Any,
         budget = parse_size(cc.kv_cache_memory, "kv_cache_memory")
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info()
-        budget = int(free * 0.9)
+        budget = int(free * cc.gpu_memory_utilization)
     else:
         budget = CPU_KV_CACHE_DEFAULT
     num_blocks = budget // per_block

@@ -5,12 +5,18 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import aiohttp_cors
 from aiohttp import web
 
 from asyncengine.entrypoints.http import routes
 from asyncengine.entrypoints.http.auth import auth_middleware
 from asyncengine.entrypoints.http.chat import create_chat_completion
 from asyncengine.entrypoints.http.completions import create_completion
+from asyncengine.entrypoints.http.embeddings import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    create_embeddings,
+)
 from asyncengine.entrypoints.http.errors import APIError, error_middleware
 from asyncengine.entrypoints.http.openapi import ROUTES, Route, openapi_json
 from asyncengine.entrypoints.http.protocol import (
@@ -30,6 +36,13 @@ from asyncengine.entrypoints.http.responses import (
     TokenizeResponse,
     VersionResponse,
 )
+from asyncengine.entrypoints.http.responses_api import create_response
+from asyncengine.entrypoints.http.responses_api_protocol import (
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+)
+from asyncengine.entrypoints.http.serving import REQUEST_ID_HEADER
 from asyncengine.entrypoints.http.state import STATE, ServerSettings, ServerState
 
 if TYPE_CHECKING:
@@ -47,6 +60,12 @@ BUILTIN_ROUTES = [
           response=ModelList),
     Route("GET", "/v1/models/{model}", routes.retrieve_model, "Describe a served model",
           response=ModelCard),
+    Route("POST", "/v1/responses", create_response, "Create a model response (stateless)",
+          ResponsesRequest, ResponseObject, stream=ResponseStreamEvent),
+    Route("POST", "/v1/embeddings", create_embeddings, "Create embeddings",
+          EmbeddingRequest, EmbeddingResponse),
+    Route("GET", "/ping", routes.ping, "Liveness for load balancers (no API key needed)"),
+    Route("POST", "/ping", routes.ping, "Liveness for load balancers (no API key needed)"),
     Route("GET", "/health", routes.health,
           "Liveness, queue lengths and the KV-cache block pool (no API key needed)",
           response=HealthResponse),
@@ -72,9 +91,17 @@ async def draining_middleware(request: web.Request, handler) -> web.StreamRespon
     return await handler(request)
 
 
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """``X-Request-Id`` back on every response to a request that sent one (streams too)."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if given and REQUEST_ID_HEADER not in response.headers:
+        response.headers[REQUEST_ID_HEADER] = given
+
+
 def build_app(engine: AsyncEngine, metrics: EngineMetrics | None,
               settings: ServerSettings) -> web.Application:
-    """The application serving ``engine``; plugins' ``register_http_routes`` hooks run last."""
+    """The application serving ``engine``; plugins' ``register_http_routes`` hooks run before
+    the routes are mirrored under --root-path and CORS is applied to all of them."""
     middlewares = [error_middleware, draining_middleware]
     if settings.api_key:
         middlewares.append(auth_middleware(settings.api_key))
@@ -84,7 +111,35 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None,
     for r in BUILTIN_ROUTES:
         app.router.add_route(r.method, r.path, r.handler)
     _register_plugin_routes(app, engine)
+    if settings.root_path:
+        _mirror_under(app, settings.root_path)
+    app.on_response_prepare.append(_echo_request_id)  # before CORS lists the headers to expose
+    _enable_cors(app, settings)
     return app
+
+
+def _mirror_under(app: web.Application, prefix: str) -> None:
+    """Every route also answers under ``prefix`` (a proxy that keeps its path prefix)."""
+    for route in list(app.router.routes()):
+        path = route.resource.canonical if route.resource is not None else None
+        if path is None or route.method == "*":
+            continue
+        app.router.add_route(route.method, prefix + path, route.handler)
+
+
+def _enable_cors(app: web.Application, settings: ServerSettings) -> None:
+    """CORS on every route (aiohttp-cors answers the preflights), as vLLM's defaults allow
+    any origin, method and header unless --allowed-* narrow them."""
+    def one(values: list[str]) -> str | list[str]:
+        return "*" if "*" in values else values
+
+    options = aiohttp_cors.ResourceOptions(
+        allow_credentials=settings.allow_credentials, expose_headers="*",
+        allow_headers=one(settings.allowed_headers), allow_methods=one(settings.allowed_methods))
+    cors = aiohttp_cors.setup(app, defaults={o: options for o in settings.allowed_origins})
+    for route in list(app.router.routes()):
+        if route.method not in ("HEAD", "OPTIONS", "*"):
+            cors.add(route)
 
 
 def _register_plugin_routes(app: web.Application, engine: AsyncEngine) -> None:

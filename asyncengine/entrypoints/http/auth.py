@@ -1,4 +1,4 @@
-"""Bearer-token authentication (``--api-key`` or ``$ASYNCENGINE_API_KEY``)."""
+"""Bearer-token authentication (``--api-key``, ``$ASYNCENGINE_API_KEY`` or ``$VLLM_API_KEY``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import hmac
 from aiohttp import web
 
 from asyncengine.entrypoints.http.errors import APIError
+from asyncengine.entrypoints.http.state import STATE
 
 #: Routes that answer without a key: probes and scrapers carry no credentials.
-PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/ping"})
 
 
 def auth_middleware(api_key: str):
@@ -22,7 +23,8 @@ def auth_middleware(api_key: str):
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
-        if request.path not in PUBLIC_PATHS:
+        # CORS preflights carry no credentials (the request they announce will).
+        if request.method != "OPTIONS" and not _public(request):
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
@@ -32,3 +34,11 @@ def auth_middleware(api_key: str):
         return await handler(request)
 
     return middleware
+
+
+def _public(request: web.Request) -> bool:
+    path = request.path
+    if path in PUBLIC_PATHS:
+        return True
+    root = request.app[STATE].settings.root_path
+    return bool(root) and path.startswith(root) and path[len(root):] in PUBLIC_PATHS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import jinja2
 from aiohttp import web
@@ -11,7 +12,7 @@ from asyncengine.engine.engine import AsyncEngine
 from asyncengine.engine.outputs import CompletionOutput, RequestOutput
 from asyncengine.entrypoints.http.errors import APIError, bad_request
 from asyncengine.entrypoints.http.logprobs import chat_logprobs
-from asyncengine.entrypoints.http.params import to_sampling_params
+from asyncengine.entrypoints.http.params import structured_outputs_of, to_sampling_params
 from asyncengine.entrypoints.http.protocol import ChatCompletionRequest, ChatMessage, message_dicts
 from asyncengine.entrypoints.http.responses import (
     AssistantMessage,
@@ -21,6 +22,10 @@ from asyncengine.entrypoints.http.responses import (
     ChatCompletionChunk,
     ChatLogprobs,
     Delta,
+    DeltaFunction,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
     Usage,
 )
 from asyncengine.entrypoints.http.serving import (
@@ -29,24 +34,59 @@ from asyncengine.entrypoints.http.serving import (
     collect,
     json_response,
     open_streams,
-    random_id,
     read_body,
+    request_id,
     run_sse,
 )
 from asyncengine.entrypoints.http.sse import SSEStream, event
 from asyncengine.entrypoints.http.state import ServerState, state_of
+from asyncengine.entrypoints.http.tools import (
+    ToolPlan,
+    check_no_other_format,
+    finish_reason,
+    plan_tools,
+    tool_call_id,
+)
+from asyncengine.text.tool_parsers import ToolParser
 
 
 def render_chat(engine: AsyncEngine, messages: list[ChatMessage],
-                add_generation_prompt: bool = True) -> str:
-    """The prompt text of a conversation: the tokenizer's chat template or --chat-template."""
+                add_generation_prompt: bool = True, *, tools: list[dict] | None = None,
+                continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text of a conversation: the tokenizer's chat template or --chat-template,
+    given the tools (as transformers' ``tools=``) and ``chat_template_kwargs``."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
+    for i, m in enumerate(messages):
+        if m.tool_calls is not None and m.role != "assistant":
+            raise bad_request("only assistant messages hold tool_calls",
+                              f"messages[{i}].tool_calls")
+    kwargs = dict(template_kwargs or {})
+    for reserved in ("messages", "conversation", "chat_template", "tokenize"):
+        kwargs.pop(reserved, None)
+    # chat_template_kwargs may set the template's own switches too (as vLLM lets them).
+    add_generation_prompt = bool(kwargs.pop("add_generation_prompt", add_generation_prompt))
+    continue_final_message = bool(kwargs.pop("continue_final_message", continue_final_message))
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("continue_final_message needs add_generation_prompt to be false",
+                          "continue_final_message")
+    if tools:
+        kwargs["tools"] = tools
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
     try:
         return engine.tokenizer.apply_chat_template(
-            message_dicts(messages), add_generation_prompt=add_generation_prompt)
-    except (ValueError, jinja2.TemplateError) as e:
+            message_dicts(messages), add_generation_prompt=add_generation_prompt, **kwargs)
+    except (ValueError, TypeError, jinja2.TemplateError) as e:
         raise bad_request(f"Cannot apply the chat template: {e}", "messages") from None
+
+
+def default_max_tokens(state: ServerState, prompt_len: int) -> int | None:
+    """The generation config's ``max_new_tokens``, within the context (None: up to it)."""
+    default = state.generation_defaults.get("max_tokens")
+    room = state.engine.max_model_len - prompt_len
+    return min(default, room) if default is not None and room > 0 else None
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
@@ -56,17 +96,26 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     check_model(engine, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    text = render_chat(engine, body.messages, body.add_generation_prompt is not False)
+    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings)
+    structured = structured_outputs_of(body)
+    check_no_other_format(plan, structured)
+    text = render_chat(engine, body.messages, body.add_generation_prompt is not False,
+                       tools=plan.template_tools,
+                       continue_final_message=bool(body.continue_final_message),
+                       template_kwargs=body.chat_template_kwargs)
     # The template already holds the special tokens (BOS etc.): add none.
     prompt = engine.tokenizer.encode(text, add_special_tokens=False)
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
         max_tokens = body.max_tokens
+    if max_tokens is None:
+        max_tokens = default_max_tokens(state, len(prompt))
     params = to_sampling_params(
         body, max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None, prompt_logprobs=None,
-        vocab_size=engine.tokenizer.vocab_size)
-    call = _Chat(state, body, random_id("chatcmpl"))
+        vocab_size=engine.tokenizer.vocab_size, defaults=state.generation_defaults,
+        structured=plan.structured_outputs or structured)
+    call = _Chat(state, body, request_id(request, "chatcmpl"), plan)
     streams = await open_streams(engine, [prompt], params, call.id, body.priority or 0)
     if body.stream:
         return await run_sse(request, streams, call.on_output, call.on_end)
@@ -76,8 +125,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 class _Chat:
     """One chat call: builds the response, or the chunks of its stream."""
 
-    def __init__(self, state: ServerState, body: ChatCompletionRequest, id: str) -> None:
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, id: str,
+                 plan: ToolPlan) -> None:
         self.state = state
+        self.plan = plan
+        self.parsers: dict[int, ToolParser] = {}  # streaming: per choice
+        self.call_ids: dict[tuple[int, int], str] = {}
         self.id = id
         self.created = int(time.time())
         self.model = state.engine.model_name
@@ -113,8 +166,14 @@ class _Chat:
             logprobs = self._logprobs(c, c.token_ids)
             if self.want_logprobs and logprobs is None:
                 logprobs = ChatLogprobs([])
-            choices.append(ChatChoice(c.index, AssistantMessage("assistant", c.text), logprobs,
-                                      c.finish_reason, c.stop_reason))
+            parsed = self.plan.parse(c.text)
+            calls = [ToolCallOut(tool_call_id(), FunctionCallOut(t.name, t.arguments))
+                     for t in parsed.calls]
+            message = AssistantMessage("assistant", parsed.content if calls else c.text,
+                                       calls or None)
+            choices.append(ChatChoice(c.index, message, logprobs,
+                                      finish_reason(c.finish_reason, bool(calls)),
+                                      c.stop_reason))
         return ChatCompletion(self.id, self.created, self.model, choices, self._usage())
 
     # -- streaming ----------------------------------------------------------------------------
@@ -137,15 +196,36 @@ class _Chat:
                 data += self._chunk(ChatChunkChoice(idx, Delta(role="assistant", content="")))
             self.completion_tokens[idx] = len(c.token_ids)
             logprobs = self._logprobs(c, c.delta_token_ids)
+            delta = self._delta(idx, c.delta_text, c.finish_reason is not None)
             if c.finish_reason is not None:
                 self.finished.add(idx)
-            elif not c.delta_text and logprobs is None:
+            elif not (delta.content or delta.tool_calls) and logprobs is None:
                 continue
-            delta = Delta(content=c.delta_text or None)
-            data += self._chunk(ChatChunkChoice(idx, delta, logprobs, c.finish_reason,
-                                                c.stop_reason))
+            reason = c.finish_reason
+            if idx in self.parsers:
+                reason = finish_reason(reason, self.parsers[idx].made_calls)
+            data += self._chunk(ChatChunkChoice(idx, delta, logprobs, reason, c.stop_reason))
         if data:
             await sse.write(data)
+
+    def _delta(self, idx: int, text: str, last: bool) -> Delta:
+        """Plain content, or what the choice's tool parser makes of it."""
+        if self.plan.make_parser is None:
+            return Delta(content=text or None)
+        parser = self.parsers.get(idx)
+        if parser is None:
+            parser = self.parsers[idx] = self.plan.make_parser()
+        parsed = parser.feed(text)
+        if last:
+            parsed.extend(parser.finish())
+        calls = []
+        for piece in parsed.calls:
+            first = piece.name is not None
+            call_id = self.call_ids.setdefault((idx, piece.index), tool_call_id())
+            calls.append(DeltaToolCall(
+                piece.index, DeltaFunction(piece.name, piece.arguments),
+                id=call_id if first else None, type="function" if first else None))
+        return Delta(content=parsed.content or None, tool_calls=calls or None)
 
     async def on_end(self, sse: SSEStream) -> None:
         if self.include_usage:

@@ -23,8 +23,8 @@ from asyncengine.entrypoints.http.serving import (
     collect,
     json_response,
     open_streams,
-    random_id,
     read_body,
+    request_id,
     run_sse,
 )
 from asyncengine.entrypoints.http.sse import SSEStream, event
@@ -56,8 +56,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         body, max_tokens=16 if body.max_tokens is None else body.max_tokens,
         logprobs=body.logprobs,
         prompt_logprobs=body.logprobs if echo and body.logprobs is not None else None,
-        vocab_size=engine.tokenizer.vocab_size)
-    call = _Completion(state, body, random_id("cmpl"), params.n)
+        vocab_size=engine.tokenizer.vocab_size, defaults=state.generation_defaults)
+    call = _Completion(state, body, request_id(request, "cmpl"), params.n)
     streams = await open_streams(engine, prompts, params, call.id, body.priority or 0)
     if body.stream:
         return await run_sse(request, streams, call.on_output, call.on_end)

@@ -22,19 +22,28 @@ def _or(value: Any, default: Any) -> Any:
 
 
 def to_sampling_params(body: GenerationBody, *, max_tokens: int | None, logprobs: int | None,
-                       prompt_logprobs: int | None, vocab_size: int) -> SamplingParams:
-    """Raise ``APIError`` (400) for an invalid value, naming the parameter."""
+                       prompt_logprobs: int | None, vocab_size: int,
+                       defaults: dict[str, Any] | None = None,
+                       structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    """Raise ``APIError`` (400) for an invalid value, naming the parameter.
+
+    ``defaults`` are the server's sampling defaults (--generation-config) for what the body
+    leaves unset; ``structured`` a constraint the server adds (tool calls), exclusive with
+    the body's own."""
     stop = body.stop
+    d = defaults or {}
+    if structured is None:
+        structured = structured_outputs_of(body)
     try:
         return SamplingParams(
             n=_or(body.n, 1),
-            temperature=_or(body.temperature, 1.0),
-            top_p=_or(body.top_p, 1.0),
-            top_k=_or(body.top_k, 0),
-            min_p=_or(body.min_p, 0.0),
+            temperature=_or(body.temperature, d.get("temperature", 1.0)),
+            top_p=_or(body.top_p, d.get("top_p", 1.0)),
+            top_k=_or(body.top_k, d.get("top_k", 0)),
+            min_p=_or(body.min_p, d.get("min_p", 0.0)),
             presence_penalty=_or(body.presence_penalty, 0.0),
             frequency_penalty=_or(body.frequency_penalty, 0.0),
-            repetition_penalty=_or(body.repetition_penalty, 1.0),
+            repetition_penalty=_or(body.repetition_penalty, d.get("repetition_penalty", 1.0)),
             seed=body.seed,
             max_tokens=max_tokens,
             min_tokens=_or(body.min_tokens, 0),
@@ -46,7 +55,7 @@ def to_sampling_params(body: GenerationBody, *, max_tokens: int | None, logprobs
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             logit_bias=_logit_bias(body.logit_bias, vocab_size),
-            structured_outputs=_structured_outputs(body),
+            structured_outputs=structured,
         )
     except ValueError as e:
         raise from_value_error(e, KNOWN_PARAMS) from None
@@ -72,7 +81,8 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
     return out
 
 
-def _structured_outputs(body: GenerationBody) -> StructuredOutputsParams | None:
+def structured_outputs_of(body: GenerationBody) -> StructuredOutputsParams | None:
+    """From ``response_format``, ``structured_outputs`` or vLLM's older ``guided_*``."""
     fmt = body.response_format
     spec = None
     if isinstance(fmt, ResponseFormatJsonObject):
@@ -83,6 +93,17 @@ def _structured_outputs(body: GenerationBody) -> StructuredOutputsParams | None:
                               "response_format")
         spec = StructuredOutputsParams(json=fmt.json_schema.schema_)
     so = body.structured_outputs
+    guided = {k: v for k, v in (("json", body.guided_json), ("regex", body.guided_regex),
+                                ("choice", body.guided_choice), ("grammar", body.guided_grammar))
+              if v is not None}
+    if guided:
+        if so is not None or spec is not None or len(guided) > 1:
+            raise bad_request("give one of response_format, structured_outputs and guided_*",
+                              "guided_" + next(iter(guided)))
+        try:
+            return StructuredOutputsParams(**guided)
+        except ValueError as e:
+            raise bad_request(str(e), "guided_" + next(iter(guided))) from None
     if so is None:
         return spec
     if spec is not None:

@@ -67,9 +67,21 @@ class ChatLogprobs(Struct):
     content: list[TokenLogprob] | None
 
 
-class AssistantMessage(Struct):
+class FunctionCallOut(Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Struct):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
+class AssistantMessage(Struct, omit_defaults=True):
     role: str
     content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(Struct):
@@ -89,9 +101,24 @@ class ChatCompletion(Struct):
     object: str = "chat.completion"
 
 
+class DeltaFunction(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    """A piece of a streamed tool call: ``id``, ``type`` and the name on its first piece."""
+
+    index: int
+    function: DeltaFunction
+    id: str | None = None
+    type: str | None = None
+
+
 class Delta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(Struct):

@@ -20,25 +20,35 @@ from asyncengine.entrypoints.http.responses import (
 )
 from asyncengine.entrypoints.http.serving import check_model, json_response, read_body
 from asyncengine.entrypoints.http.state import ServerState, state_of
+from asyncengine.entrypoints.http.tools import template_tools
 
 
-def _model_card(state: ServerState) -> ModelCard:
+def _model_card(state: ServerState, name: str) -> ModelCard:
     engine = state.engine
-    return ModelCard(id=engine.model_name, created=state.created, owned_by="asyncengine",
+    return ModelCard(id=name, created=state.created, owned_by="asyncengine",
                      max_model_len=engine.max_model_len, root=engine.config.model.model)
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return json_response(ModelList([_model_card(state_of(request))]))
+    state = state_of(request)
+    return json_response(ModelList([_model_card(state, n) for n in state.served_model_names]))
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     state = state_of(request)
     name = request.match_info["model"]
-    if name != state.engine.model_name:
+    if name not in state.served_model_names:
         raise APIError(404, f"The model `{name}` does not exist.", param="model",
                        code="model_not_found")
-    return json_response(_model_card(state))
+    return json_response(_model_card(state, name))
+
+
+async def ping(request: web.Request) -> web.Response:
+    """GET or POST /ping: 200 while the engine is healthy (vLLM's, for SageMaker)."""
+    engine = state_of(request).engine
+    if engine.error is not None:
+        raise APIError(503, f"The engine stopped after an error: {engine.error}")
+    return web.Response(status=200)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -77,7 +87,8 @@ async def tokenize(request: web.Request) -> web.Response:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
     if body.messages is not None:
-        text = render_chat(engine, body.messages, body.add_generation_prompt is not False)
+        text = render_chat(engine, body.messages, body.add_generation_prompt is not False,
+                           tools=template_tools(body.tools))
         ids = engine.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     else:
         ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens

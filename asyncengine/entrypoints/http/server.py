@@ -10,80 +10,83 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
+import ssl
+from typing import TYPE_CHECKING
 
 import anyio
 from aiohttp import web
 
-from asyncengine.config import EngineConfig, parse_size
-from asyncengine.entrypoints.http.state import DEFAULT_MAX_REQUEST_BODY, STATE, ServerSettings
+from asyncengine.config import EngineConfig
+from asyncengine.entrypoints.http.flags import (  # noqa: F401 (the CLI imports them from here)
+    API_KEY_ENV,
+    add_serve_arguments,
+    settings_from_args,
+)
+from asyncengine.entrypoints.http.state import STATE, ServerSettings
+
+if TYPE_CHECKING:
+    from asyncengine.metrics import EngineMetrics
 
 logger = logging.getLogger("asyncengine.entrypoints.http")
 
-API_KEY_ENV = "ASYNCENGINE_API_KEY"
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # After the drain, how long aiohttp waits for handlers to write their last bytes.
 _HANDLER_GRACE_S = 5.0
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The server's own flags (the engine's come from ``config.add_engine_args``)."""
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
-                   "127.0.0.1; 0.0.0.0 for every interface)")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on "
-                   f"every route but /health and /metrics (default: ${API_KEY_ENV})")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGINT/SIGTERM, "
-                   "seconds in-flight requests get to finish before they are aborted "
-                   "(default: 30)")
-    g.add_argument("--log-level", default="info", choices=LOG_LEVELS,
-                   help="log level (default: info)")
-    g.add_argument("--max-request-body", default=None, help="largest request body, e.g. "
-                   "16MiB; larger ones get 413 (default: 16MiB)")
-    g.add_argument("--disable-access-log", action="store_true",
-                   help="do not log one line per HTTP request")
-
-
-def settings_from_args(args: argparse.Namespace) -> ServerSettings:
-    max_body = args.max_request_body
-    if args.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout: must be non-negative, got {args.shutdown_timeout}")
-    if not 0 <= args.port < 65536:
-        raise ValueError(f"--port: must be in 0..65535, got {args.port}")
-    return ServerSettings(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        shutdown_timeout=args.shutdown_timeout,
-        max_request_body=(DEFAULT_MAX_REQUEST_BODY if max_body is None
-                          else parse_size(max_body, "max_request_body")),
-        access_log=not args.disable_access_log,
-    )
+_HTTP_LOGGERS = ("aiohttp.access", "aiohttp.server", "aiohttp.web", "aiohttp.internal")
 
 
 def main(args: argparse.Namespace, config: EngineConfig) -> int:
     """Run the server until SIGINT/SIGTERM; the exit status."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        settings = settings_from_args(args)
-    except ValueError as e:
-        logger.error("%s", e)
-        return 2
+    if args.uvicorn_log_level:
+        level = "DEBUG" if args.uvicorn_log_level == "trace" else args.uvicorn_log_level.upper()
+        for name in _HTTP_LOGGERS:
+            logging.getLogger(name).setLevel(level)
+    settings = settings_from_args(args)  # ValueError: the CLI reports it, naming the flag
+    logging.getLogger("asyncengine.requests").setLevel(
+        logging.INFO if settings.log_requests else logging.WARNING)
+    if config.model.trust_remote_code:
+        logger.info("--trust-remote-code: accepted; the model code here is asyncengine's own, "
+                    "so no code from the model repository runs")
+    if config.model.enforce_eager:
+        logger.info("--enforce-eager: accepted (no graph capture here yet)")
     return anyio.run(serve, config, settings)
+
+
+def ssl_context(settings: ServerSettings) -> ssl.SSLContext | None:
+    """TLS from --ssl-certfile/--ssl-keyfile (and client certificates from --ssl-ca-certs)."""
+    if not settings.ssl_certfile:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(settings.ssl_certfile, settings.ssl_keyfile)
+        if settings.ssl_ca_certs:
+            ctx.load_verify_locations(settings.ssl_ca_certs)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"--ssl-certfile/--ssl-keyfile: cannot load them: {e}") from None
+    ctx.verify_mode = (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED)[
+        settings.ssl_cert_reqs]
+    return ctx
+
+
+def make_metrics(engine) -> EngineMetrics:
+    """The engine's metrics, labelled with the (first) served name, known once it is loaded."""
+    from asyncengine.metrics import EngineMetrics
+
+    return EngineMetrics(model_name=engine.model_name, max_model_len=engine.max_model_len,
+                         cache_config=engine.config.cache,
+                         num_gpu_blocks=engine.num_total_blocks)
 
 
 async def serve(config: EngineConfig, settings: ServerSettings) -> int:
     from asyncengine.engine.engine import AsyncEngine
     from asyncengine.entrypoints.http.app import build_app
-    from asyncengine.metrics import EngineMetrics
 
+    tls = ssl_context(settings)
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         engine = AsyncEngine(config)  # loads the model (blocking: nothing to serve yet)
-        # The metrics are labelled with the served name, known once the model is loaded.
-        metrics = engine.metrics = EngineMetrics(model_name=engine.model_name)
+        metrics = engine.metrics = make_metrics(engine)
         async with engine:
             app = build_app(engine, metrics, settings)
             runner = web.AppRunner(
@@ -91,7 +94,7 @@ async def serve(config: EngineConfig, settings: ServerSettings) -> int:
                 access_log=logging.getLogger("aiohttp.access") if settings.access_log else None)
             await runner.setup()
             try:
-                site = web.TCPSite(runner, settings.host, settings.port)
+                site = web.TCPSite(runner, settings.host, settings.port, ssl_context=tls)
                 try:
                     await site.start()
                 except OSError as e:  # e.g. the port is taken
@@ -99,8 +102,9 @@ async def serve(config: EngineConfig, settings: ServerSettings) -> int:
                     return 1
                 for address in runner.addresses:
                     host, port = address[0], address[1]
-                    logger.info("serving %s on http://%s:%s", engine.model_name,
-                                f"[{host}]" if ":" in host else host, port)
+                    logger.info("serving %s on %s://%s:%s%s", engine.model_name,
+                                "https" if tls else "http",
+                                f"[{host}]" if ":" in host else host, port, settings.root_path)
                 async for signum in signals:
                     logger.info("%s: draining (up to %ss)", signal.Signals(signum).name,
                                 settings.shutdown_timeout)

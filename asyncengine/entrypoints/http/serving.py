@@ -23,14 +23,25 @@ from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.engine.engine import AsyncEngine, EngineDeadError, EngineShuttingDown
 from asyncengine.engine.outputs import RequestOutput
 from asyncengine.engine.streams import RequestStream
-from asyncengine.entrypoints.http.errors import APIError, from_decode_error, from_value_error
+from asyncengine.entrypoints.http import tolerant
+from asyncengine.entrypoints.http.errors import (
+    APIError,
+    bad_request,
+    from_decode_error,
+    from_value_error,
+)
 from asyncengine.entrypoints.http.params import KNOWN_PARAMS
-from asyncengine.entrypoints.http.protocol import Body
+from asyncengine.entrypoints.http.protocol import Body, unsupported
 from asyncengine.entrypoints.http.sse import ClientGone, SSEStream, encode_json
+from asyncengine.entrypoints.http.state import served_model_names
 
 B = TypeVar("B", bound=Body)
 
 logger = logging.getLogger("asyncengine.entrypoints.http")
+#: --enable-log-requests sets this logger to INFO.
+request_logger = logging.getLogger("asyncengine.requests")
+
+REQUEST_ID_HEADER = "X-Request-Id"
 
 SHUTDOWN_ABORT = "The request was aborted: the server is shutting down."
 
@@ -44,18 +55,35 @@ def json_response(obj: object, status: int = 200) -> web.Response:
 
 
 async def read_body(request: web.Request, type_: type[B]) -> B:
-    """Decode and validate a JSON body (413 past --max-request-body, 400 when invalid)."""
+    """Decode and validate a JSON body (413 past --max-request-body, 400 when invalid).
+    Unknown fields are ignored (and logged once per name); options the server knows but
+    cannot honour are a 400 naming them."""
     data = await request.read()
     try:
-        return msgspec.json.decode(data, type=type_)
+        body = tolerant.decode(data, type_)
     except msgspec.DecodeError as e:
         raise from_decode_error(e) from None
+    refused = unsupported(body)
+    if refused is not None:
+        raise bad_request(refused[1], refused[0])
+    if getattr(body, "stream_options", None) is not None and not getattr(body, "stream", None):
+        raise bad_request("Stream options can only be defined when `stream=True`.",
+                          "stream_options")
+    return body
 
 
 def check_model(engine: AsyncEngine, name: str | None) -> None:
-    if name is not None and name != engine.model_name:
+    names = served_model_names(engine)
+    if name is not None and name not in names:
         raise APIError(404, f"The model `{name}` does not exist (this server serves "
-                            f"`{engine.model_name}`).", param="model", code="model_not_found")
+                            f"{', '.join(f'`{n}`' for n in names)}).", param="model",
+                       code="model_not_found")
+
+
+def request_id(request: web.Request, prefix: str) -> str:
+    """``prefix-<X-Request-Id>`` when the client sent one (it is echoed back), else random."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    return f"{prefix}-{given}" if given else random_id(prefix)
 
 
 def to_api_error(error: Exception) -> APIError:
@@ -76,11 +104,13 @@ async def open_streams(engine: AsyncEngine, prompts: list[str | list[int]],
                        priority: int) -> list[RequestStream]:
     """One engine request per prompt; all or none (a failure closes those already opened)."""
     streams: list[RequestStream] = []
+    if request_logger.isEnabledFor(logging.INFO):
+        request_logger.info("request %s: %d prompt(s), %s", base_id, len(prompts), params)
     try:
         for i, prompt in enumerate(prompts):
-            request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             streams.append(await engine.add_request(
-                prompt, params if i == 0 else params.clone(), request_id=request_id,
+                prompt, params if i == 0 else params.clone(), request_id=rid,
                 priority=priority))
     except (ValueError, EngineShuttingDown, EngineDeadError) as e:
         for s in streams:
@@ -155,11 +185,12 @@ async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
 
 async def run_sse(request: web.Request, streams: list[RequestStream],
                   on_output: Callable[[SSEStream, int, RequestOutput], Awaitable[None]],
-                  on_end: Callable[[SSEStream], Awaitable[None]]) -> web.StreamResponse:
+                  on_end: Callable[[SSEStream], Awaitable[None]], *,
+                  done_marker: bool = True) -> web.StreamResponse:
     """Stream the outputs of ``streams`` as server-sent events. A client that leaves ends it
     quietly (its requests are aborted by ``consume``); an error becomes an error event."""
     try:
-        sse = await SSEStream.open(request)
+        sse = await SSEStream.open(request, done_marker)
     except BaseException:
         for s in streams:
             s.close()

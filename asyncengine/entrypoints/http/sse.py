@@ -23,18 +23,20 @@ class ClientGone(Exception):
 class SSEStream:
     """An open event stream to one client. Writes raise ``ClientGone`` once the client left."""
 
-    def __init__(self, response: web.StreamResponse) -> None:
+    def __init__(self, response: web.StreamResponse, done_marker: bool = True) -> None:
         self.response = response
+        # Chat and completions streams end with "data: [DONE]"; the Responses API's do not.
+        self.done_marker = done_marker
 
     @classmethod
-    async def open(cls, request: web.Request) -> SSEStream:
+    async def open(cls, request: web.Request, done_marker: bool = True) -> SSEStream:
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream; charset=utf-8",
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",
         })
         await response.prepare(request)
-        return cls(response)
+        return cls(response, done_marker)
 
     async def write(self, data: bytes) -> None:
         """Write one or more already encoded events."""
@@ -52,7 +54,8 @@ class SSEStream:
         await self.done()
 
     async def done(self) -> None:
-        await self.write(DONE)
+        if self.done_marker:
+            await self.write(DONE)
         try:
             await self.response.write_eof()
         except (ConnectionError, RuntimeError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -25,6 +25,22 @@ class ServerSettings:
     shutdown_timeout: float = 30.0
     max_request_body: int = DEFAULT_MAX_REQUEST_BODY
     access_log: bool = True
+    # CORS (vLLM's defaults: everything allowed, no credentials).
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    # TLS
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    # A proxy's path prefix ("" or "/prefix"): routes answer with and without it.
+    root_path: str = ""
+    # Tools: tool_choice "auto" parses the output with this parser (see text/tool_parsers).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    log_requests: bool = False
 
 
 @dataclass
@@ -39,6 +55,24 @@ class ServerState:
     @property
     def token_texts(self) -> TokenTexts:
         return self.engine.tokenizer.token_texts
+
+    @property
+    def served_model_names(self) -> list[str]:
+        return served_model_names(self.engine)
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """Sampling defaults from the generation config (--generation-config)."""
+        parts = getattr(self.engine, "parts", None)
+        return getattr(parts, "generation_defaults", None) or {}
+
+
+def served_model_names(engine: AsyncEngine) -> list[str]:
+    """Every name clients may send as ``model`` (--served-model-name a b ...); the first is
+    the one responses and metrics carry."""
+    names = getattr(getattr(getattr(engine, "config", None), "model", None),
+                    "served_model_name", None)
+    return list(names) if names else [engine.model_name]
 
 
 STATE = web.AppKey("asyncengine_state", ServerState)

@@ -142,7 +142,9 @@ class KVConnector(ABC):
 # Options that do not change the K/V computed for given token ids.
 _NOT_KV_AFFECTING = frozenset({
     "model", "tokenizer", "revision", "served_model_name", "chat_template", "max_model_len",
-    "dtype", "seed", "download_dir", "load_format",
+    "dtype", "seed", "download_dir", "load_format", "generation_config",
+    "override_generation_config", "max_logprobs", "pooling_type", "trust_remote_code",
+    "enforce_eager",
 })
 _WEIGHT_SUFFIXES = (".safetensors", ".json", ".gguf", ".bin", ".pt", ".pth")
 

@@ -1,0 +1,249 @@
+"""OpenAI's Responses API (``POST /v1/responses``), stateless: the request and response
+bodies, and the conversion of its input items to chat messages.
+
+Input items are read by their ``type`` (a message may leave it out): messages (text parts
+``input_text`` / ``output_text``), ``function_call`` (a call the model made earlier) and
+``function_call_output`` (its result). Anything that needs stored state
+(``previous_response_id``, ``conversation``, ``background``) or a tool other than a
+function is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from msgspec import Struct, field
+
+from asyncengine.entrypoints.http.errors import bad_request, from_decode_error
+from asyncengine.entrypoints.http.protocol import (
+    Body,
+    ChatMessage,
+    ChatTool,
+    FunctionCall,
+    FunctionDefinition,
+    FunctionName,
+    NamedToolChoice,
+    TextPart,
+    ToolCall,
+    ToolChoice,
+)
+
+
+class TextFormat(Body, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = field(default=None, name="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(Body, kw_only=True):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(Body, kw_only=True):
+    input: str | list[dict[str, Any]]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # Known, need server-side state: a 400 when set.
+    previous_response_id: str | None = None
+    conversation: Any | None = None
+    background: bool | None = None
+
+
+# -- input items ----------------------------------------------------------------------------
+class _Text(Body, kw_only=True):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class _Message(Body, kw_only=True):
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[_Text]
+    type: Literal["message"] = "message"
+
+
+class _FunctionCall(Body, kw_only=True):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class _FunctionCallOutput(Body, kw_only=True):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[_Text]
+
+
+_ITEMS = {"message": _Message, "function_call": _FunctionCall,
+          "function_call_output": _FunctionCallOutput}
+
+
+def refused(body: ResponsesRequest) -> None:
+    for name, why in (("previous_response_id", "this server keeps no responses (stateless): "
+                                               "send the whole conversation as input"),
+                      ("conversation", "this server keeps no conversations (stateless)"),
+                      ("background", "background responses are not supported")):
+        if getattr(body, name):
+            raise bad_request(f"Unsupported parameter: '{name}': {why}.", name)
+
+
+def chat_messages(body: ResponsesRequest) -> list[ChatMessage]:
+    """The conversation the chat template renders: instructions, then the input items."""
+    messages: list[ChatMessage] = []
+    if body.instructions:
+        messages.append(ChatMessage(role="system", content=body.instructions))
+    if isinstance(body.input, str):
+        messages.append(ChatMessage(role="user", content=body.input))
+        return messages
+    for i, raw in enumerate(body.input):
+        kind = raw.get("type", "message") if isinstance(raw, dict) else None
+        cls = _ITEMS.get(kind)
+        if cls is None:
+            raise bad_request(f"input item type {kind!r} is not supported (message, "
+                              "function_call, function_call_output)", f"input[{i}].type")
+        try:
+            item = msgspec.convert(raw, cls)
+        except msgspec.ValidationError as e:
+            err = from_decode_error(e)
+            raise bad_request(err.message, f"input[{i}]" + (f".{err.param}" if err.param
+                                                             else "")) from None
+        if isinstance(item, _Message):
+            content = item.content if isinstance(item.content, str) else [
+                TextPart(text=p.text) for p in item.content]
+            messages.append(ChatMessage(role=item.role, content=content))
+        elif isinstance(item, _FunctionCall):
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name,
+                                                                   arguments=item.arguments))
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        else:
+            output = item.output if isinstance(item.output, str) else "\n".join(
+                p.text for p in item.output)
+            messages.append(ChatMessage(role="tool", content=output,
+                                        tool_call_id=item.call_id))
+    return messages
+
+
+def chat_tools(body: ResponsesRequest) -> tuple[list[ChatTool] | None, ToolChoice | None]:
+    """Function tools and tool_choice in the chat API's shape."""
+    tools = None
+    if body.tools is not None:
+        tools = []
+        for i, t in enumerate(body.tools):
+            if t.get("type") != "function" or not isinstance(t.get("name"), str):
+                raise bad_request(f"only function tools are supported (type 'function' with a "
+                                  f"name), got type {t.get('type')!r}", f"tools[{i}]")
+            tools.append(ChatTool(function=FunctionDefinition(
+                name=t["name"], description=t.get("description"),
+                parameters=t.get("parameters"), strict=t.get("strict"))))
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise bad_request("tool_choice must be auto, none, required or {\"type\": "
+                              "\"function\", \"name\": ...}", "tool_choice")
+        return tools, NamedToolChoice(function=FunctionName(name=choice["name"]))
+    if choice not in (None, "auto", "none", "required"):
+        raise bad_request(f"tool_choice {choice!r} is not one of auto, none, required",
+                          "tool_choice")
+    return tools, choice
+
+
+# -- the response ---------------------------------------------------------------------------
+class OutputText(Struct, tag="output_text", tag_field="type"):
+    text: str
+    annotations: list[Any] = []
+    logprobs: list[Any] = []
+
+
+class OutputMessage(Struct, tag="message", tag_field="type"):
+    id: str
+    status: str
+    content: list[OutputText]
+    role: str = "assistant"
+
+
+class FunctionCallItem(Struct, tag="function_call", tag_field="type"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str
+
+
+class InputTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(Struct):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(Struct):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: InputTokensDetails = field(default_factory=InputTokensDetails)
+    output_tokens_details: OutputTokensDetails = field(default_factory=OutputTokensDetails)
+
+
+class IncompleteDetails(Struct):
+    reason: str
+
+
+class ResponseObject(Struct):
+    id: str
+    created_at: int
+    model: str
+    status: str
+    output: list[OutputMessage | FunctionCallItem]
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any]
+    parallel_tool_calls: bool
+    usage: ResponseUsage | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    error: Any = None
+    previous_response_id: str | None = None
+    store: bool = False
+    truncation: str = "disabled"
+    object: str = "response"
+
+
+class ResponseStreamEvent(Struct, kw_only=True, omit_defaults=True):
+    """One streamed event (``event: <type>``); the fields its ``type`` uses are set."""
+
+    type: str
+    sequence_number: int
+    response: ResponseObject | None = None
+    output_index: int | None = None
+    content_index: int | None = None
+    item_id: str | None = None
+    item: OutputMessage | FunctionCallItem | None = None
+    part: OutputText | None = None
+    delta: str | None = None
+    text: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    logprobs: list[Any] | None = None

@@ -1,0 +1,96 @@
+"""Decoding request bodies the way OpenAI's and vLLM's servers do: unknown fields are
+accepted and ignored, and the server logs each ignored field name once.
+
+msgspec ignores unknown fields itself; to name them, the decoded JSON is compared with the
+Struct's type information (``msgspec.inspect``), walking only into the values whose type is
+a Struct (or a list or union of Structs): token-id lists and free-form dicts are not visited.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, TypeVar
+
+import msgspec
+import msgspec.inspect as mi
+
+logger = logging.getLogger("asyncengine.entrypoints.http")
+
+T = TypeVar("T")
+
+_logged: set[str] = set()
+#: Names remembered at most (clients could send endless distinct names).
+MAX_LOGGED = 1024
+
+
+def decode(data: bytes, type_: type[T]) -> T:
+    """The body as ``type_``; raises ``msgspec.DecodeError`` / ``ValidationError``."""
+    obj = msgspec.json.decode(data)
+    unknown: list[str] = []
+    _walk(obj, _info(type_), "", unknown)
+    for name in unknown:
+        if name not in _logged and len(_logged) < MAX_LOGGED:
+            _logged.add(name)
+            logger.warning("ignoring the request field %r: not used by this server (logged once "
+                           "per field name)", name)
+    return msgspec.convert(obj, type_)
+
+
+@functools.lru_cache(maxsize=64)
+def _info(type_: type) -> mi.Type:
+    return mi.type_info(type_)
+
+
+def _walk(obj: Any, t: mi.Type, path: str, out: list[str]) -> None:
+    if isinstance(t, mi.UnionType):
+        t = _pick(obj, t)
+        if t is None:
+            return
+    if isinstance(t, mi.StructType):
+        if not isinstance(obj, dict):
+            return
+        fields = _fields(t)
+        for key, value in obj.items():
+            f = fields.get(key)
+            if f is not None:
+                _walk(value, f, f"{path}{key}.", out)
+            elif key != t.tag_field:
+                out.append(f"{path}{key}")
+    elif isinstance(t, mi.ListType) and isinstance(obj, list) and _has_struct(t.item_type):
+        for item in obj:
+            _walk(item, t.item_type, path, out)
+
+
+def _pick(obj: Any, t: mi.UnionType) -> mi.Type | None:
+    """The member of a union that ``obj`` decodes as (by tag for tagged Structs)."""
+    if isinstance(obj, dict):
+        for member in t.types:
+            if isinstance(member, mi.StructType):
+                if member.tag_field is None or obj.get(member.tag_field) == member.tag:
+                    return member
+    elif isinstance(obj, list):
+        for member in t.types:
+            if isinstance(member, mi.ListType):
+                return member
+    return None
+
+
+_FIELDS: dict[type, dict[str, mi.Type]] = {}
+
+
+def _fields(t: mi.StructType) -> dict[str, mi.Type]:
+    fields = _FIELDS.get(t.cls)
+    if fields is None:
+        fields = _FIELDS[t.cls] = {f.encode_name: f.type for f in t.fields}
+    return fields
+
+
+def _has_struct(t: mi.Type) -> bool:
+    if isinstance(t, mi.StructType):
+        return True
+    if isinstance(t, mi.UnionType):
+        return any(_has_struct(m) for m in t.types)
+    if isinstance(t, mi.ListType):
+        return _has_struct(t.item_type)
+    return False
