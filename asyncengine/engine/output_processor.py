@@ -157,9 +157,7 @@ class OutputProcessor:
             if sample.last_emit is None:
                 self.metrics.on_first_token(now - sample.request.arrival_time)
             else:
-                itl = (now - sample.last_emit) / count
-                for _ in range(count):
-                    self.metrics.on_token(itl)
+                self.metrics.on_token((now - sample.last_emit) / count, count)
         sample.last_emit = now
 
 

@@ -64,12 +64,39 @@ class RequestStream:
         self._event = asyncio.Event()
         self._error: BaseException | None = None
         self._delivered_final = False
+        # Push mode (see set_push): the consumer's deliver function, and whether the consumer
+        # is parked in __anext__ (the only moment pushing cannot interleave with its writes).
+        self._push: Callable[[RequestStream], bool] | None = None
+        self._waiting = False
         self._first = samples[0].request
         self.finished_time: float | None = None
 
     # -- engine side ----------------------------------------------------------------------------
     def notify(self) -> None:
+        """New outputs are ready. In push mode, while the consumer is parked, deliver them
+        now from the loop (one synchronous write, no task switch); else wake the consumer."""
+        push = self._push
+        if push is not None and self._waiting and self._error is None:
+            try:
+                if push(self):
+                    return
+            except BaseException as e:  # the consumer's own failure: raise it over there
+                self._error = e
         self._event.set()
+
+    def set_push(self, deliver: Callable[[RequestStream], bool]) -> None:
+        """Push mode: ``deliver(stream)`` is called on the loop, from emission, when there is
+        news and the consumer waits; it takes the output with :meth:`take` and writes it
+        without awaiting. It returns False to have the consumer woken instead (a full socket
+        buffer, the final output); an exception it raises is raised to the consumer."""
+        self._push = deliver
+
+    def take(self) -> RequestOutput | None:
+        """What ``__anext__`` would return now, or None if there is nothing new."""
+        if self._delivered_final or not (self.finished or
+                                         any(s.has_news for s in self.samples)):
+            return None
+        return self._take()
 
     def fail(self, error: BaseException) -> None:
         """End the stream with ``error`` (an ``EngineDeadError`` or a ``RequestFailed``),
@@ -93,14 +120,18 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self._delivered_final:
-            raise StopAsyncIteration
         while True:
             if self._error is not None:
                 raise self._error
+            if self._delivered_final:  # the end, possibly pushed while we waited
+                raise StopAsyncIteration
             if self.finished or any(s.has_news for s in self.samples):
                 break
-            await self._event.wait()
+            self._waiting = True
+            try:
+                await self._event.wait()
+            finally:
+                self._waiting = False
             self._event.clear()
         return self._take()
 

@@ -116,9 +116,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         vocab_size=engine.tokenizer.vocab_size, defaults=state.generation_defaults,
         structured=plan.structured_outputs or structured)
     call = _Chat(state, body, request_id(request, "chatcmpl"), plan)
-    streams = await open_streams(engine, [prompt], params, call.id, body.priority or 0)
+    streams = await open_streams(engine, [prompt], params, call.id, body.priority or 0,
+                                 deltas_only=bool(body.stream))
     if body.stream:
-        return await run_sse(request, streams, call.on_output, call.on_end)
+        return await run_sse(request, streams, call.render, call.on_end)
     return json_response(call.response((await collect(streams))[0]))
 
 
@@ -162,7 +163,7 @@ class _Chat:
         for c in out.outputs:
             if c.finish_reason == "abort":
                 raise APIError(503, SHUTDOWN_ABORT)
-            self.completion_tokens[c.index] = len(c.token_ids)
+            self.completion_tokens[c.index] = c.num_output_tokens
             logprobs = self._logprobs(c, c.token_ids)
             if self.want_logprobs and logprobs is None:
                 logprobs = ChatLogprobs([])
@@ -182,7 +183,8 @@ class _Chat:
         return event(ChatCompletionChunk(self.id, self.created, self.model, [choice],
                                          usage=usage))
 
-    async def on_output(self, sse: SSEStream, i: int, out: RequestOutput) -> None:
+    def render(self, i: int, out: RequestOutput) -> bytes:
+        """The events for one streamed output (deltas only)."""
         self.prompt_tokens = len(out.prompt_token_ids)
         data = b""
         for c in out.outputs:
@@ -194,7 +196,7 @@ class _Chat:
             if idx not in self.started:
                 self.started.add(idx)
                 data += self._chunk(ChatChunkChoice(idx, Delta(role="assistant", content="")))
-            self.completion_tokens[idx] = len(c.token_ids)
+            self.completion_tokens[idx] = c.num_output_tokens
             logprobs = self._logprobs(c, c.delta_token_ids)
             delta = self._delta(idx, c.delta_text, c.finish_reason is not None)
             if c.finish_reason is not None:
@@ -205,8 +207,7 @@ class _Chat:
             if idx in self.parsers:
                 reason = finish_reason(reason, self.parsers[idx].made_calls)
             data += self._chunk(ChatChunkChoice(idx, delta, logprobs, reason, c.stop_reason))
-        if data:
-            await sse.write(data)
+        return data
 
     def _delta(self, idx: int, text: str, last: bool) -> Delta:
         """Plain content, or what the choice's tool parser makes of it."""

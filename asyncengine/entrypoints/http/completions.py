@@ -58,9 +58,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         prompt_logprobs=body.logprobs if echo and body.logprobs is not None else None,
         vocab_size=engine.tokenizer.vocab_size, defaults=state.generation_defaults)
     call = _Completion(state, body, request_id(request, "cmpl"), params.n)
-    streams = await open_streams(engine, prompts, params, call.id, body.priority or 0)
+    streams = await open_streams(engine, prompts, params, call.id, body.priority or 0,
+                                 deltas_only=bool(body.stream))
     if body.stream:
-        return await run_sse(request, streams, call.on_output, call.on_end)
+        return await run_sse(request, streams, call.render, call.on_end)
     return json_response(call.response(await collect(streams)))
 
 
@@ -105,7 +106,7 @@ class _Completion:
                 if c.finish_reason == "abort":
                     raise APIError(503, SHUTDOWN_ABORT)
                 idx = i * self.n + c.index
-                self.completion_tokens[idx] = len(c.token_ids)
+                self.completion_tokens[idx] = c.num_output_tokens
                 logprobs = None
                 if self.want_logprobs:
                     builder = CompletionLogprobsBuilder(self.state.token_texts)
@@ -118,7 +119,8 @@ class _Completion:
         return Completion(self.id, self.created, self.model, choices, usage=self._usage())
 
     # -- streaming ----------------------------------------------------------------------------
-    async def on_output(self, sse: SSEStream, i: int, out: RequestOutput) -> None:
+    def render(self, i: int, out: RequestOutput) -> bytes:
+        """The events for one streamed output (deltas only)."""
         self.prompt_tokens[i] = len(out.prompt_token_ids)
         data = b""
         for c in out.outputs:
@@ -142,7 +144,7 @@ class _Completion:
             if self.want_logprobs and new:
                 positions = c.logprobs[-len(new):] if c.logprobs else None
                 logprobs = self.builders[idx].build(new, positions, logprobs)
-            self.completion_tokens[idx] = len(c.token_ids)
+            self.completion_tokens[idx] = c.num_output_tokens
             if c.finish_reason is not None:
                 self.finished.add(idx)
             elif not text and logprobs is None:
@@ -150,8 +152,7 @@ class _Completion:
             choice = CompletionChoice(idx, text, logprobs, c.finish_reason, c.stop_reason)
             usage = self._usage() if self.continuous_usage else None
             data += event(Completion(self.id, self.created, self.model, [choice], usage=usage))
-        if data:
-            await sse.write(data)
+        return data
 
     async def on_end(self, sse: SSEStream) -> None:
         if self.include_usage:

@@ -90,9 +90,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                               "max_output_tokens")
         raise err from None
     call = _Response(state, body, request_id(request, "resp"), plan)
-    streams = await open_streams(engine, [prompt], params, call.id, 0)
+    streams = await open_streams(engine, [prompt], params, call.id, 0,
+                                 deltas_only=bool(body.stream))
     if body.stream:
-        return await run_sse(request, streams, call.on_output, call.on_end, done_marker=False)
+        return await run_sse(request, streams, call.render, call.on_end, done_marker=False)
     return json_response(call.final((await collect(streams))[0]))
 
 
@@ -146,7 +147,7 @@ class _Response:
         c = out.outputs[0]
         if c.finish_reason == "abort":
             raise APIError(503, SHUTDOWN_ABORT)
-        n_in, n_out = len(out.prompt_token_ids), len(c.token_ids)
+        n_in, n_out = len(out.prompt_token_ids), c.num_output_tokens
         self.usage = ResponseUsage(n_in, n_out, n_in + n_out)
         if c.finish_reason == "length":
             self.status, self.incomplete = "incomplete", IncompleteDetails("max_output_tokens")
@@ -172,7 +173,8 @@ class _Response:
         self.seq += 1
         return b"event: " + type_.encode() + b"\ndata: " + encode_json(event) + b"\n\n"
 
-    async def on_output(self, sse: SSEStream, i: int, out: RequestOutput) -> None:
+    def render(self, i: int, out: RequestOutput) -> bytes:
+        """The events for one streamed output (deltas only)."""
         data = b""
         if not self.started:
             self.started = True
@@ -194,8 +196,7 @@ class _Response:
             data += self._call(piece.index, piece.name, piece.arguments)
         if last:
             data += self._close_all()
-        if data:
-            await sse.write(data)
+        return data
 
     def _text(self, delta: str) -> bytes:
         data = b""

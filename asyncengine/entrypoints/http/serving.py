@@ -101,8 +101,9 @@ def to_api_error(error: Exception) -> APIError:
 
 async def open_streams(engine: AsyncEngine, prompts: list[str | list[int]],
                        params: SamplingParams, base_id: str,
-                       priority: int) -> list[RequestStream]:
-    """One engine request per prompt; all or none (a failure closes those already opened)."""
+                       priority: int, *, deltas_only: bool = False) -> list[RequestStream]:
+    """One engine request per prompt; all or none (a failure closes those already opened).
+    ``deltas_only`` for streamed responses: each output holds only what is new."""
     streams: list[RequestStream] = []
     if request_logger.isEnabledFor(logging.INFO):
         request_logger.info("request %s: %d prompt(s), %s", base_id, len(prompts), params)
@@ -111,7 +112,7 @@ async def open_streams(engine: AsyncEngine, prompts: list[str | list[int]],
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             streams.append(await engine.add_request(
                 prompt, params if i == 0 else params.clone(), request_id=rid,
-                priority=priority))
+                priority=priority, deltas_only=deltas_only))
     except (ValueError, EngineShuttingDown, EngineDeadError) as e:
         for s in streams:
             s.close()
@@ -184,19 +185,34 @@ async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
 
 
 async def run_sse(request: web.Request, streams: list[RequestStream],
-                  on_output: Callable[[SSEStream, int, RequestOutput], Awaitable[None]],
+                  render: Callable[[int, RequestOutput], bytes],
                   on_end: Callable[[SSEStream], Awaitable[None]], *,
                   done_marker: bool = True) -> web.StreamResponse:
-    """Stream the outputs of ``streams`` as server-sent events. A client that leaves ends it
-    quietly (its requests are aborted by ``consume``); an error becomes an error event."""
+    """Stream the outputs of ``streams`` as server-sent events; ``render(i, out)`` turns an
+    output of stream ``i`` into event bytes. A client that leaves ends it quietly (its requests
+    are aborted by ``consume``); an error becomes an error event.
+
+    One stream (the common case) is pushed: the engine's emission renders and writes each
+    step's events itself, synchronously, while this handler stays parked, so a step costs one
+    write per stream and no task switch. The handler takes over whenever a write would have to
+    wait for the client (the socket's buffer is full: later steps merge into one event), and
+    for the end of the stream."""
     try:
         sse = await SSEStream.open(request, done_marker)
     except BaseException:
         for s in streams:
             s.close()
         raise
+
+    async def write(i: int, out: RequestOutput) -> None:
+        data = render(i, out)
+        if data:
+            await sse.write(data)
+
+    if len(streams) == 1:
+        streams[0].set_push(_pusher(sse, render))
     try:
-        await consume(streams, lambda i, out: on_output(sse, i, out))
+        await consume(streams, write)
         await on_end(sse)
         await sse.done()
     except ClientGone:
@@ -209,3 +225,19 @@ async def run_sse(request: web.Request, streams: list[RequestStream],
         except ClientGone:
             pass
     return sse.response
+
+
+def _pusher(sse: SSEStream, render: Callable[[int, RequestOutput], bytes]
+            ) -> Callable[[RequestStream], bool]:
+    def push(stream: RequestStream) -> bool:
+        if not sse.can_write_now():
+            return False  # the handler writes, and waits for the client
+        out = stream.take()
+        if out is None:
+            return True
+        data = render(0, out)
+        if data and not sse.write_now(data):
+            raise ClientGone()
+        return not out.finished  # the handler ends the stream
+
+    return push

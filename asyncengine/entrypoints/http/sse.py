@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 from aiohttp import web
 
@@ -10,6 +12,10 @@ from asyncengine.entrypoints.http.errors import APIError
 encode_json = msgspec.json.Encoder().encode
 
 DONE = b"data: [DONE]\n\n"
+
+#: Past this many bytes waiting in a client's socket buffer, outputs are no longer pushed from
+#: the loop: the request's handler writes them and waits for the client (steps merge).
+PUSH_HIGH_WATER = 1 << 16
 
 
 def event(obj: object) -> bytes:
@@ -23,8 +29,13 @@ class ClientGone(Exception):
 class SSEStream:
     """An open event stream to one client. Writes raise ``ClientGone`` once the client left."""
 
-    def __init__(self, response: web.StreamResponse, done_marker: bool = True) -> None:
+    def __init__(self, response: web.StreamResponse, done_marker: bool = True,
+                 transport: asyncio.Transport | None = None) -> None:
         self.response = response
+        self.transport = transport
+        # aiohttp's payload writer (a private attribute: without it nothing is pushed, and the
+        # handler writes everything as for any other response).
+        self._writer = getattr(response, "_payload_writer", None)
         # Chat and completions streams end with "data: [DONE]"; the Responses API's do not.
         self.done_marker = done_marker
 
@@ -36,7 +47,27 @@ class SSEStream:
             "X-Accel-Buffering": "no",
         })
         await response.prepare(request)
-        return cls(response, done_marker)
+        return cls(response, done_marker, request.transport)
+
+    def can_write_now(self) -> bool:
+        """Whether :meth:`write_now` may write: the connection is open and the socket's buffer
+        is under ``PUSH_HIGH_WATER`` (past it the handler writes and waits for the client)."""
+        t = self.transport
+        return self._writer is not None and t is not None and not t.is_closing() and \
+            t.get_write_buffer_size() <= PUSH_HIGH_WATER
+
+    def write_now(self, data: bytes) -> bool:
+        """Write without awaiting, from any task on the loop (the engine's emission pushes
+        here). False, with nothing written, if :meth:`can_write_now` says no."""
+        if not self.can_write_now():
+            return False
+        step = self._writer.write(data, drain=False)  # completes without suspending
+        try:
+            step.send(None)
+        except StopIteration:
+            return True
+        step.close()  # unreachable with this writer; never leave a write half done
+        raise RuntimeError("the response writer suspended during a synchronous write")
 
     async def write(self, data: bytes) -> None:
         """Write one or more already encoded events."""
