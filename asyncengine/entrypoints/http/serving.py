@@ -210,7 +210,7 @@ async def run_sse(request: web.Request, streams: list[RequestStream],
             await sse.write(data)
 
     if len(streams) == 1:
-        streams[0].set_push(_pusher(sse, render))
+        streams[0].set_push(_Pusher(sse, render))
     try:
         await consume(streams, write)
         await on_end(sse)
@@ -227,17 +227,20 @@ async def run_sse(request: web.Request, streams: list[RequestStream],
     return sse.response
 
 
-def _pusher(sse: SSEStream, render: Callable[[int, RequestOutput], bytes]
-            ) -> Callable[[RequestStream], bool]:
-    def push(stream: RequestStream) -> bool:
-        if not sse.can_write_now():
+class _Pusher:
+    """What emission calls for a parked handler's stream (``RequestStream.set_push``)."""
+
+    def __init__(self, sse: SSEStream, render: Callable[[int, RequestOutput], bytes]) -> None:
+        self.sse = sse
+        self.render = render
+
+    def __call__(self, stream: RequestStream) -> bool:
+        if not self.sse.can_write_now():
             return False  # the handler writes, and waits for the client
         out = stream.take()
         if out is None:
             return True
-        data = render(0, out)
-        if data and not sse.write_now(data):
+        data = self.render(0, out)
+        if data and not self.sse.write_now(data):
             raise ClientGone()
         return not out.finished  # the handler ends the stream
-
-    return push
