@@ -93,8 +93,12 @@ class RequestStream:
 
     def take(self) -> RequestOutput | None:
         """What ``__anext__`` would return now, or None if there is nothing new."""
-        if self._delivered_final or not (self.finished or
-                                         any(s.has_news for s in self.samples)):
+        if self._delivered_final:
+            return None
+        for s in self.samples:
+            if s.finish_reason is not None or s.has_news:
+                break
+        else:
             return None
         return self._take()
 
@@ -167,23 +171,12 @@ class RequestStream:
         finished = self.finished
         self._delivered_final = finished
         r = self._first
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=outputs,
-            finished=finished,
-            prompt_logprobs=r.prompt_logprobs,
-            metrics=RequestMetrics(
-                arrival_time=r.arrival_time,
-                first_scheduled_time=r.first_scheduled_time,
-                first_token_time=r.first_token_time,
-                last_token_time=r.last_token_time,
-                finished_time=self.finished_time,
-                num_cached_tokens=r.num_cached_tokens,
-            ),
-            num_cached_tokens=r.num_cached_tokens,
-        )
+        metrics = None
+        if finished or not self.deltas_only:  # a delta stream's metrics come with its end
+            metrics = RequestMetrics(r.arrival_time, r.first_scheduled_time, r.first_token_time,
+                                     r.last_token_time, self.finished_time, r.num_cached_tokens)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
+                             finished, r.prompt_logprobs, metrics, r.num_cached_tokens)
 
     def close(self) -> None:
         """Stop consuming; aborts the request if it is still running. Idempotent."""
