@@ -98,6 +98,7 @@ class StepLoop:
             for step in self.in_flight:  # a device thread waiting for a mask must not hang
                 if step.inputs.bitmask is not None:
                     step.inputs.bitmask.abandon()
+            self.in_flight.clear()
 
     async def _idle(self) -> None:
         engine = self.engine
