@@ -6,7 +6,7 @@ streams. Per iteration, with step N in flight on the device::
     out[N+1] = scheduler.schedule()          # N's tokens unknown yet: counted as placeholders
     await kv_transfer.load(out[N+1])         # KV-connector blocks (if any), before the forward
     inputs = runner.prepare(out[N+1])        # N's sampled ids feed N+1 on the device
-    launch(N+1)                              # queued behind N on the device's worker
+    launch(N+1)                              # queued behind N on the device (worker / stream)
     result[N] = await step[N]                # the loop serves HTTP meanwhile
     scheduler.update_from_output(out[N], result[N])
     fill N+1's grammar bitmask               # grammar states now include N's tokens; the
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Protocol
 
 import anyio
@@ -122,8 +121,7 @@ class StepLoop:
             if all(g is None for g in grammars):
                 grammars = None
         inputs = self.runner.prepare(out, with_bitmask=grammars is not None)
-        step = Step(out, inputs, self.device.launch(partial(self.runner.execute, inputs)),
-                    grammars)
+        step = Step(out, inputs, self.device.launch_step(self.runner, inputs), grammars)
         self.in_flight.append(step)
         self.num_steps += 1
         self.num_stream_steps += len(out.scheduled)

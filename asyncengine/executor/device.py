@@ -4,13 +4,15 @@ The loop never blocks on the device. ``launch(fn)`` queues ``fn`` and returns a 
 once; ``await handle.wait()`` suspends only the step-loop task, so HTTP handlers,
 detokenization and grammar work run meanwhile.
 
-One long-lived worker thread runs the queued steps strictly in launch order: it is the CPU's
-"stream" (on CUDA it enqueues the kernels on the device's stream). In-order execution is what
-async scheduling relies on: step N+1 may be launched before step N finishes, reads step N's
-sampled ids, and writes KV blocks freed while step N ran only after step N has ended. When a
-step ends, the worker wakes the loop with ``call_soon_threadsafe`` (no polling, no thread
-hop per step beyond that one). Being one thread also keeps one OpenMP team: a second thread
-running parallel kernels would start a second team and slow every kernel on a small CPU.
+On the CPU, one long-lived worker thread runs the queued steps strictly in launch order: it
+is the CPU's "stream". (On CUDA, :class:`CUDADevice` enqueues steps on a real stream, mostly
+from the loop itself, and awaits events: see its docstring and ``docs/gpu.md``.) In-order
+execution is what async scheduling relies on: step N+1 may be launched before step N
+finishes, reads step N's sampled ids, and writes KV blocks freed while step N ran only after
+step N has ended. When a step ends, the worker wakes the loop with ``call_soon_threadsafe``
+(no polling, no thread hop per step beyond that one). Being one thread also keeps one OpenMP
+team: a second thread running parallel kernels would start a second team and slow every
+kernel on a small CPU.
 """
 
 from __future__ import annotations
@@ -21,10 +23,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import anyio
 import anyio.to_thread
+
+from asyncengine.executor.cuda_await import EventAwaiter, make_event_awaiter
+
+#: Where eager (not graph-replayed) CUDA steps are enqueued from: loop (default) or thread.
+EAGER_LAUNCH_ENV = "ASYNCENGINE_CUDA_EAGER_LAUNCH"
 
 
 class StepHandle:
@@ -49,6 +57,15 @@ class StepHandle:
         if self._error is not None:
             raise self._error
         return self._result
+
+
+class HostResult:
+    """A step's result that is complete only once the device has caught up with it (its
+    sampled ids still on their way to pinned host memory): ``finish()`` builds the real
+    result, on the loop, after the step's event has completed."""
+
+    def finish(self) -> Any:
+        raise NotImplementedError
 
 
 class Device:
@@ -77,6 +94,16 @@ class Device:
         self._ensure_worker()
         self._queue.put((fn, handle))
         return handle
+
+    def launch_step(self, runner: Any, inputs: Any) -> StepHandle:
+        """Queue a prepared step, ``runner.execute(inputs)``, behind the ones launched."""
+        return self.launch(partial(runner.execute, inputs))
+
+    def make_staging(self) -> Any:
+        """How ``runner.prepare`` turns the step's numpy arrays into tensors."""
+        from asyncengine.executor.staging import DirectStaging
+
+        return DirectStaging()
 
     def _ensure_worker(self) -> None:
         with self._lock:
@@ -135,11 +162,141 @@ class CPUDevice(Device):
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
 
 
+class CUDAStepHandle(StepHandle):
+    """A step enqueued on the CUDA stream: awaiting it awaits, in turn, its launch (when the
+    launcher thread enqueues it) and the event recorded after its kernels."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, awaiter: EventAwaiter,
+                 on_launched: Callable[[], None] | None = None) -> None:
+        super().__init__(loop)
+        self._awaiter = awaiter
+        self._on_launched = on_launched
+        self._event: Any = None
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        # Called on the loop once the step is enqueued: result is (value, event).
+        if self._on_launched is not None:
+            self._on_launched()
+            self._on_launched = None
+        if error is None:
+            result, self._event = result
+        super()._finish(result, error)
+
+    async def wait(self) -> Any:
+        value = await super().wait()  # enqueued (an error while enqueueing is raised here)
+        if self._event is not None:
+            await self._awaiter.wait(self._event)
+        return value.finish() if isinstance(value, HostResult) else value
+
+
+class TorchCUDA:
+    """The few CUDA calls the device makes (a fake stands in for it in CPU tests)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+
+    def new_stream(self) -> Any:
+        return self.torch.cuda.Stream()
+
+    def on_stream(self, stream: Any) -> Any:
+        return self.torch.cuda.stream(stream)
+
+    def set_stream(self, stream: Any) -> None:
+        self.torch.cuda.set_stream(stream)
+
+    def record_event(self, stream: Any) -> Any:
+        event = self.torch.cuda.Event()
+        event.record(stream)
+        return event
+
+
 class CUDADevice(Device):
-    """CUDA: the worker thread enqueues the step's kernels and waits for the host copy of the
-    sampled ids, so the loop never blocks on the GPU."""
+    """CUDA: steps are enqueued on one dedicated stream; the loop awaits an event recorded
+    after each step's kernels and the copy of its sampled ids into pinned host memory.
+
+    Where a step is enqueued from:
+
+    * the event loop (the default): ``launch_step`` runs ``runner.enqueue(inputs)`` right
+      there: a decode step is a CUDA graph replay (a handful of launches), an eager step a few
+      hundred kernel launches. No thread hop.
+    * the launcher thread (this class's worker, bound to the same stream): steps that must
+      wait on the host while they enqueue (a grammar bitmask the loop fills later, prompt
+      logprobs), generic ``launch(fn)`` work (embeddings), and, with
+      ``ASYNCENGINE_CUDA_EAGER_LAUNCH=thread``, every step that is not a graph replay.
+      Trade-off: launching from the thread frees the loop only while the thread waits in the
+      driver; Python-level launch overhead still holds the GIL, so the loop's emission and the
+      launches contend for it, and each step pays a hop to the thread. Not measured yet.
+
+    Order on the stream is launch order: while anything queued on the launcher thread is not
+    enqueued yet, later steps queue behind it on the thread too.
+    """
 
     type = "cuda"
+
+    def __init__(self, awaiter: str | None = None, eager_launch: str | None = None,
+                 cuda: Any = None) -> None:
+        super().__init__()
+        self.cuda = cuda or TorchCUDA()
+        self.stream = self.cuda.new_stream()
+        self.awaiter = make_event_awaiter(awaiter)
+        where = eager_launch or os.environ.get(EAGER_LAUNCH_ENV, "").strip() or "loop"
+        if where not in ("loop", "thread"):
+            raise ValueError(f"{EAGER_LAUNCH_ENV}={where!r}: must be loop or thread")
+        self.eager_on_thread = where == "thread"
+        self._pending_on_thread = 0  # launches queued on the thread, not enqueued yet
+        self.num_loop_launches = 0
+        self.num_thread_launches = 0
+
+    def make_staging(self) -> Any:
+        from asyncengine.executor.staging import PinnedStaging
+
+        return PinnedStaging(self.torch_device, self.stream)
+
+    def launch(self, fn: Callable[[], Any]) -> StepHandle:
+        """Generic device work (may block on the host, e.g. read results back): it runs on
+        the launcher thread, in order with the steps."""
+        return self._via_thread(fn)
+
+    def launch_step(self, runner: Any, inputs: Any) -> StepHandle:
+        fn = partial(runner.enqueue, inputs)
+        if (self._pending_on_thread or inputs.blocks_host
+                or (self.eager_on_thread and inputs.graph_batch is None)):
+            return self._via_thread(fn)
+        handle = CUDAStepHandle(asyncio.get_running_loop(), self.awaiter)
+        self.num_loop_launches += 1
+        try:
+            result = self._enqueue(fn)
+        except BaseException as e:  # delivered to the awaiting step loop
+            handle._finish(None, e)
+        else:
+            handle._finish(result)
+        return handle
+
+    def _via_thread(self, fn: Callable[[], Any]) -> StepHandle:
+        handle = CUDAStepHandle(asyncio.get_running_loop(), self.awaiter,
+                                on_launched=self._launched_on_thread)
+        self._pending_on_thread += 1
+        self.num_thread_launches += 1
+        self._ensure_worker()
+        self._queue.put((partial(self._enqueue, fn), handle))
+        return handle
+
+    def _enqueue(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
+        with self.cuda.on_stream(self.stream):
+            result = fn()
+        return result, self.cuda.record_event(self.stream)
+
+    def _launched_on_thread(self) -> None:
+        self._pending_on_thread -= 1
+
+    def _on_worker_start(self) -> None:
+        self.cuda.set_stream(self.stream)
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        self.awaiter.close()
 
     def synchronize(self) -> None:
         import torch

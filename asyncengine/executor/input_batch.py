@@ -31,6 +31,8 @@ class RowReset:
     row: int
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # The same ids as tensors on the device, staged by ``prepare`` (prompt, outputs or None).
+    staged: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
 @dataclass

@@ -34,14 +34,17 @@ def embed_batch(model: torch.nn.Module, attn_backend: AttentionBackend, block_si
     starts = np.cumsum([0, *lens])
     # Each prompt owns consecutive blocks, so its token p lives in slot first_block * bs + p.
     slots = np.concatenate([first_block[i] * bs + np.arange(n) for i, n in enumerate(lens)])
+    table = _block_tables(first_block)
     meta = AttentionMetadata(
         query_start_loc=[int(s) for s in starts],
         seq_lens=lens,
-        block_tables=_block_tables(first_block, device),
+        block_tables=torch.from_numpy(table).to(device),
         slot_mapping=torch.from_numpy(slots).to(device),
         block_size=bs,
+        block_tables_host=table,
     )
     attn_backend.prepare(meta)
+    attn_backend.plan(meta)
     input_ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
     positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lens])).to(device)
     hidden = model(input_ids, positions, kv_caches, meta, attn_backend).float()  # [T, H]
@@ -59,10 +62,10 @@ def embed_batch(model: torch.nn.Module, attn_backend: AttentionBackend, block_si
     return pooled.cpu().numpy()
 
 
-def _block_tables(first_block: np.ndarray, device: torch.device) -> torch.Tensor:
+def _block_tables(first_block: np.ndarray) -> np.ndarray:
     """``[B, max blocks]``: row i holds its consecutive blocks, padded with its first one."""
     counts = np.diff(first_block)
     width = int(counts.max())
     table = first_block[:-1, None] + np.minimum(np.arange(width)[None, :],
                                                 np.maximum(counts - 1, 0)[:, None])
-    return torch.from_numpy(table.astype(np.int64)).to(device)
+    return table.astype(np.int64)

@@ -16,14 +16,20 @@ Async scheduling: step N+1 is prepared before step N's tokens reach the host. A 
 sampled in step N decodes that token in N+1: ``prepare`` leaves its input id blank and records
 where it is in step N's sampled ids; ``execute`` copies it from there on the device.
 
+On CUDA, ``enqueue(inputs)`` replaces ``execute``: it enqueues the same work on the device's
+stream (a CUDA graph replay for a decode step that fits a captured batch size) without any host
+synchronization, and returns a :class:`~asyncengine.executor.step_output.PendingOutput` that
+becomes the step's ``ModelRunnerOutput`` once the device's event says the sampled ids have
+reached pinned host memory. ``prepare`` is the same on both; its tensors come from the device's
+staging (``staging.py``: ``torch.from_numpy`` on the CPU, one packed pinned upload on CUDA).
+
 ``read_kv_blocks`` / ``write_kv_blocks`` copy whole KV blocks (all layers) out of and into
 the cache for a KV connector.
 """
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,69 +38,18 @@ from asyncengine.core.request import PositionLogprobs, Request
 from asyncengine.core.sched.interface import ModelRunnerOutput, SchedulerOutput
 from asyncengine.executor.attention.base import AttentionBackend, AttentionMetadata
 from asyncengine.executor.input_batch import InputBatch, RowReset
-from asyncengine.executor.sampler import NO_TOKEN, SamplingBatch, prompt_logprobs, sample
+from asyncengine.executor.sampler import NO_TOKEN, prompt_logprobs, sample, sample_ids
 from asyncengine.executor.sampling_inputs import gather_sampling_batch
+from asyncengine.executor.staging import DirectStaging
+from asyncengine.executor.step_inputs import (
+    BitmaskSlot,
+    PromptLogprobsTask,
+    StepAbandoned,
+    StepInputs,
+)
+from asyncengine.executor.step_output import PendingOutput, pending_output
 
-#: Seconds between checks of an abandoned step while the sampler waits for a bitmask.
-_BITMASK_POLL_S = 0.05
-
-
-class StepAbandoned(RuntimeError):
-    """The engine stopped while this step waited for its grammar bitmask."""
-
-
-@dataclass
-class PromptLogprobsTask:
-    """Prompt logprobs for the query tokens ``[first, last)`` of one request in this step."""
-
-    req_id: str
-    first: int  # index into the step's flattened tokens
-    last: int
-    next_token_ids: torch.Tensor  # the prompt tokens these positions predict
-    k: int
-
-
-class BitmaskSlot:
-    """A grammar bitmask the loop fills while the device runs the forward pass. The device
-    waits for it before sampling; ``abandon()`` (the engine stopping) ends that wait."""
-
-    def __init__(self) -> None:
-        self.ready = threading.Event()
-        self.abandoned = False
-        self.bitmask: torch.Tensor | None = None
-        self.apply = None  # callable(logits, bitmask) from the structured-output manager
-
-    def set(self, bitmask: torch.Tensor | None, apply) -> None:
-        self.bitmask, self.apply = bitmask, apply
-        self.ready.set()
-
-    def abandon(self) -> None:
-        self.abandoned = True
-        self.ready.set()
-
-    def wait(self) -> None:
-        while not self.ready.wait(_BITMASK_POLL_S):
-            pass
-        if self.abandoned:
-            raise StepAbandoned("the engine stopped before this step's grammar mask was ready")
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    attn_metadata: AttentionMetadata
-    sample_indices: torch.Tensor  # [S] rows of the flattened step to sample from
-    sample_req_ids: list[str]
-    sampling_batch: SamplingBatch | None
-    # Penalty state: persistent rows of the sampled rows that have penalties ([P]), and the
-    # rows (re)joined this step whose state the device resets first.
-    penalty_rows: torch.Tensor | None = None
-    resets: list[RowReset] = field(default_factory=list)
-    # Input tokens still in flight: input_ids[dst] = previous step's sampled ids[src].
-    from_previous: tuple[torch.Tensor, torch.Tensor] | None = None
-    prompt_tasks: list[PromptLogprobsTask] = field(default_factory=list)
-    bitmask: BitmaskSlot | None = None
+__all__ = ["BitmaskSlot", "ModelRunner", "PromptLogprobsTask", "StepAbandoned", "StepInputs"]
 
 
 class ModelRunner:
@@ -109,6 +64,8 @@ class ModelRunner:
         *,
         max_num_seqs: int = 256,
         max_model_len: int = 8192,
+        staging: Any = None,
+        sampling_method: str | None = None,
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
@@ -119,6 +76,10 @@ class ModelRunner:
         self.vocab_size: int = model.vocab_size
         self.batch = InputBatch(max_num_seqs, -(-max_model_len // block_size) + 1,
                                 self.vocab_size, eos_token_ids)
+        self.staging = staging or DirectStaging()
+        self.sampling_method = sampling_method  # None: the device's default
+        # CUDA graphs for decode steps (``cuda_graphs.CUDAGraphRunner``), set after capture.
+        self.graphs: Any = None
         # Where each request's token sits in the last prepared step's sampled ids.
         self._sample_pos: dict[str, int] = {}
         # Device side (touched by execute only): the last step's sampled ids, penalty state.
@@ -181,6 +142,9 @@ class ModelRunner:
                 counters.append(len(req.output_token_ids) + req.num_output_placeholders - 1)
         self._sample_pos = sample_pos
 
+        staging = self.staging
+        staging.begin()
+        put = staging.put
         bs = self.block_size
         cu = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(lens, out=cu[1:])
@@ -191,33 +155,48 @@ class ModelRunner:
         slots = ib.block_table[row_of_token, positions // bs] * bs + positions % bs
         seq_lens = starts + lens
         width = int((seq_lens.max() + bs - 1) // bs) if num_reqs else 0
+        table = ib.block_table[rows, :width]
+        decode_only = total == num_reqs
+        graph_batch = (self.graphs.bucket_for(num_reqs)
+                       if self.graphs is not None and decode_only and num_reqs else None)
         meta = AttentionMetadata(
             query_start_loc=cu.tolist(),
             seq_lens=seq_lens.tolist(),
-            block_tables=torch.from_numpy(ib.block_table[rows, :width]).to(self.device),
-            slot_mapping=torch.from_numpy(slots).to(self.device),
+            block_tables=put(table) if self.attn_backend.needs_block_tables_tensor else None,
+            slot_mapping=put(slots),
             block_size=bs,
+            block_tables_host=table,
+            padded_batch=graph_batch,
         )
         self.attn_backend.prepare(meta)
         inputs = StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            positions=torch.from_numpy(positions).to(self.device),
+            input_ids=put(np.array(input_ids, dtype=np.int64)),
+            positions=put(positions),
             attn_metadata=meta,
-            sample_indices=torch.tensor(sample_flat, dtype=torch.long, device=self.device),
+            sample_indices=put(np.array(sample_flat, dtype=np.int64)),
             sample_req_ids=sample_req_ids,
             sampling_batch=None,
             prompt_tasks=prompt_tasks,
             bitmask=BitmaskSlot() if with_bitmask else None,
+            num_tokens=total,
+            decode_only=decode_only,
+            graph_batch=graph_batch,
         )
         if prev_dst:
-            inputs.from_previous = (torch.tensor(prev_dst, dtype=torch.long, device=self.device),
-                                    torch.tensor(prev_src, dtype=torch.long, device=self.device))
+            inputs.from_previous = (put(np.array(prev_dst, dtype=np.int64)),
+                                    put(np.array(prev_src, dtype=np.int64)))
         if ib.pending_resets:
             inputs.resets, ib.pending_resets = ib.pending_resets, []
+            for r in inputs.resets:
+                r.staged = (put(np.array(r.prompt_token_ids, dtype=np.int64)),
+                            put(np.array(r.output_token_ids, dtype=np.int64))
+                            if r.output_token_ids else None)
         if sample_req_ids:
             srows = np.array(sample_rows, dtype=np.int64)
             inputs.sampling_batch, inputs.penalty_rows = gather_sampling_batch(
-                ib, srows, np.array(counters, dtype=np.int64), self.device)
+                ib, srows, np.array(counters, dtype=np.int64), self.device, put=put,
+                method=self.sampling_method)
+        staging.flush()
         return inputs
 
     @staticmethod
@@ -234,32 +213,13 @@ class ModelRunner:
     # -- on the device ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> ModelRunnerOutput:
-        if inputs.resets:
-            self._reset_rows(inputs.resets)
-        if inputs.from_previous is not None:
-            dst, src = inputs.from_previous
-            inputs.input_ids[dst] = self._last_sampled[src]
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                            inputs.attn_metadata, self.attn_backend)
+        """Run the step and read its results back (the CPU; the worker thread)."""
         result = ModelRunnerOutput()
-        for task in inputs.prompt_tasks:
-            logits = self.model.compute_logits(hidden[task.first:task.last])
-            entries: list[PositionLogprobs | None] = list(
-                prompt_logprobs(logits, task.next_token_ids.to(logits.device), task.k))
-            result.prompt_logprobs[task.req_id] = entries
-        batch = inputs.sampling_batch
-        if batch is None:
+        hidden = self._forward(inputs)
+        logits = self._sampling_logits(inputs, hidden, result.prompt_logprobs)
+        if logits is None:
             return result
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        if inputs.bitmask is not None:
-            inputs.bitmask.wait()
-            if inputs.bitmask.bitmask is not None:
-                inputs.bitmask.apply(logits, inputs.bitmask.bitmask)
-        if batch.penalties is not None:
-            prow = inputs.penalty_rows
-            batch.penalties.counts = self._counts.index_select(0, prow)
-            if batch.penalties.repetition is not None:
-                batch.penalties.prompt_mask = self._prompt_mask.index_select(0, prow)
+        batch = inputs.sampling_batch
         sampled = sample(logits, batch)
         ids = sampled.token_ids_tensor
         if batch.penalties is not None:
@@ -274,6 +234,61 @@ class ModelRunner:
                 result.logprobs[rid] = lp
         return result
 
+    @torch.inference_mode()
+    def enqueue(self, inputs: StepInputs) -> PendingOutput:
+        """Enqueue the step on the current stream and return without waiting for the device
+        (CUDA). Nothing here synchronizes with the device unless the step ``blocks_host``
+        (then the device calls this from its launcher thread). The sampled ids and logprobs
+        are copied to pinned host memory on the same stream; ``finish()`` reads them."""
+        prompt: dict[str, list[PositionLogprobs | None]] = {}
+        hidden = self._forward(inputs)
+        logits = self._sampling_logits(inputs, hidden, prompt)
+        if logits is None:
+            return PendingOutput(prompt_logprobs=prompt)
+        batch = inputs.sampling_batch
+        ids = sample_ids(logits, batch)
+        if batch.penalties is not None:
+            self._count_outputs_no_sync(inputs.penalty_rows, ids[batch.penalties.rows])
+        self._last_sampled = ids.clamp(min=0)
+        return pending_output(logits, ids, batch, inputs.sample_req_ids, prompt)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Final hidden states of the step's (real) tokens."""
+        if inputs.resets:
+            self._reset_rows(inputs.resets)
+        if inputs.graph_batch is not None:
+            return self.graphs.run(inputs, self._last_sampled)
+        if inputs.from_previous is not None:
+            dst, src = inputs.from_previous
+            inputs.input_ids[dst] = self._last_sampled[src]
+        self.attn_backend.plan(inputs.attn_metadata)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                          inputs.attn_metadata, self.attn_backend)
+
+    def _sampling_logits(self, inputs: StepInputs, hidden: torch.Tensor,
+                         prompt: dict[str, list[PositionLogprobs | None]]
+                         ) -> torch.Tensor | None:
+        """Prompt logprobs into ``prompt``; then the sampled rows' logits, with the grammar
+        bitmask applied and the penalty state gathered (None when nothing samples)."""
+        for task in inputs.prompt_tasks:
+            logits = self.model.compute_logits(hidden[task.first:task.last])
+            prompt[task.req_id] = list(
+                prompt_logprobs(logits, task.next_token_ids.to(logits.device), task.k))
+        batch = inputs.sampling_batch
+        if batch is None:
+            return None
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        if inputs.bitmask is not None:
+            inputs.bitmask.wait()
+            if inputs.bitmask.bitmask is not None:
+                inputs.bitmask.apply(logits, inputs.bitmask.bitmask)
+        if batch.penalties is not None:
+            prow = inputs.penalty_rows
+            batch.penalties.counts = self._counts.index_select(0, prow)
+            if batch.penalties.repetition is not None:
+                batch.penalties.prompt_mask = self._prompt_mask.index_select(0, prow)
+        return logits
+
     def _reset_rows(self, resets: list[RowReset]) -> None:
         rows = self.batch.capacity
         if self._counts is None or self._counts.shape[0] < rows:
@@ -286,10 +301,14 @@ class ModelRunner:
         for r in resets:
             self._counts[r.row].zero_()
             self._prompt_mask[r.row].zero_()
-            prompt = torch.tensor(r.prompt_token_ids, dtype=torch.long, device=self.device)
+            if r.staged is not None:
+                prompt, out = r.staged
+            else:
+                prompt = torch.tensor(r.prompt_token_ids, dtype=torch.long, device=self.device)
+                out = torch.tensor(r.output_token_ids, dtype=torch.long, device=self.device) \
+                    if r.output_token_ids else None
             self._prompt_mask[r.row, prompt] = True
-            if r.output_token_ids:
-                out = torch.tensor(r.output_token_ids, dtype=torch.long, device=self.device)
+            if out is not None:
                 self._counts[r.row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
 
     def _count_outputs(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
@@ -297,6 +316,12 @@ class ModelRunner:
         self._counts.index_put_((rows[ok], ids[ok]),
                                 torch.ones(1, dtype=torch.int32, device=ids.device),
                                 accumulate=True)
+
+    def _count_outputs_no_sync(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        """:meth:`_count_outputs` without a boolean mask (whose size the host would have to
+        read): a row with no token adds 0."""
+        ok = (ids != NO_TOKEN).to(torch.int32)
+        self._counts.index_put_((rows, ids.clamp(min=0)), ok, accumulate=True)
 
     # -- whole KV blocks, between steps (KV connectors) ------------------------------------------
     @torch.no_grad()

@@ -7,29 +7,44 @@ use rare features (logit bias, min_tokens still in force) are visited one by one
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from asyncengine.executor.input_batch import InputBatch
 from asyncengine.executor.sampler.batch import Penalties, SamplingBatch
 
+_NUMPY = {torch.bool: np.bool_, torch.long: np.int64, torch.float32: np.float32}
+
 
 def gather_sampling_batch(ib: InputBatch, rows: np.ndarray, counters: np.ndarray,
-                          device: torch.device) -> tuple[SamplingBatch, torch.Tensor | None]:
+                          device: torch.device,
+                          put: Callable[[np.ndarray], torch.Tensor] | None = None,
+                          method: str | None = None
+                          ) -> tuple[SamplingBatch, torch.Tensor | None]:
     """The batch for the persistent ``rows`` being sampled (in step order), and the persistent
     rows of those with penalties (to gather the device's penalty state), or None.
-    ``counters[i]``: the output position of the token row ``i`` samples."""
+    ``counters[i]``: the output position of the token row ``i`` samples. ``put`` turns an
+    array into a tensor on ``device`` (the runner's staging; default: a copy). ``method``:
+    how sampled rows draw (default: ``race`` on CUDA, ``cdf`` on the CPU)."""
     n = len(rows)
     logprobs = [None if k < 0 else int(k) for k in ib.num_logprobs[rows].tolist()] \
         if ib.any_logprobs else [None] * n
 
-    def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+    if put is None:
+        def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+    else:
+        def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return put(np.ascontiguousarray(a, dtype=_NUMPY[dtype]))
 
     temperature = ib.temperature[rows]
     greedy = ib.is_greedy(rows)
+    if method is None:
+        method = "race" if torch.device(device).type == "cuda" else "cdf"
     batch = SamplingBatch(num_rows=n, all_greedy=bool(greedy.all()), logprobs=logprobs,
-                          method="race" if torch.device(device).type == "cuda" else "cdf")
+                          method=method)
     if not batch.all_greedy:
         if greedy.any():
             batch.greedy = t(greedy, torch.bool)
@@ -54,7 +69,7 @@ def gather_sampling_batch(ib: InputBatch, rows: np.ndarray, counters: np.ndarray
             batch.seeds = t(ib.seed[rows[seeded]], torch.long)
             batch.counters = t(counters[seeded], torch.long)
     if ib.extras:
-        _rare_rows(ib, rows, counters, batch, device)
+        _rare_rows(ib, rows, counters, batch, device, put)
     penalty_rows = None
     pen = np.nonzero(ib.penalized[rows])[0]
     if len(pen):
@@ -76,7 +91,8 @@ def _column(values: np.ndarray, neutral: float, t) -> torch.Tensor | None:
 
 
 def _rare_rows(ib: InputBatch, rows: np.ndarray, counters: np.ndarray, batch: SamplingBatch,
-               device: torch.device) -> None:
+               device: torch.device,
+               put: Callable[[np.ndarray], torch.Tensor] | None) -> None:
     """Logit bias and min_tokens masks: flat (row, token) pairs for the rows that have them."""
     mask_rows: list[torch.Tensor] = []
     mask_cols: list[torch.Tensor] = []
@@ -95,8 +111,11 @@ def _rare_rows(ib: InputBatch, rows: np.ndarray, counters: np.ndarray, batch: Sa
             bias_rows.append(torch.full_like(extras.bias_cols, i))
             bias_cols.append(extras.bias_cols)
             bias_vals.append(extras.bias_vals)
+    def dev(parts: list[torch.Tensor]) -> torch.Tensor:
+        flat = torch.cat(parts)
+        return flat.to(device) if put is None else put(flat.numpy())
+
     if mask_rows:
-        batch.masked = (torch.cat(mask_rows).to(device), torch.cat(mask_cols).to(device))
+        batch.masked = (dev(mask_rows), dev(mask_cols))
     if bias_rows:
-        batch.bias = (torch.cat(bias_rows).to(device), torch.cat(bias_cols).to(device),
-                      torch.cat(bias_vals).to(device))
+        batch.bias = (dev(bias_rows), dev(bias_cols), dev(bias_vals))

@@ -7,6 +7,10 @@ KV-cache layout (one tensor per layer, allocated by the backend)::
 A token at absolute position ``p`` of a request lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.
 
+FlashInfer reads the same cache as a ``(k_cache, v_cache)`` pair of ``[num_pages, page_size,
+num_kv_heads, head_dim]`` ("NHD") tensors: ``kv_cache[layer][0]`` and ``[1]``, views, no copy.
+A KV block is a FlashInfer page; the block manager's block ids are the page indices.
+
 One step's tokens are flattened: the ``T`` query tokens of ``B`` requests are laid end to end,
 request ``i`` owning ``[query_start_loc[i], query_start_loc[i + 1])``. Its query tokens are
 the *last* ``query_len`` of its ``seq_len`` tokens (everything before is already in the cache:
@@ -19,6 +23,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -30,11 +35,17 @@ class AttentionMetadata:
     seq_lens: list[int]  # [B], tokens in the cache after this step (context + query)
     # [B, max blocks of the step] int64: row i's first ceil(seq_lens[i] / block_size) entries
     # are its blocks; entries past them are stale (any valid block id), never attended.
-    block_tables: torch.Tensor
+    # None when the backend does not need it on the device (``needs_block_tables_tensor``).
+    block_tables: torch.Tensor | None
     slot_mapping: torch.Tensor  # [T] int64, where each query token's K/V is written
     block_size: int
     # Backend-specific precomputed tensors (index tensors, masks, planned wrappers).
     extra: Any = None
+    # The same block tables on the host, for backends that plan from them (FlashInfer).
+    block_tables_host: np.ndarray | None = None
+    # A pure-decode step replayed by the CUDA graph captured for this many rows: the rows
+    # past num_reqs are padding, whose K/V go to the backend's scratch block.
+    padded_batch: int | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -49,10 +60,18 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Computes causal attention of one step's query tokens over the paged KV cache.
 
-    ``prepare`` runs once per step (before the forward); ``forward`` once per layer.
+    ``prepare`` runs once per step on the event loop (host-side work only: no device
+    synchronization, no kernels); ``plan`` once per step on the device side, in step order;
+    ``forward`` once per layer.
     """
 
     name: str = "base"
+    #: ``metadata.block_tables`` is needed on the device (else only ``block_tables_host``).
+    needs_block_tables_tensor: bool = True
+    #: Decode steps may be captured in CUDA graphs (static shapes, no host sync).
+    supports_cuda_graphs: bool = False
+    #: KV blocks the backend allocates past ``num_blocks`` for itself (a scratch block).
+    extra_kv_blocks: int = 0
 
     def allocate_kv_cache(
         self,
@@ -77,6 +96,10 @@ class AttentionBackend(ABC):
     @abstractmethod
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Fill ``metadata.extra`` with whatever the per-layer calls share."""
+
+    def plan(self, metadata: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
+        """Device side, in step order, before the step's forward (or its CUDA graph replay):
+        set up what the kernels read (FlashInfer's ``plan``). Nothing by default."""
 
     @abstractmethod
     def forward(
