@@ -20,6 +20,8 @@ from asyncengine.core.sampling_params import SamplingParams
 
 #: ``temperature`` below this is greedy (as ``SamplingParams.greedy``).
 GREEDY_EPS = 1e-5
+#: How sampled rows draw (see ``SamplingBatch.method``).
+METHODS = ("race", "cdf", "flashinfer")
 
 
 class SamplingRow(NamedTuple):
@@ -71,7 +73,8 @@ class SamplingBatch:
     logprobs: list[int | None] = field(default_factory=list)
     # How sampled rows draw: "race" (exponential race, one noise value per token: no host
     # sync, the CUDA default) or "cdf" (inverse CDF, one uniform per row: the CPU default,
-    # where generating noise for the whole vocabulary costs more than the rest together).
+    # where generating noise for the whole vocabulary costs more than the rest together), or
+    # "flashinfer" (CUDA: FlashInfer's kernels where the batch allows, else "race").
     method: str = "cdf"
 
     @property
@@ -126,8 +129,9 @@ class SamplingBatch:
         """The filters and seeds of a batch from per-row values (no masks or penalties)."""
         if method is None:
             method = "race" if torch.device(device).type == "cuda" else "cdf"
-        elif method not in ("race", "cdf"):
-            raise ValueError(f"sampling method must be 'race' or 'cdf', got {method!r}")
+        elif method not in METHODS:
+            raise ValueError(f"sampling method must be one of {', '.join(METHODS)}, got "
+                             f"{method!r}")
         greedy = [t < GREEDY_EPS for t in temperature]
         batch = cls(num_rows=len(greedy), all_greedy=all(greedy), logprobs=logprobs,
                     method=method)

@@ -3,9 +3,11 @@
 The order of processing is vLLM's: logit bias, min_tokens (stop tokens masked), penalties
 (repetition on prompt + output tokens, presence/frequency on output tokens); greedy rows then
 take the argmax, the others go through temperature, top-k, top-p and min-p and are sampled.
-On CUDA sampling is the exponential race (``argmax(probs / q)``, ``q ~ Exp(1)``, no host sync);
-on the CPU, where noise for the whole vocabulary is the dominant cost, it is the inverse CDF
-(one uniform per row). Seeded rows take their noise from a counter-based hash of (seed,
+On CUDA with FlashInfer installed, batches it can sample go through its fused top-k/top-p
+kernels (``flashinfer_sampling.py``: no vocabulary sort); otherwise sampling on CUDA is the
+exponential race (``argmax(probs / q)``, ``q ~ Exp(1)``, no host sync); on the CPU, where
+noise for the whole vocabulary is the dominant cost, it is the inverse CDF (one uniform per
+row). Seeded rows take their noise from a counter-based hash of (seed,
 output position) (``noise.py``), so they sample the same tokens alone and in any batch, with
 no per-row generator or kernel.
 
@@ -27,6 +29,10 @@ import torch
 
 from asyncengine.core.request import PositionLogprobs
 from asyncengine.executor.sampler.batch import SamplingBatch
+from asyncengine.executor.sampler.flashinfer_sampling import (
+    sample_with_flashinfer,
+    unsupported_reason,
+)
 from asyncengine.executor.sampler.logprobs import compute_logprobs
 from asyncengine.executor.sampler.noise import seeded_uniform
 from asyncengine.executor.sampler.processing import apply_top_k, apply_top_p, process_logits
@@ -74,6 +80,17 @@ def sample_ids(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         x = x / batch.temperature
     elif x is logits:
         x = x.clone()
+    if batch.method == "flashinfer" and unsupported_reason(batch) is None:
+        sampled = sample_with_flashinfer(x, batch)
+    else:
+        sampled = _sample_torch(x, batch)
+    if greedy_ids is not None:
+        sampled = torch.where(batch.greedy, greedy_ids, sampled)
+    return sampled
+
+
+def _sample_torch(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Top-k, top-p, min-p, then the draw, on temperature-scaled logits ``x`` (a copy)."""
     if batch.top_k is not None:
         apply_top_k(x, batch.top_k, batch.max_top_k)
     if batch.top_p is not None:
@@ -82,13 +99,9 @@ def sample_ids(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.min_p is not None:
         top = probs.amax(dim=-1, keepdim=True)
         probs.masked_fill_(probs < batch.min_p * top, 0.0)
-    if batch.method == "race":
-        sampled = _exponential_race(probs, batch)
-    else:
-        sampled = _inverse_cdf(probs, batch)
-    if greedy_ids is not None:
-        sampled = torch.where(batch.greedy, greedy_ids, sampled)
-    return sampled
+    if batch.method == "cdf":
+        return _inverse_cdf(probs, batch)
+    return _exponential_race(probs, batch)  # race, and flashinfer's fallback
 
 
 def _greedy(x: torch.Tensor) -> torch.Tensor:
