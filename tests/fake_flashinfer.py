@@ -1,0 +1,148 @@
+"""A stand-in for the ``flashinfer`` package on the CPU, for tests.
+
+It implements the slice of FlashInfer's Python API the engine uses, with FlashInfer's
+documented semantics and naive torch code: paged prefill/decode wrappers (``plan`` then
+``run`` over an "NHD" ``(k_cache, v_cache)`` pair; causal masks aligned to the end of each
+request's keys; fixed buffers in CUDA-graph mode, which ``run`` then reads), and the sampling
+functions (deterministic: the argmax of what top-k would keep). It also checks the contract
+the engine relies on to never synchronize with the device: indptr and last-page-length
+arrays arrive on the host, as int32.
+
+It proves the engine drives the API as documented; that the real kernels agree is for
+``tests/test_gpu.py`` to show on a GPU.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+
+def _host_int32(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cpu" or t.dtype != torch.int32:
+        raise AssertionError(f"{name} must be an int32 host tensor (got {t.dtype} on {t.device})")
+    return t
+
+
+class _PagedWrapper:
+    """What the prefill and decode wrappers share."""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, use_tensor_cores: bool = False,
+                 paged_kv_indptr_buffer: torch.Tensor | None = None,
+                 paged_kv_indices_buffer: torch.Tensor | None = None,
+                 paged_kv_last_page_len_buffer: torch.Tensor | None = None,
+                 **_: Any) -> None:
+        if kv_layout != "NHD":
+            raise AssertionError(f"unexpected kv_layout {kv_layout}")
+        self.use_cuda_graph = use_cuda_graph
+        if use_cuda_graph:
+            if paged_kv_indptr_buffer is None or paged_kv_last_page_len_buffer is None \
+                    or paged_kv_indices_buffer is None:
+                raise ValueError("cuda graph mode needs the fixed buffers")
+            if len(paged_kv_indptr_buffer) != len(paged_kv_last_page_len_buffer) + 1:
+                raise ValueError("indptr buffer must be batch_size + 1")
+        self.indptr_buf = paged_kv_indptr_buffer
+        self.indices_buf = paged_kv_indices_buffer
+        self.last_buf = paged_kv_last_page_len_buffer
+        self.num_plans = 0
+        self.planned: dict[str, Any] | None = None
+
+    def _plan(self, qo_indptr: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
+              last: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+              page_size: int, causal: bool, sm_scale: float | None) -> None:
+        _host_int32("paged_kv_indptr", indptr)
+        _host_int32("paged_kv_last_page_len", last)
+        if indices.dtype != torch.int32:
+            raise AssertionError("paged_kv_indices must be int32")
+        batch = len(last)
+        if self.use_cuda_graph:
+            if batch != len(self.last_buf):
+                raise ValueError(f"batch {batch} != fixed batch {len(self.last_buf)}")
+            if len(indices) > len(self.indices_buf):
+                raise ValueError("indices overflow the fixed buffer")
+            self.indptr_buf.copy_(indptr)
+            self.last_buf.copy_(last)
+            self.indices_buf[:len(indices)].copy_(indices)
+        else:
+            self.indptr_buf, self.indices_buf, self.last_buf = indptr, indices, last
+        self.planned = dict(qo_indptr=qo_indptr, num_qo_heads=num_qo_heads,
+                            num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                            causal=causal, sm_scale=sm_scale or head_dim**-0.5)
+        self.num_plans += 1
+
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]
+            ) -> torch.Tensor:
+        p = self.planned
+        if p is None:
+            raise RuntimeError("run() before plan()")
+        k_cache, v_cache = paged_kv_cache
+        if k_cache.dim() != 4 or k_cache.shape[1] != p["page_size"]:
+            raise AssertionError(f"expected NHD pages of {p['page_size']}, got "
+                                 f"{tuple(k_cache.shape)}")
+        indptr = self.indptr_buf.tolist()
+        last = self.last_buf.tolist()
+        qo = p["qo_indptr"].tolist()
+        group = p["num_qo_heads"] // p["num_kv_heads"]
+        out = torch.zeros_like(q)
+        for i in range(len(last)):
+            pages = self.indices_buf[indptr[i]:indptr[i + 1]].long()
+            length = (len(pages) - 1) * p["page_size"] + last[i]
+            k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:length].float()
+            v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:length].float()
+            k = k.repeat_interleave(group, dim=1)  # [L, heads, dim]
+            v = v.repeat_interleave(group, dim=1)
+            rows = slice(qo[i], qo[i + 1])
+            qi = q[rows].float()  # [Q, heads, dim]
+            scores = torch.einsum("qhd,khd->hqk", qi, k) * p["sm_scale"]
+            n_q = qi.shape[0]
+            if p["causal"]:
+                key = torch.arange(length)[None, :]
+                limit = (length - n_q + torch.arange(n_q))[:, None]
+                scores = scores.masked_fill(key > limit, float("-inf"))
+            out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+        return out
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+             num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal=False,
+             sm_scale=None, q_data_type=None, kv_data_type=None, **_: Any) -> None:
+        _host_int32("qo_indptr", qo_indptr)
+        self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                   num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal, sm_scale)
+
+
+class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+             page_size, sm_scale=None, q_data_type=None, kv_data_type=None, **_: Any) -> None:
+        qo = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
+        self._plan(qo, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                   page_size, False, sm_scale)
+
+
+def make_module() -> tuple[types.ModuleType, types.ModuleType]:
+    """``(flashinfer, flashinfer.sampling)`` stand-ins; ``sampling.calls`` records calls."""
+    fi = types.ModuleType("flashinfer")
+    fi.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
+    fi.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
+    sampling = types.ModuleType("flashinfer.sampling")
+    sampling.calls = []
+
+    def top_k_top_p_sampling_from_logits(logits, top_k, top_p, indices=None,
+                                         filter_apply_order="top_k_first",
+                                         deterministic=True, generator=None, check_nan=False):
+        sampling.calls.append(("top_k_top_p", top_k, top_p, filter_apply_order))
+        return logits.argmax(dim=-1).to(torch.int32)
+
+    def sampling_from_logits(logits, indices=None, deterministic=True, generator=None,
+                             check_nan=False):
+        sampling.calls.append(("plain",))
+        return logits.argmax(dim=-1).to(torch.int32)
+
+    sampling.top_k_top_p_sampling_from_logits = top_k_top_p_sampling_from_logits
+    sampling.sampling_from_logits = sampling_from_logits
+    fi.sampling = sampling
+    return fi, sampling
