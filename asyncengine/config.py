@@ -64,18 +64,21 @@ class ModelConfig:
         "help": "accepted for vLLM compatibility; the model code here is our own, so no code "
                 "from the model repository ever runs"})
     enforce_eager: bool = field(default=False, metadata={
-        "help": "accepted for vLLM compatibility (no graph capture here yet: no effect)"})
+        "help": "CUDA: run decode steps eagerly instead of replaying CUDA graphs captured per "
+                "batch-size bucket (no effect on the CPU)"})
 
 
 @dataclass
 class CacheConfig:
     block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
     kv_cache_memory: str = field(default="auto", metadata={
-        "help": "KV-cache size, e.g. 2GiB or 512MiB (auto: 1 GiB on the CPU; on CUDA the "
-                "free memory times --gpu-memory-utilization)",
+        "help": "KV-cache size, e.g. 2GiB or 512MiB (auto: 1 GiB on the CPU; on CUDA what "
+                "--gpu-memory-utilization leaves after a profiling run)",
         "aliases": ("--kv-cache-memory-bytes",)})
     gpu_memory_utilization: float = field(default=0.9, metadata={
-        "help": "fraction of the GPU's free memory the KV cache may take (CUDA only)"})
+        "help": "fraction of the GPU's total memory this engine may use in all (weights, "
+                "activations, KV cache), as in vLLM: the KV cache gets what a profiling run "
+                "leaves of it (CUDA only)"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "KV-cache dtype: auto (the model's dtype; the only one supported)"})
     num_gpu_blocks_override: int | None = field(default=None, metadata={
@@ -109,7 +112,9 @@ class DeviceConfig:
     num_threads: int | None = field(default=None, metadata={
         "help": "CPU threads for the forward pass (default: all cores)"})
     attention_backend: str = field(default="auto", metadata={
-        "help": "attention kernels", "choices": ("auto", "torch_paged")})
+        "help": "attention kernels (auto: flashinfer on CUDA when installed and the dtype is "
+                "bfloat16/float16, else torch_paged)",
+        "choices": ("auto", "torch_paged", "flashinfer")})
 
 
 @dataclass

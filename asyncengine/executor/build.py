@@ -19,8 +19,16 @@ import torch
 
 from asyncengine.config import EngineConfig, parse_size
 from asyncengine.core.sched.interface import SchedulerInterface
-from asyncengine.executor.attention import get_attention_backend
+from asyncengine.executor.attention import AttentionShape, get_attention_backend
 from asyncengine.executor.device import Device, make_device
+from asyncengine.executor.kv_sizing import (
+    MemorySnapshot,
+    check_free_memory,
+    cuda_snapshot,
+    kv_blocks_for_budget,
+    kv_cache_budget,
+    profile_cuda_memory,
+)
 from asyncengine.executor.models.loader import load_model, pick_dtype, resolve_model
 from asyncengine.executor.models.registry import architecture_of
 from asyncengine.executor.runner import ModelRunner
@@ -80,6 +88,11 @@ def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:
     mc = config.model
     torch.manual_seed(mc.seed)  # unseeded sampling draws from the global generator
     device = make_device(config.device.device, config.device.num_threads)
+    at_start = None
+    if device.type == "cuda":
+        at_start = cuda_snapshot()  # before the weights: what the engine started from
+        if _auto_kv_size(config):
+            check_free_memory(at_start, config.cache.gpu_memory_utilization)
     source = resolve_model(mc.model, config.load.load_format, mc.revision,
                            config.load.download_dir)
     dtype = pick_dtype(mc.dtype, device.type)
@@ -97,14 +110,24 @@ def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:
         revision=mc.revision, chat_template=mc.chat_template)
     model_name = (mc.served_model_name or [source.name])[0]
     max_model_len = _max_model_len(config, source.hf_config, model)
-    attn_backend = get_attention_backend(config.device.attention_backend, device.type)
-    num_blocks = _num_blocks(config, model, attn_backend, dtype, device, max_model_len)
+    block_size = config.cache.block_size
+    shape = AttentionShape(
+        num_heads=getattr(model, "num_heads", None) or source.hf_config.num_attention_heads,
+        num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, block_size=block_size,
+        dtype=dtype, max_pages_per_seq=-(-max_model_len // block_size) + 1)
+    attn_backend = get_attention_backend(config.device.attention_backend, device.type, shape)
+    num_blocks = _num_blocks(config, model, attn_backend, dtype, device, max_model_len,
+                             at_start)
     kv_caches = _off_the_loop_thread(device, lambda: attn_backend.allocate_kv_cache(
-        model.num_layers, num_blocks, config.cache.block_size, model.num_kv_heads,
+        model.num_layers, num_blocks, block_size, model.num_kv_heads,
         model.head_dim, dtype, device.torch_device))
-    runner = ModelRunner(model, attn_backend, kv_caches, config.cache.block_size,
+    runner = ModelRunner(model, attn_backend, kv_caches, block_size,
                          device.torch_device, tokenizer.eos_token_ids,
-                         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len)
+                         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
+                         staging=device.make_staging(),
+                         sampling_method=_sampling_method(device))
+    if device.type == "cuda":
+        _capture_cuda_graphs(config, runner, device)
     kv_connector = None
     if kv_connector_cls is not None:
         layout = KVCacheLayout(
@@ -112,9 +135,9 @@ def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:
             config.cache.block_size, model.num_kv_heads, model.head_dim, dtype)
         kv_connector = kv_connector_cls(config, layout)
     quant = "" if mc.quantization == "none" else f", {mc.quantization} weights"
-    logger.info("loaded %s (%s, %s%s) on %s: %d KV blocks of %d tokens, max_model_len %d",
-                model_name, arch, dtype, quant, device.type, num_blocks,
-                config.cache.block_size, max_model_len)
+    logger.info("loaded %s (%s, %s%s) on %s: %d KV blocks of %d tokens, max_model_len %d, "
+                "attention %s", model_name, arch, dtype, quant, device.type, num_blocks,
+                block_size, max_model_len, attn_backend.name)
     return EngineParts(
         config=config, model_name=model_name, tokenizer=tokenizer,
         vocab_size=model.vocab_size, max_model_len=max_model_len, num_blocks=num_blocks,
@@ -174,25 +197,58 @@ def _max_model_len(config: EngineConfig, hf_config: Any, model: torch.nn.Module)
     return wanted
 
 
+def _auto_kv_size(config: EngineConfig) -> bool:
+    cc = config.cache
+    return cc.num_gpu_blocks_override is None and cc.kv_cache_memory == "auto"
+
+
 def _num_blocks(config: EngineConfig, model: torch.nn.Module, attn_backend: Any,
-                dtype: torch.dtype, device: Device, max_model_len: int) -> int:
+                dtype: torch.dtype, device: Device, max_model_len: int,
+                at_start: MemorySnapshot | None = None) -> int:
     cc = config.cache
     if cc.num_gpu_blocks_override is not None:
         return cc.num_gpu_blocks_override
     per_block = attn_backend.bytes_per_block(model.num_layers, cc.block_size,
                                              model.num_kv_heads, model.head_dim, dtype)
+    flag = "--kv-cache-memory"
     if cc.kv_cache_memory != "auto":
         budget = parse_size(cc.kv_cache_memory, "kv_cache_memory")
     elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info()
-        budget = int(free * cc.gpu_memory_utilization)
+        sc = config.scheduler
+        peak, non_torch = profile_cuda_memory(
+            model, attn_backend, cc.block_size, sc.max_num_batched_tokens, sc.max_num_seqs,
+            dtype, device.torch_device, at_start)
+        budget = kv_cache_budget(at_start.total, cc.gpu_memory_utilization, peak, non_torch)
+        flag = "--gpu-memory-utilization"
+        logger.info("memory profile: peak %.2f GiB in torch, %.2f GiB outside it; KV cache "
+                    "budget %.2f GiB", peak / 2**30, non_torch / 2**30, budget / 2**30)
     else:
         budget = CPU_KV_CACHE_DEFAULT
-    num_blocks = budget // per_block
-    needed = -(-max_model_len // cc.block_size)
-    if num_blocks < needed:
-        raise ValueError(
-            f"--kv-cache-memory: {budget} bytes hold {num_blocks} blocks of {cc.block_size} "
-            f"tokens, fewer than one full-length request needs ({needed} blocks for "
-            f"--max-model-len {max_model_len}); raise it or lower --max-model-len")
-    return num_blocks
+    return kv_blocks_for_budget(budget, per_block, cc.block_size, max_model_len,
+                                extra_blocks=attn_backend.extra_kv_blocks, flag=flag)
+
+
+def _sampling_method(device: Device) -> str | None:
+    """FlashInfer's sampling kernels on CUDA when installed; else the device's default."""
+    if device.type != "cuda":
+        return None
+    from asyncengine.executor.sampler.flashinfer_sampling import flashinfer_available
+
+    return "flashinfer" if flashinfer_available() else None
+
+
+def _capture_cuda_graphs(config: EngineConfig, runner: ModelRunner, device: Device) -> None:
+    if config.model.enforce_eager:
+        logger.info("--enforce-eager: decode steps run without CUDA graphs")
+        return
+    if not runner.attn_backend.supports_cuda_graphs:
+        logger.info("the %s attention backend cannot be captured in CUDA graphs: decode steps "
+                    "run eagerly", runner.attn_backend.name)
+        return
+    from asyncengine.executor.cuda_graphs import CUDAGraphRunner, capture_sizes
+
+    graphs = CUDAGraphRunner(runner.model, runner.attn_backend, runner.kv_caches,
+                             capture_sizes(config.scheduler.max_num_seqs),
+                             config.cache.block_size, device.torch_device)
+    graphs.capture(device.stream)
+    runner.graphs = graphs

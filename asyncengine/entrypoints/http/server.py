@@ -49,8 +49,6 @@ def main(args: argparse.Namespace, config: EngineConfig) -> int:
     if config.model.trust_remote_code:
         logger.info("--trust-remote-code: accepted; the model code here is asyncengine's own, "
                     "so no code from the model repository runs")
-    if config.model.enforce_eager:
-        logger.info("--enforce-eager: accepted (no graph capture here yet)")
     return anyio.run(serve, config, settings)
 
 

@@ -1,0 +1,123 @@
+"""GPU start-up decisions, on the CPU: KV-cache sizing from a profile and
+--gpu-memory-utilization (vLLM's meaning), the profiling forward pass itself, bfloat16 by
+default on CUDA, and which attention backend --attention-backend picks where."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from asyncengine.config import EngineConfig
+from asyncengine.executor import build as build_module
+from asyncengine.executor.attention import get_attention_backend, resolve_backend_name
+from asyncengine.executor.attention.torch_paged import TorchPagedBackend
+from asyncengine.executor.kv_sizing import (
+    GIB,
+    MemorySnapshot,
+    check_free_memory,
+    dummy_forward,
+    kv_blocks_for_budget,
+    kv_cache_budget,
+)
+from asyncengine.executor.models.loader import load_model, pick_dtype, resolve_model
+
+MIB = 1 << 20
+
+
+def test_kv_budget_is_the_utilization_share_of_total_memory_minus_the_profile():
+    # An 80 GiB GPU at 0.9: 72 GiB for the engine; 16.5 GiB peak in torch (weights and
+    # activations), 1.5 GiB outside torch: 54 GiB for the KV cache.
+    assert kv_cache_budget(80 * GIB, 0.9, int(16.5 * GIB), int(1.5 * GIB)) == 54 * GIB
+    assert kv_cache_budget(80 * GIB, 0.5, 50 * GIB, 0) < 0  # nothing left
+
+
+def test_kv_blocks_for_a_budget():
+    per_block = 2 * MIB  # e.g. 16 layers x 2 x 16 tokens x 8 heads x 64 dims x 2 bytes x 8
+    assert kv_blocks_for_budget(10 * GIB, per_block, 16, 8192) == 5120
+    assert kv_blocks_for_budget(10 * GIB, per_block, 16, 8192, extra_blocks=1) == 5119
+    # 1 GiB holds 512 blocks of 16 tokens; an 8192-token request needs 512: just enough.
+    assert kv_blocks_for_budget(GIB, per_block, 16, 8192) == 512
+    with pytest.raises(ValueError, match="--gpu-memory-utilization.*513 blocks.*--max-model-len"):
+        kv_blocks_for_budget(GIB, per_block, 16, 8193)
+    with pytest.raises(ValueError, match="--gpu-memory-utilization: 0.00 GiB"):
+        kv_blocks_for_budget(kv_cache_budget(24 * GIB, 0.5, 13 * GIB, 0), per_block, 16, 2048)
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        kv_blocks_for_budget(MIB, per_block, 16, 2048, flag="--kv-cache-memory")
+
+
+def test_the_engines_share_must_be_free_at_start():
+    check_free_memory(MemorySnapshot(free=70 * GIB, total=80 * GIB, reserved=0), 0.85)
+    with pytest.raises(ValueError, match="--gpu-memory-utilization 0.9.*72.00 GiB.*70.00 GiB"):
+        check_free_memory(MemorySnapshot(free=70 * GIB, total=80 * GIB, reserved=0), 0.9)
+    assert MemorySnapshot(free=60 * GIB, total=80 * GIB, reserved=15 * GIB).non_torch == 5 * GIB
+
+
+def test_build_sizes_the_cuda_kv_cache_from_the_profile(monkeypatch):
+    """build's CUDA branch: the profile's numbers, --gpu-memory-utilization, the backend's
+    scratch block, and the flag named when nothing is left."""
+    config = EngineConfig.from_dict({"gpu_memory_utilization": 0.5, "block_size": 16})
+    model = SimpleNamespace(num_layers=16, num_kv_heads=8, head_dim=64)
+    backend = TorchPagedBackend()
+    backend.extra_kv_blocks = 1
+    device = SimpleNamespace(type="cuda", torch_device=torch.device("cpu"))
+    at_start = MemorySnapshot(free=40 * GIB, total=40 * GIB, reserved=0)
+    monkeypatch.setattr(build_module, "profile_cuda_memory",
+                        lambda *a, **k: (15 * GIB, GIB))  # peak in torch, outside torch
+    per_block = backend.bytes_per_block(16, 16, 8, 64, torch.bfloat16)  # 512 KiB
+    blocks = build_module._num_blocks(config, model, backend, torch.bfloat16, device, 4096,
+                                      at_start)
+    assert blocks == (20 * GIB - 16 * GIB) // per_block - 1
+    monkeypatch.setattr(build_module, "profile_cuda_memory", lambda *a, **k: (19 * GIB, GIB))
+    with pytest.raises(ValueError, match="--gpu-memory-utilization"):
+        build_module._num_blocks(config, model, backend, torch.bfloat16, device, 4096, at_start)
+
+
+def test_profiling_forward_runs_on_the_cpu(tiny_llama):
+    """The profiling step (a full --max-num-batched-tokens prefill over several requests, then
+    the sampler and logprobs at --max-num-seqs rows) builds valid inputs for a real model."""
+    source = resolve_model(tiny_llama)
+    model = load_model(source, "auto", torch.float32, "cpu").eval()
+    kv_bytes = dummy_forward(model, TorchPagedBackend(), 8, num_tokens=100, num_seqs=7,
+                             max_sample_rows=7, dtype=torch.float32, device="cpu")
+    blocks = sum((n + 7) // 8 for n in [15, 15, 14, 14, 14, 14, 14])  # 100 tokens in 7
+    assert kv_bytes == model.num_layers * blocks * 2 * 8 * model.num_kv_heads * \
+        model.head_dim * 4
+
+
+def test_auto_dtype_is_bfloat16_on_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert pick_dtype("auto", "cuda") == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert pick_dtype("auto", "cuda") == torch.float16  # pre-Ampere GPUs
+    assert pick_dtype("float32", "cuda") == torch.float32
+
+
+def test_attention_backend_choice():
+    assert resolve_backend_name("auto", "cuda", torch.bfloat16, True) == "flashinfer"
+    assert resolve_backend_name("auto", "cuda", torch.float16, True) == "flashinfer"
+    assert resolve_backend_name("auto", "cuda", torch.float32, True) == "torch_paged"
+    assert resolve_backend_name("auto", "cuda", torch.bfloat16, False) == "torch_paged"
+    assert resolve_backend_name("auto", "cpu", torch.bfloat16, True) == "torch_paged"
+    assert resolve_backend_name("torch_paged", "cuda", torch.bfloat16, True) == "torch_paged"
+    with pytest.raises(ValueError, match="--attention-backend flashinfer.*not installed"):
+        resolve_backend_name("flashinfer", "cuda", torch.bfloat16, False)
+    with pytest.raises(ValueError, match="--attention-backend flashinfer.*float32"):
+        resolve_backend_name("flashinfer", "cuda", torch.float32, True)
+    with pytest.raises(ValueError, match="--attention-backend flashinfer.*CUDA"):
+        resolve_backend_name("flashinfer", "cpu", torch.bfloat16, True)
+    with pytest.raises(ValueError, match="--attention-backend"):
+        resolve_backend_name("flash", "cuda", torch.bfloat16, True)
+    # Here (no CUDA, no flashinfer): auto is torch_paged; asking for flashinfer is an error.
+    assert isinstance(get_attention_backend("auto", "cpu"), TorchPagedBackend)
+    with pytest.raises(ValueError, match="--attention-backend flashinfer"):
+        get_attention_backend("flashinfer", "cpu")
+
+
+def test_gpu_flags_reach_the_config():
+    config = EngineConfig.from_dict({"enforce_eager": True, "attention_backend": "flashinfer",
+                                     "gpu_memory_utilization": 0.8})
+    assert config.model.enforce_eager and config.device.attention_backend == "flashinfer"
+    with pytest.raises(ValueError, match="--gpu-memory-utilization"):
+        EngineConfig.from_dict({"gpu_memory_utilization": 1.5})
