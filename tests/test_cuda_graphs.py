@@ -112,6 +112,7 @@ def gpu_path(engine: AsyncEngine, graphs: bool) -> FlashInferBackend:
     runner.kv_caches = backend.allocate_kv_cache(model.num_layers, engine.parts.num_blocks, bs,
                                                  model.num_kv_heads, model.head_dim,
                                                  torch.float32, "cpu")
+    backend.bind_kv_cache(runner.kv_caches)
     runner.attn_backend = backend
     if graphs:
         runner.graphs = CUDAGraphRunner(model, backend, runner.kv_caches,

@@ -141,6 +141,7 @@ def backends(heads: int, kv_heads: int, dim: int, num_blocks: int):
     fib = FlashInferBackend(heads, kv_heads, dim, BLOCK, torch.float32, "cpu",
                             max_pages_per_seq=16, module=fi, workspace_bytes=64)
     caches = fib.allocate_kv_cache(1, num_blocks, BLOCK, kv_heads, dim, torch.float32, "cpu")
+    fib.bind_kv_cache(caches)
     return fib, TorchPagedBackend(), caches[0]
 
 
@@ -217,6 +218,15 @@ def test_flashinfer_backend_pads_a_decode_for_its_cuda_graph():
     assert wrapper.use_cuda_graph and wrapper.num_plans == 1
     assert wrapper.last_buf.tolist()[5:] == [1, 1, 1]
     assert fib.scratch_block == cache.shape[1] - 1
+
+
+def test_the_scratch_page_is_the_engine_caches_last_block():
+    """Temporary caches (profiling, embeddings) get their own extra block but never move the
+    scratch page of the engine's cache."""
+    fib, _, cache = backends(4, 2, 16, 10)
+    assert cache.shape[1] == 11 and fib.scratch_block == 10
+    (other,) = fib.allocate_kv_cache(1, 3, BLOCK, 2, 16, torch.float32, "cpu")
+    assert other.shape[1] == 4 and fib.scratch_block == 10
 
 
 def test_flashinfer_backend_checks_the_attention_scale():

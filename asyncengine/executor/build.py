@@ -121,6 +121,9 @@ def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:
     kv_caches = _off_the_loop_thread(device, lambda: attn_backend.allocate_kv_cache(
         model.num_layers, num_blocks, block_size, model.num_kv_heads,
         model.head_dim, dtype, device.torch_device))
+    attn_backend.bind_kv_cache(kv_caches)
+    if device.type == "cuda":  # weights and cache were made on the default stream
+        torch.cuda.synchronize()
     runner = ModelRunner(model, attn_backend, kv_caches, block_size,
                          device.torch_device, tokenizer.eos_token_ids,
                          max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,

@@ -37,8 +37,10 @@ import torch
 from asyncengine.core.request import PositionLogprobs, Request
 from asyncengine.core.sched.interface import ModelRunnerOutput, SchedulerOutput
 from asyncengine.executor.attention.base import AttentionBackend, AttentionMetadata
-from asyncengine.executor.input_batch import InputBatch, RowReset
-from asyncengine.executor.sampler import NO_TOKEN, prompt_logprobs, sample, sample_ids
+from asyncengine.executor.input_batch import InputBatch
+from asyncengine.executor.kv_blocks import read_blocks, write_blocks
+from asyncengine.executor.penalty_state import PenaltyState
+from asyncengine.executor.sampler import prompt_logprobs, sample, sample_ids
 from asyncengine.executor.sampling_inputs import gather_sampling_batch
 from asyncengine.executor.staging import DirectStaging
 from asyncengine.executor.step_inputs import (
@@ -84,8 +86,7 @@ class ModelRunner:
         self._sample_pos: dict[str, int] = {}
         # Device side (touched by execute only): the last step's sampled ids, penalty state.
         self._last_sampled: torch.Tensor | None = None
-        self._counts: torch.Tensor | None = None  # [rows, V] int32 output-token counts
-        self._prompt_mask: torch.Tensor | None = None  # [rows, V] bool
+        self.penalty_state = PenaltyState(self.vocab_size, device)
 
     # -- on the loop -----------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput, *, with_bitmask: bool = False) -> StepInputs:
@@ -223,7 +224,7 @@ class ModelRunner:
         sampled = sample(logits, batch)
         ids = sampled.token_ids_tensor
         if batch.penalties is not None:
-            self._count_outputs(inputs.penalty_rows, ids[batch.penalties.rows])
+            self.penalty_state.count(inputs.penalty_rows, ids[batch.penalties.rows])
         # Next step's in-flight inputs; a row with no token feeds id 0 to a step whose result
         # is dropped (the request has ended with an error by then).
         self._last_sampled = ids.clamp(min=0)
@@ -248,14 +249,14 @@ class ModelRunner:
         batch = inputs.sampling_batch
         ids = sample_ids(logits, batch)
         if batch.penalties is not None:
-            self._count_outputs_no_sync(inputs.penalty_rows, ids[batch.penalties.rows])
+            self.penalty_state.count_no_sync(inputs.penalty_rows, ids[batch.penalties.rows])
         self._last_sampled = ids.clamp(min=0)
         return pending_output(logits, ids, batch, inputs.sample_req_ids, prompt)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states of the step's (real) tokens."""
         if inputs.resets:
-            self._reset_rows(inputs.resets)
+            self.penalty_state.reset(inputs.resets, self.batch.capacity)
         if inputs.graph_batch is not None:
             return self.graphs.run(inputs, self._last_sampled)
         if inputs.from_previous is not None:
@@ -283,64 +284,19 @@ class ModelRunner:
             if inputs.bitmask.bitmask is not None:
                 inputs.bitmask.apply(logits, inputs.bitmask.bitmask)
         if batch.penalties is not None:
-            prow = inputs.penalty_rows
-            batch.penalties.counts = self._counts.index_select(0, prow)
-            if batch.penalties.repetition is not None:
-                batch.penalties.prompt_mask = self._prompt_mask.index_select(0, prow)
+            self.penalty_state.gather(batch.penalties, inputs.penalty_rows)
         return logits
 
-    def _reset_rows(self, resets: list[RowReset]) -> None:
-        rows = self.batch.capacity
-        if self._counts is None or self._counts.shape[0] < rows:
-            counts = torch.zeros(rows, self.vocab_size, dtype=torch.int32, device=self.device)
-            mask = torch.zeros(rows, self.vocab_size, dtype=torch.bool, device=self.device)
-            if self._counts is not None:
-                counts[:self._counts.shape[0]] = self._counts
-                mask[:self._prompt_mask.shape[0]] = self._prompt_mask
-            self._counts, self._prompt_mask = counts, mask
-        for r in resets:
-            self._counts[r.row].zero_()
-            self._prompt_mask[r.row].zero_()
-            if r.staged is not None:
-                prompt, out = r.staged
-            else:
-                prompt = torch.tensor(r.prompt_token_ids, dtype=torch.long, device=self.device)
-                out = torch.tensor(r.output_token_ids, dtype=torch.long, device=self.device) \
-                    if r.output_token_ids else None
-            self._prompt_mask[r.row, prompt] = True
-            if out is not None:
-                self._counts[r.row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-
-    def _count_outputs(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
-        ok = ids != NO_TOKEN
-        self._counts.index_put_((rows[ok], ids[ok]),
-                                torch.ones(1, dtype=torch.int32, device=ids.device),
-                                accumulate=True)
-
-    def _count_outputs_no_sync(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
-        """:meth:`_count_outputs` without a boolean mask (whose size the host would have to
-        read): a row with no token adds 0."""
-        ok = (ids != NO_TOKEN).to(torch.int32)
-        self._counts.index_put_((rows, ids.clamp(min=0)), ok, accumulate=True)
-
     # -- whole KV blocks, between steps (KV connectors) ------------------------------------------
-    @torch.no_grad()
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of the blocks' K and V, all layers, on the cache's device:
         ``[len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim]``."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        # cache: [2, num_blocks, block_size, kv_heads, head_dim] -> [n, 2, ...] per layer
-        return torch.stack([c.index_select(1, idx).transpose(0, 1) for c in self.kv_caches],
-                           dim=1)
+        return read_blocks(self.kv_caches, block_ids, self.device, self._stream)
 
-    @torch.no_grad()
     def write_kv_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
         """Overwrite the blocks with ``kv``, shaped as :meth:`read_kv_blocks` returns."""
-        cache = self.kv_caches[0]
-        expected = (len(block_ids), len(self.kv_caches), 2, *cache.shape[2:])
-        if tuple(kv.shape) != expected:
-            raise ValueError(f"KV blocks of shape {tuple(kv.shape)} do not fit this cache "
-                             f"(expected {expected})")
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for layer, cache in enumerate(self.kv_caches):
-            cache.index_copy_(1, idx, kv[:, layer].transpose(0, 1).to(cache.device, cache.dtype))
+        write_blocks(self.kv_caches, block_ids, kv, self.device, self._stream)
+
+    @property
+    def _stream(self) -> Any:
+        return getattr(self.staging, "stream", None)

@@ -86,6 +86,10 @@ class AttentionBackend(ABC):
         shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:  # noqa: B027 (optional)
+        """The engine's own cache, once allocated (not the temporary caches of profiling or
+        embeddings): backends that keep blocks for themselves note where they are."""
+
     @staticmethod
     def bytes_per_block(
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype

@@ -85,10 +85,13 @@ class FlashInferBackend(AttentionBackend):
     def allocate_kv_cache(self, num_layers: int, num_blocks: int, block_size: int,
                           num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                           device: torch.device | str) -> list[torch.Tensor]:
-        """``num_blocks`` for the block manager plus the scratch page (``scratch_block``)."""
-        self.scratch_block = num_blocks
+        """``num_blocks`` for the block manager plus one scratch page, the last."""
         return super().allocate_kv_cache(num_layers, num_blocks + 1, block_size,
                                          num_kv_heads, head_dim, dtype, device)
+
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
+        """The engine's cache: its last block is the scratch page of graph padding rows."""
+        self.scratch_block = kv_caches[0].shape[1] - 1
 
     # -- per step ----------------------------------------------------------------------------
     def prepare(self, metadata: AttentionMetadata) -> None:
@@ -191,7 +194,8 @@ class FlashInferBackend(AttentionBackend):
 
     def _scratch(self) -> int:
         if self.scratch_block is None:
-            raise ValueError("flashinfer backend: allocate the KV cache before planning")
+            raise ValueError("flashinfer backend: bind the engine's KV cache before planning "
+                             "a padded decode")
         return self.scratch_block
 
 
