@@ -121,3 +121,15 @@ def test_gpu_flags_reach_the_config():
     assert config.model.enforce_eager and config.device.attention_backend == "flashinfer"
     with pytest.raises(ValueError, match="--gpu-memory-utilization"):
         EngineConfig.from_dict({"gpu_memory_utilization": 1.5})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_gpu_benchmark_says_it_needs_a_gpu():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "benchmarks" / "gpu.py"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and r.stdout == ""
