@@ -97,6 +97,20 @@ class SchedulerConfig:
         "help": "most tokens computed in one step"})
     enable_chunked_prefill: bool = field(default=True, metadata={
         "help": "split long prefills across steps"})
+    max_queued_requests: int | None = field(default=None, metadata={
+        "help": "most requests waiting to be scheduled; past it new requests are refused "
+                "(HTTP 503 with Retry-After) (default: max(256, 4 x --max-num-seqs))"})
+    max_n: int = field(default=128, metadata={
+        "help": "most samples one request may ask for (n)"})
+
+    @property
+    def queued_request_limit(self) -> int:
+        """``max_queued_requests``, or its default: enough for four full batches (the newest
+        waiting request starts within about four request lifetimes), at least 256 so that a
+        small ``--max-num-seqs`` does not refuse ordinary bursts."""
+        if self.max_queued_requests is not None:
+            return self.max_queued_requests
+        return max(256, 4 * self.max_num_seqs)
 
 
 @dataclass
@@ -238,7 +252,9 @@ class EngineConfig:
                             ("num_threads", self.device.num_threads),
                             ("num_gpu_blocks_override", cc.num_gpu_blocks_override),
                             ("tensor_parallel_size", self.parallel.tensor_parallel_size),
-                            ("pipeline_parallel_size", self.parallel.pipeline_parallel_size)):
+                            ("pipeline_parallel_size", self.parallel.pipeline_parallel_size),
+                            ("max_queued_requests", self.scheduler.max_queued_requests),
+                            ("max_n", self.scheduler.max_n)):
             check_positive(name, value)
         if cc.block_size & (cc.block_size - 1):
             raise ValueError(f"--block-size: must be a power of two, got {cc.block_size}")

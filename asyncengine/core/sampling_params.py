@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 import copy
+import json as _json
 from dataclasses import dataclass, field
 from typing import Any
+
+from asyncengine.core.limits import (
+    FLOAT_RANGES,
+    INT64_MAX,
+    INT64_MIN,
+    LOGIT_BIAS_RANGE,
+    MAX_JSON_DEPTH,
+    SamplingLimits,
+    as_finite_float,
+    json_depth_exceeds,
+    show,
+)
 
 
 @dataclass
@@ -33,6 +46,9 @@ class StructuredOutputsParams:
             not self.choice or not all(isinstance(c, str) for c in self.choice)
         ):
             raise ValueError("structured outputs 'choice' must be a non-empty list of strings")
+        if self.json is not None and _schema_too_deep(self.json):
+            raise ValueError(f"the JSON schema nests more than {MAX_JSON_DEPTH} levels of "
+                             "arrays and objects")
 
     @property
     def kind(self) -> str:
@@ -47,12 +63,37 @@ class StructuredOutputsParams:
 
     def key(self) -> tuple[str, str]:
         """A hashable key for the grammar cache (key order matters: it is the output's)."""
-        import json as _json
-
         spec = self.spec
         if not isinstance(spec, str):
             spec = _json.dumps(spec)
         return (self.kind, spec or "")
+
+
+def _schema_too_deep(schema: dict[str, Any] | str) -> bool:
+    if isinstance(schema, str):
+        try:
+            schema = _json.loads(schema)
+        except RecursionError:
+            return True
+        except ValueError:  # not JSON: the backend names the error
+            return False
+    return json_depth_exceeds(schema, MAX_JSON_DEPTH)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_id(key: Any) -> int | None:
+    """A logit_bias key as a token id: an int, or a string holding one (OpenAI's keys)."""
+    if _is_int(key):
+        return key
+    if isinstance(key, str):
+        try:
+            return int(key)
+        except ValueError:
+            return None
+    return None
 
 
 @dataclass
@@ -91,41 +132,76 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or self.top_k < 0:
+        if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         self.validate()
 
-    def validate(self) -> None:
+    def validate(self, limits: SamplingLimits | None = None) -> None:
+        """Raise ValueError, naming the parameter, for a value outside its documented range
+        (``asyncengine.core.limits``). ``limits`` adds the server's: ``max_n``,
+        ``max_logprobs`` and the vocabulary (``logit_bias`` ids); the engine passes them."""
+
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", f"must be at least 1, got {self.n}")
-        if self.temperature < 0:
-            raise bad("temperature", f"must be non-negative, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not -2 <= self.presence_penalty <= 2:
-            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", f"must be positive, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", f"must be at least 1, got {show(self.n)}")
+        if limits is not None and self.n > limits.max_n:
+            raise bad("n", f"must be at most {limits.max_n} (--max-n), got {show(self.n)}")
+        for name, allowed in FLOAT_RANGES.items():
+            value = as_finite_float(name, getattr(self, name))
+            if value not in allowed:
+                raise bad(name, f"must be in {allowed}, got {value:g}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT64_MAX:
+            raise bad("top_k", "must be -1 or 0 (disabled) or a positive integer (values past "
+                      f"the vocabulary size mean all tokens), got {show(self.top_k)}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens)
+                                            or not 1 <= self.max_tokens <= INT64_MAX):
+            raise bad("max_tokens", f"must be at least 1 (and fit in 64 bits), got "
+                      f"{show(self.max_tokens)}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
+            raise bad("min_tokens", f"must be non-negative (and fit in 64 bits), got "
+                      f"{show(self.min_tokens)}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens "
-                      f"({self.max_tokens})")
+            raise bad("min_tokens", f"({show(self.min_tokens)}) must not exceed max_tokens "
+                      f"({show(self.max_tokens)})")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and not 0 <= v <= 20:
-                raise bad(name, f"must be in [0, 20], got {v}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer")
+            if v is None:
+                continue
+            if not _is_int(v) or v < 0:
+                raise bad(name, f"must be a non-negative integer, got {show(v)}")
+            if limits is not None and v > limits.max_logprobs:
+                raise bad(name, f"must be in [0, {limits.max_logprobs}] (--max-logprobs), "
+                          f"got {show(v)}")
+        self._validate_seed()
+        self._validate_logit_bias(limits)
+        if any(not _is_int(t) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be integers")
+
+    def _validate_seed(self) -> None:
+        if self.seed is None:
+            return
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {show(self.seed)}")
+        if not INT64_MIN <= self.seed <= INT64_MAX:
+            raise ValueError(f"seed must fit in 64 bits: [{INT64_MIN}, {INT64_MAX}], got "
+                             f"{show(self.seed)}")
+        if self.seed + self.n - 1 > INT64_MAX:
+            raise ValueError(f"seed + n - 1 must fit in 64 bits (sample i of n uses seed + i): "
+                             f"at most {INT64_MAX}, got {show(self.seed)} + {self.n - 1}")
+
+    def _validate_logit_bias(self, limits: SamplingLimits | None) -> None:
+        vocab = limits.vocab_size if limits is not None else None
+        for key, bias in (self.logit_bias or {}).items():
+            token = _token_id(key)
+            if token is None or token < 0 or (vocab is not None and token >= vocab):
+                top = f"0..{vocab - 1}" if vocab is not None else "non-negative"
+                raise ValueError(f"logit_bias: token id {show(key)} is out of vocabulary ({top})")
+            value = as_finite_float("logit_bias", bias)
+            if value not in LOGIT_BIAS_RANGE:
+                raise ValueError(f"logit_bias values must be in {LOGIT_BIAS_RANGE}, got "
+                                 f"{value:g}")
 
     @property
     def greedy(self) -> bool:
