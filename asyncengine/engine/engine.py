@@ -15,17 +15,25 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from itertools import islice
 from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 
 from asyncengine.config import EngineConfig
+from asyncengine.core.limits import SamplingLimits
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.core.sched.interface import SchedulerStats
 from asyncengine.engine.embedding import embed
-from asyncengine.engine.errors import EngineDeadError, EngineShuttingDown, RequestFailed
+from asyncengine.engine.errors import (
+    EngineDeadError,
+    EngineOverloaded,
+    EngineShuttingDown,
+    RequestFailed,
+)
 from asyncengine.engine.output_processor import Emitted, OutputProcessor
 from asyncengine.engine.outputs import RequestOutput
 from asyncengine.engine.step_loop import StepLoop
@@ -35,13 +43,17 @@ from asyncengine.ext.kv_connector.transfer import KVTransfer
 
 logger = logging.getLogger("asyncengine")
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineShuttingDown", "RequestFailed"]
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineOverloaded", "EngineShuttingDown",
+           "RequestFailed"]
 
 #: Prompts longer than this (characters) are tokenized in a worker thread, off the loop.
 OFF_LOOP_TOKENIZE_CHARS = 4096
 
 #: Seconds the engine waits, when it stops, for KV-connector saves still in flight.
 KV_SAVE_DRAIN_TIMEOUT = 30.0
+#: Aborts of waiting requests finished per loop iteration (see ``_abort_now``).
+ABORT_BATCH = 256
+_WAITING = RequestStatus.WAITING
 
 
 class AsyncEngine:
@@ -67,14 +79,26 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self.structured = None  # the StructuredOutputManager, made on first use
         self.loop = StepLoop(self)
+        self._failed = anyio.Event()
+        sc = self.config.scheduler
+        self.sampling_limits = SamplingLimits(
+            max_n=sc.max_n, max_logprobs=self.config.model.max_logprobs,
+            vocab_size=self.vocab_size)
+        self.max_queued_requests = sc.queued_request_limit
+        # Request ids whose consumer left while they were waiting, finished by _reap_aborts.
+        self._abort_backlog: dict[str, None] = {}
+        self._reap = anyio.Event()
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncEngine:
         self._wake = anyio.Event()  # events belong to the loop that runs the engine
+        self._failed = anyio.Event()
+        self._reap = anyio.Event()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._accepting = True
         self._tg.start_soon(self._run_step_loop, self._tg)
+        self._tg.start_soon(self._reap_aborts)
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
@@ -110,8 +134,9 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine stopped after an error: {self._dead}")
         if not self._accepting:
             raise EngineShuttingDown("the engine is not accepting requests")
+        self._check_queue()
         params = params or SamplingParams()
-        params.validate()
+        params.validate(self.sampling_limits)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.outputs.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -174,6 +199,34 @@ class AsyncEngine:
         self._abort_now(request_id)
 
     def _abort_now(self, request_id: str) -> None:
+        """Abort a request whose consumer left. One still waiting holds no KV blocks: it is
+        finished a moment later, by ``_reap_aborts`` in batches, so that a storm of aborts
+        over a deep queue (10,000 clients timing out together) never stalls the loop."""
+        stream = self.outputs.streams.get(request_id)
+        if stream is None:
+            return
+        if self._tg is not None and self._dead is None:
+            for s in stream.samples:
+                if s.request.status is not _WAITING:
+                    break
+            else:
+                self._abort_backlog[request_id] = None
+                if len(self._abort_backlog) == 1:
+                    self._reap.set()
+                return
+        self._abort_at_once(request_id)
+
+    async def _reap_aborts(self) -> None:
+        while True:
+            await self._reap.wait()
+            self._reap = anyio.Event()
+            while self._abort_backlog:
+                for rid in list(islice(self._abort_backlog, ABORT_BATCH)):
+                    del self._abort_backlog[rid]
+                    self._abort_at_once(rid)
+                await anyio.lowlevel.checkpoint()
+
+    def _abort_at_once(self, request_id: str) -> None:
         stream = self.outputs.streams.get(request_id)
         if stream is None:
             return
@@ -182,8 +235,17 @@ class AsyncEngine:
         self.emit([s.request for s in stream.samples if s.finish_reason is None])
 
     def _abort_all(self) -> None:
+        self._abort_backlog.clear()
         for rid in list(self.outputs.streams):
-            self._abort_now(rid)
+            self._abort_at_once(rid)
+
+    def _check_queue(self) -> None:
+        """Admission control: refuse a request while ``--max-queued-requests`` wait."""
+        waiting = self.scheduler.make_stats().num_waiting
+        if waiting >= self.max_queued_requests:
+            raise EngineOverloaded(
+                f"{waiting} requests are waiting to be scheduled (--max-queued-requests "
+                f"{self.max_queued_requests}); retry later")
 
     @property
     def metrics(self) -> Any:
@@ -213,6 +275,12 @@ class AsyncEngine:
         """The failure that stopped the step loop, or None while the engine is healthy."""
         return self._dead
 
+    async def wait_failed(self) -> BaseException:
+        """Wait until the step loop fails; the failure (``asyncengine serve`` then exits)."""
+        await self._failed.wait()
+        assert self._dead is not None
+        return self._dead
+
     @property
     def num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
@@ -226,6 +294,7 @@ class AsyncEngine:
         except Exception as e:  # a bug or a device failure: fail every request, loudly
             logger.exception("the engine's step loop failed")
             self._dead = e
+            self._failed.set()
             self._accepting = False
             error = EngineDeadError(f"the engine stopped after an error: {e}")
             error.__cause__ = e
