@@ -8,6 +8,7 @@ from typing import Any
 import jinja2
 from aiohttp import web
 
+from asyncengine.core.limits import show
 from asyncengine.engine.engine import AsyncEngine
 from asyncengine.engine.outputs import CompletionOutput, RequestOutput
 from asyncengine.entrypoints.http.errors import APIError, bad_request
@@ -96,6 +97,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     check_model(engine, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    most = engine.sampling_limits.max_logprobs
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= most:
+        raise bad_request(f"top_logprobs must be in [0, {most}] (--max-logprobs), got "
+                          f"{show(body.top_logprobs)}", "top_logprobs")
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings)
     structured = structured_outputs_of(body)
     check_no_other_format(plan, structured)
@@ -114,7 +119,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         body, max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None, prompt_logprobs=None,
         vocab_size=engine.tokenizer.vocab_size, defaults=state.generation_defaults,
-        structured=plan.structured_outputs or structured)
+        structured=plan.structured_outputs or structured, limits=engine.sampling_limits)
     call = _Chat(state, body, request_id(request, "chatcmpl"), plan)
     streams = await open_streams(engine, [prompt], params, call.id, body.priority or 0,
                                  deltas_only=bool(body.stream))

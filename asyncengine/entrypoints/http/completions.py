@@ -56,7 +56,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         body, max_tokens=16 if body.max_tokens is None else body.max_tokens,
         logprobs=body.logprobs,
         prompt_logprobs=body.logprobs if echo and body.logprobs is not None else None,
-        vocab_size=engine.tokenizer.vocab_size, defaults=state.generation_defaults)
+        vocab_size=engine.tokenizer.vocab_size, defaults=state.generation_defaults,
+        limits=engine.sampling_limits)
     call = _Completion(state, body, request_id(request, "cmpl"), params.n)
     streams = await open_streams(engine, prompts, params, call.id, body.priority or 0,
                                  deltas_only=bool(body.stream))

@@ -3,6 +3,9 @@
 Handlers raise ``APIError``; the error middleware turns it (and aiohttp's own HTTP errors:
 unknown route, wrong method, oversized body) into a JSON response. Anything else is logged
 with its traceback and answered with a bare 500: the client never sees a traceback.
+
+Every 503 carries ``Retry-After`` (seconds): the official openai client honours it when it
+retries on its own.
 """
 
 from __future__ import annotations
@@ -21,23 +24,33 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
           404: "invalid_request_error", 405: "invalid_request_error",
           413: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
 
+#: ``Retry-After`` of a 503 when the queue is full: a slot opens whenever a request finishes.
+OVERLOADED_RETRY_AFTER_S = 1
+#: ``Retry-After`` of a 503 while the server shuts down (or restarts after an engine failure).
+SHUTDOWN_RETRY_AFTER_S = 5
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | int | None = None, type: str | None = None) -> None:
+                 code: str | int | None = None, type: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status, "invalid_request_error")
+        if retry_after is None and status == 503:
+            retry_after = SHUTDOWN_RETRY_AFTER_S
+        self.retry_after = retry_after
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(ErrorInfo(self.message, self.type, self.param, self.code))
 
     def response(self) -> web.Response:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
         return web.Response(status=self.status, body=msgspec.json.encode(self.body()),
-                            content_type="application/json")
+                            content_type="application/json", headers=headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
+from asyncengine.core.limits import SamplingLimits
 from asyncengine.core.sampling_params import SamplingParams, StructuredOutputsParams
 from asyncengine.entrypoints.http.errors import bad_request, from_value_error
 from asyncengine.entrypoints.http.protocol import (
@@ -24,22 +25,28 @@ def _or(value: Any, default: Any) -> Any:
 def to_sampling_params(body: GenerationBody, *, max_tokens: int | None, logprobs: int | None,
                        prompt_logprobs: int | None, vocab_size: int,
                        defaults: dict[str, Any] | None = None,
-                       structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                       structured: StructuredOutputsParams | None = None,
+                       limits: SamplingLimits | None = None) -> SamplingParams:
     """Raise ``APIError`` (400) for an invalid value, naming the parameter.
 
     ``defaults`` are the server's sampling defaults (--generation-config) for what the body
     leaves unset; ``structured`` a constraint the server adds (tool calls), exclusive with
-    the body's own."""
+    the body's own; ``limits`` the engine's (``--max-n``, ``--max-logprobs``, the model's
+    vocabulary)."""
     stop = body.stop
     d = defaults or {}
     if structured is None:
         structured = structured_outputs_of(body)
+    top_k = _or(body.top_k, d.get("top_k", 0))
+    vocab = limits.vocab_size if limits is not None and limits.vocab_size else vocab_size
+    if isinstance(top_k, int) and top_k > vocab:
+        top_k = vocab  # past the vocabulary means all tokens
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=_or(body.n, 1),
             temperature=_or(body.temperature, d.get("temperature", 1.0)),
             top_p=_or(body.top_p, d.get("top_p", 1.0)),
-            top_k=_or(body.top_k, d.get("top_k", 0)),
+            top_k=top_k,
             min_p=_or(body.min_p, d.get("min_p", 0.0)),
             presence_penalty=_or(body.presence_penalty, 0.0),
             frequency_penalty=_or(body.frequency_penalty, 0.0),
@@ -57,8 +64,10 @@ def to_sampling_params(body: GenerationBody, *, max_tokens: int | None, logprobs
             logit_bias=_logit_bias(body.logit_bias, vocab_size),
             structured_outputs=structured,
         )
+        params.validate(limits)
     except ValueError as e:
         raise from_value_error(e, KNOWN_PARAMS) from None
+    return params
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
@@ -91,7 +100,10 @@ def structured_outputs_of(body: GenerationBody) -> StructuredOutputsParams | Non
         if fmt.json_schema.schema_ is None:
             raise bad_request("response_format.json_schema.schema is required",
                               "response_format")
-        spec = StructuredOutputsParams(json=fmt.json_schema.schema_)
+        try:
+            spec = StructuredOutputsParams(json=fmt.json_schema.schema_)
+        except ValueError as e:
+            raise bad_request(f"response_format: {e}", "response_format") from None
     so = body.structured_outputs
     guided = {k: v for k, v in (("json", body.guided_json), ("regex", body.guided_regex),
                                 ("choice", body.guided_choice), ("grammar", body.guided_grammar))

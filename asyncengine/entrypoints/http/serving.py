@@ -19,12 +19,19 @@ import anyio
 import msgspec
 from aiohttp import web
 
+from asyncengine.core.limits import MAX_JSON_DEPTH
 from asyncengine.core.sampling_params import SamplingParams
-from asyncengine.engine.engine import AsyncEngine, EngineDeadError, EngineShuttingDown
+from asyncengine.engine.engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloaded,
+    EngineShuttingDown,
+)
 from asyncengine.engine.outputs import RequestOutput
 from asyncengine.engine.streams import RequestStream
 from asyncengine.entrypoints.http import tolerant
 from asyncengine.entrypoints.http.errors import (
+    OVERLOADED_RETRY_AFTER_S,
     APIError,
     bad_request,
     from_decode_error,
@@ -55,7 +62,8 @@ def json_response(obj: object, status: int = 200) -> web.Response:
 
 
 async def read_body(request: web.Request, type_: type[B]) -> B:
-    """Decode and validate a JSON body (413 past --max-request-body, 400 when invalid).
+    """Decode and validate a JSON body (413 past --max-request-body, 400 when invalid: not
+    JSON, not UTF-8, nested too deeply for the decoder, or not the shape of ``type_``).
     Unknown fields are ignored (and logged once per name); options the server knows but
     cannot honour are a 400 naming them."""
     data = await request.read()
@@ -63,6 +71,12 @@ async def read_body(request: web.Request, type_: type[B]) -> B:
         body = tolerant.decode(data, type_)
     except msgspec.DecodeError as e:
         raise from_decode_error(e) from None
+    except UnicodeDecodeError as e:
+        raise bad_request(f"The request body is not valid UTF-8: {e.reason} at byte "
+                          f"{e.start}.") from None
+    except RecursionError:
+        raise bad_request("The request body nests arrays and objects too deeply (JSON "
+                          f"schemas may nest {MAX_JSON_DEPTH} levels).") from None
     refused = unsupported(body)
     if refused is not None:
         raise bad_request(refused[1], refused[0])
@@ -92,6 +106,9 @@ def to_api_error(error: Exception) -> APIError:
         return error
     if isinstance(error, EngineShuttingDown):
         return APIError(503, "The server is shutting down.")
+    if isinstance(error, EngineOverloaded):
+        return APIError(503, f"The server is overloaded: {error}", code="overloaded",
+                        retry_after=OVERLOADED_RETRY_AFTER_S)
     if isinstance(error, EngineDeadError):
         return APIError(500, f"The engine failed: {error}")
     if isinstance(error, ValueError):
@@ -113,7 +130,7 @@ async def open_streams(engine: AsyncEngine, prompts: list[str | list[int]],
             streams.append(await engine.add_request(
                 prompt, params if i == 0 else params.clone(), request_id=rid,
                 priority=priority, deltas_only=deltas_only))
-    except (ValueError, EngineShuttingDown, EngineDeadError) as e:
+    except (ValueError, EngineShuttingDown, EngineOverloaded, EngineDeadError) as e:
         for s in streams:
             s.close()
         raise to_api_error(e) from None

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from asyncengine.core.sampling_params import StructuredOutputsParams
 
 
+_NOUNS = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex",
+          "choice": "choice", "grammar": "grammar"}
+
+
 def _cache_key(params: StructuredOutputsParams) -> tuple[str, str]:
     # Not params.key(): it sorts a schema's keys, but property order is meaningful here (the
     # output follows the schema's order), so two orders are two grammars.
@@ -74,7 +78,7 @@ class StructuredOutputManager:
             with anyio.CancelScope(shield=True):
                 try:
                     entry.grammar = await anyio.to_thread.run_sync(
-                        self.backend.compile_grammar, params.kind, params.spec)
+                        self._compile_checked, params.kind, params.spec)
                 except Exception as e:
                     entry.error = e
                     del self._cache[key]
@@ -86,6 +90,17 @@ class StructuredOutputManager:
         if entry.grammar is None:
             raise entry.error or RuntimeError("grammar compilation did not finish")
         return entry.grammar.fresh()
+
+    def _compile_checked(self, kind: str, spec: object) -> Grammar:
+        """Compile, and refuse a constraint that allows no token at all from its start (a
+        schema like ``{"$ref": "#"}``): no output could ever satisfy it."""
+        grammar = self.backend.compile_grammar(kind, spec)
+        bitmask = self.backend.allocate_bitmask(1)
+        grammar.fill_bitmask(bitmask, 0)
+        if not bool(bitmask.any()):
+            raise ValueError(f"invalid {_NOUNS.get(kind, kind)}: no output can satisfy it "
+                             "(it allows no token, not even the end of the text)")
+        return grammar
 
     def _evict(self) -> None:
         while len(self._cache) > self.max_cached:
