@@ -4,6 +4,11 @@
 loop and waits for SIGINT/SIGTERM. Then new requests get 503, in-flight ones have
 ``--shutdown-timeout`` seconds to finish (``engine.drain``), the rest are aborted, and the
 process exits 0. A second signal skips the wait.
+
+If the engine fails (its step loop raised: a broken device), every in-flight request has
+already been failed; the server stops accepting, gives the handlers a moment to write those
+errors, and exits with ``ENGINE_FAILED_EXIT``, so that a supervisor restarts it. A live
+process never answers 503 for good.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from asyncengine.config import EngineConfig
 from asyncengine.entrypoints.http.flags import (  # noqa: F401 (the CLI imports them from here)
@@ -33,10 +39,32 @@ logger = logging.getLogger("asyncengine.entrypoints.http")
 # After the drain, how long aiohttp waits for handlers to write their last bytes.
 _HANDLER_GRACE_S = 5.0
 _HTTP_LOGGERS = ("aiohttp.access", "aiohttp.server", "aiohttp.web", "aiohttp.internal")
+#: The exit status of ``serve`` after an engine failure.
+ENGINE_FAILED_EXIT = 1
+
+
+class _OneLineParserErrors(logging.Filter):
+    """aiohttp logs a request it cannot parse (a malformed request line, a bad header) with
+    a traceback; anyone can send one, so make it one warning line, without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            detail = " ".join(str(exc.message or type(exc).__name__).split())
+            if len(detail) > 200:
+                detail = detail[:197] + "..."
+            record.msg = f"{record.getMessage()}: {exc.code} {detail}"
+            record.args = ()
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_PARSER_ERRORS = _OneLineParserErrors()
 
 
 def main(args: argparse.Namespace, config: EngineConfig) -> int:
-    """Run the server until SIGINT/SIGTERM; the exit status."""
+    """Run the server until SIGINT/SIGTERM or an engine failure; the exit status."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.uvicorn_log_level:
@@ -82,6 +110,9 @@ async def serve(config: EngineConfig, settings: ServerSettings) -> int:
     from asyncengine.entrypoints.http.app import build_app
 
     tls = ssl_context(settings)
+    server_log = logging.getLogger("aiohttp.server")
+    if _PARSER_ERRORS not in server_log.filters:
+        server_log.addFilter(_PARSER_ERRORS)
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         engine = AsyncEngine(config)  # loads the model (blocking: nothing to serve yet)
         metrics = engine.metrics = make_metrics(engine)
@@ -103,16 +134,40 @@ async def serve(config: EngineConfig, settings: ServerSettings) -> int:
                     logger.info("serving %s on %s://%s:%s%s", engine.model_name,
                                 "https" if tls else "http",
                                 f"[{host}]" if ":" in host else host, port, settings.root_path)
-                async for signum in signals:
-                    logger.info("%s: draining (up to %ss)", signal.Signals(signum).name,
-                                settings.shutdown_timeout)
-                    break
+                failure = await _signal_or_failure(engine, signals)
                 app[STATE].draining = True
-                await _drain(engine, settings.shutdown_timeout, signals)
+                if failure is None:
+                    logger.info("draining (up to %ss)", settings.shutdown_timeout)
+                    await _drain(engine, settings.shutdown_timeout, signals)
             finally:
-                await runner.cleanup()
+                await runner.cleanup()  # waits up to _HANDLER_GRACE_S for the handlers
+    if engine.error is not None:  # also when it failed during a drain
+        logger.error("stopped after an engine failure (%s); exiting with status %d so that a "
+                     "supervisor restarts the server", engine.error, ENGINE_FAILED_EXIT)
+        return ENGINE_FAILED_EXIT
     logger.info("stopped")
     return 0
+
+
+async def _signal_or_failure(engine, signals) -> BaseException | None:
+    """Wait for SIGINT/SIGTERM (None) or for the engine to fail (the failure)."""
+    failure: BaseException | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def on_signal() -> None:
+            async for signum in signals:
+                logger.info("%s received", signal.Signals(signum).name)
+                break
+            tg.cancel_scope.cancel()
+
+        async def on_failure() -> None:
+            nonlocal failure
+            failure = await engine.wait_failed()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(on_signal)
+        tg.start_soon(on_failure)
+    return failure
 
 
 async def _drain(engine, timeout: float, signals) -> None:
