@@ -1,7 +1,10 @@
-"""GET /openapi.json: an OpenAPI 3.1 document of every route, its body and its responses.
+"""GET /openapi.json: an OpenAPI 3.2 document of every route, its body and its responses.
 
 The schemas are generated from the msgspec Structs the handlers decode and encode, so the
-document cannot drift from what the server accepts.
+document cannot drift from what the server accepts; the generation parameters carry the
+ranges the server enforces (``openapi_ranges.py``). A streamed response is described with
+3.2's ``itemSchema``: each server-sent event's ``data`` is a JSON chunk, an error, or
+``[DONE]``. Every 503 (overloaded, shutting down) carries ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from asyncengine.core.limits import SamplingLimits
 from asyncengine.entrypoints.http.auth import PUBLIC_PATHS
+from asyncengine.entrypoints.http.openapi_ranges import publish_bounds
+from asyncengine.entrypoints.http.protocol import GenerationBody
 from asyncengine.entrypoints.http.responses import ErrorResponse
 from asyncengine.entrypoints.http.routes import package_version
 from asyncengine.entrypoints.http.state import state_of
@@ -37,33 +43,60 @@ ROUTES = web.AppKey("asyncengine_routes", list)
 _PATH_PARAM = re.compile(r"{(\w+)}")
 
 
+#: Routes that never answer 503 (they keep answering while the server drains).
+NEVER_UNAVAILABLE = frozenset({"/metrics"})
+
+
+def _event_stream(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
+    """A ``text/event-stream`` media type: events whose ``data`` is a chunk or an error (as
+    JSON), the last one ``[DONE]``."""
+    data = {"type": "string", "description": "A JSON chunk; an error event ends a stream "
+            "that fails after it started; the last event is [DONE].",
+            "if": {"const": "[DONE]"},
+            "else": {"contentMediaType": "application/json",
+                     "contentSchema": {"anyOf": [chunk, error]}}}
+    return {"itemSchema": {"type": "object", "required": ["data"],
+                           "properties": {"data": data, "event": {"type": "string"}}}}
+
+
 def build_openapi(routes: list[Route], app: web.Application, *, version: str,
-                  secured: bool) -> dict[str, Any]:
-    """The document for ``routes`` plus any other route found on ``app`` (added by plugins)."""
+                  secured: bool, limits: SamplingLimits | None = None) -> dict[str, Any]:
+    """The document for ``routes`` plus any other route found on ``app`` (added by plugins).
+    ``limits``: the served engine's (``--max-n``, ``--max-logprobs``)."""
     types: list[type] = [ErrorResponse]
     for r in routes:
         types += [t for t in (r.body, r.response, r.stream) if t is not None and t not in types]
     schemas, components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}")
     ref = dict(zip(types, schemas, strict=True))
+    for t in types:
+        if isinstance(t, type) and issubclass(t, GenerationBody):
+            publish_bounds(components[ref[t]["$ref"].rsplit("/", 1)[1]], limits or SamplingLimits())
     error = {"description": "An error in OpenAI's shape",
              "content": {"application/json": {"schema": ref[ErrorResponse]}}}
+    unavailable = {"description": "Overloaded (--max-queued-requests) or shutting down: retry "
+                   "after Retry-After seconds",
+                   "headers": {"Retry-After": {"required": True, "description": "seconds",
+                                               "schema": {"type": "integer", "minimum": 0}}},
+                   "content": error["content"]}
     paths: dict[str, dict[str, Any]] = {}
     for r in routes:
         content: dict[str, Any] = {}
         if r.response is not None:
             content[r.content_type] = {"schema": ref[r.response]}
         else:
-            content[r.content_type] = {"schema": {"type": "string"}}
+            kind = "object" if r.content_type == "application/json" else "string"
+            content[r.content_type] = {"schema": {"type": kind}}
         if r.stream is not None:
-            content["text/event-stream"] = {
-                "schema": {"type": "string", "description": "With \"stream\": true: events "
-                           "'data: <chunk>', then 'data: [DONE]'."},
-                "x-event-data": ref[r.stream]}
+            content["text/event-stream"] = _event_stream(ref[r.stream], ref[ErrorResponse])
+        responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
+        if r.path not in NEVER_UNAVAILABLE:
+            responses["503"] = unavailable
+        responses["default"] = error
         op: dict[str, Any] = {
             "summary": r.summary,
             "operationId": r.handler.__name__,
-            "responses": {"200": {"description": "OK", "content": content}, "default": error},
+            "responses": responses,
         }
         if r.body is not None:
             op["requestBody"] = {"required": True,
@@ -85,7 +118,7 @@ def build_openapi(routes: list[Route], app: web.Application, *, version: str,
             paths.setdefault(path, {})[method.lower()] = {
                 "summary": "Added by a plugin", "responses": {"200": {"description": "OK"}}}
     doc: dict[str, Any] = {
-        "openapi": "3.1.0",
+        "openapi": "3.2.0",
         "info": {"title": "asyncengine OpenAI-compatible API", "version": version},
         "paths": paths,
         "components": {"schemas": components},
@@ -99,5 +132,6 @@ def build_openapi(routes: list[Route], app: web.Application, *, version: str,
 async def openapi_json(request: web.Request) -> web.Response:
     state = state_of(request)
     doc = build_openapi(request.app[ROUTES], request.app, version=package_version(),
-                        secured=state.settings.api_key is not None)
+                        secured=state.settings.api_key is not None,
+                        limits=getattr(state.engine, "sampling_limits", None))
     return web.json_response(doc)
