@@ -20,7 +20,6 @@ from aiohttp import web
 from asyncengine.core.limits import SamplingLimits
 from asyncengine.entrypoints.http.auth import PUBLIC_PATHS
 from asyncengine.entrypoints.http.openapi_ranges import publish_bounds
-from asyncengine.entrypoints.http.protocol import GenerationBody
 from asyncengine.entrypoints.http.responses import ErrorResponse
 from asyncengine.entrypoints.http.routes import package_version
 from asyncengine.entrypoints.http.state import state_of
@@ -36,7 +35,7 @@ class Route:
     response: type | None = None
     # The Struct of each ``data:`` event when the body asks for ``"stream": true``.
     stream: type | None = None
-    content_type: str = "application/json"
+    content_type: str | None = "application/json"  # None: an empty body
 
 
 ROUTES = web.AppKey("asyncengine_routes", list)
@@ -69,9 +68,8 @@ def build_openapi(routes: list[Route], app: web.Application, *, version: str,
     schemas, components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}")
     ref = dict(zip(types, schemas, strict=True))
-    for t in types:
-        if isinstance(t, type) and issubclass(t, GenerationBody):
-            publish_bounds(components[ref[t]["$ref"].rsplit("/", 1)[1]], limits or SamplingLimits())
+    for body in {r.body for r in routes if r.body is not None}:  # the bounded parameters
+        publish_bounds(components[ref[body]["$ref"].rsplit("/", 1)[1]], limits or SamplingLimits())
     error = {"description": "An error in OpenAI's shape",
              "content": {"application/json": {"schema": ref[ErrorResponse]}}}
     unavailable = {"description": "Overloaded (--max-queued-requests) or shutting down: retry "
@@ -82,14 +80,16 @@ def build_openapi(routes: list[Route], app: web.Application, *, version: str,
     paths: dict[str, dict[str, Any]] = {}
     for r in routes:
         content: dict[str, Any] = {}
-        if r.response is not None:
-            content[r.content_type] = {"schema": ref[r.response]}
-        else:
+        if r.content_type is not None:
             kind = "object" if r.content_type == "application/json" else "string"
-            content[r.content_type] = {"schema": {"type": kind}}
+            schema = ref[r.response] if r.response is not None else {"type": kind}
+            content[r.content_type] = {"schema": schema}
         if r.stream is not None:
             content["text/event-stream"] = _event_stream(ref[r.stream], ref[ErrorResponse])
-        responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
+        ok: dict[str, Any] = {"description": "OK"}
+        if content:
+            ok["content"] = content
+        responses: dict[str, Any] = {"200": ok}
         if r.path not in NEVER_UNAVAILABLE:
             responses["503"] = unavailable
         responses["default"] = error
@@ -113,10 +113,12 @@ def build_openapi(routes: list[Route], app: web.Application, *, version: str,
         path = resource.canonical
         for route in resource:
             method = route.method
-            if method in ("HEAD", "*") or (method, path) in known:
+            # OPTIONS: CORS preflights (aiohttp-cors answers them), not operations.
+            if method in ("HEAD", "OPTIONS", "*") or (method, path) in known:
                 continue
             paths.setdefault(path, {})[method.lower()] = {
-                "summary": "Added by a plugin", "responses": {"200": {"description": "OK"}}}
+                "summary": "Added by a plugin",
+                "responses": {"200": {"description": "OK"}, "default": error}}
     doc: dict[str, Any] = {
         "openapi": "3.2.0",
         "info": {"title": "asyncengine OpenAI-compatible API", "version": version},

@@ -29,6 +29,7 @@ def parameter_bounds(limits: SamplingLimits) -> dict[str, dict[str, Any]]:
                   "vocabulary size mean all tokens"},
         "max_tokens": {"minimum": 1, "maximum": INT64_MAX},
         "max_completion_tokens": {"minimum": 1, "maximum": INT64_MAX},
+        "max_output_tokens": {"minimum": 1, "maximum": INT64_MAX},
         "min_tokens": {"minimum": 0, "maximum": INT64_MAX},
         "logprobs": {"minimum": 0, "maximum": limits.max_logprobs},
         "top_logprobs": {"minimum": 0, "maximum": limits.max_logprobs},

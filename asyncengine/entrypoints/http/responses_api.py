@@ -105,7 +105,10 @@ def _text_format(body: ResponsesRequest) -> StructuredOutputsParams | None:
         return StructuredOutputsParams(json_object=True)
     if fmt.schema_ is None:
         raise bad_request("text.format.schema is required for json_schema", "text.format")
-    return StructuredOutputsParams(json=fmt.schema_)
+    try:
+        return StructuredOutputsParams(json=fmt.schema_)
+    except ValueError as e:
+        raise bad_request(f"text.format: {e}", "text.format") from None
 
 
 def _item_id(prefix: str) -> str:
