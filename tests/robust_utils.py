@@ -1,6 +1,6 @@
 """The server the robustness, fuzzing and schemathesis tests share, and raw HTTP helpers.
 
-A short context (96 tokens) keeps every generation short whatever a generated request asks
+A short context (64 tokens) keeps every generation short whatever a generated request asks
 for (a chat request without max_tokens runs to the end of the context)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from tests.server_utils import ServerProcess, shared_server
 
-MAX_MODEL_LEN = 96
+MAX_MODEL_LEN = 64
 
 
 def robust_server(tiny_llama: str) -> ServerProcess:

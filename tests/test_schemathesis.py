@@ -25,8 +25,8 @@ from schemathesis.specs.openapi.checks import (
 from tests.robust_utils import assert_idle_and_free, robust_server
 from tests.server_utils import ServerProcess
 
-#: Examples per operation and mode: about 500 requests in all, in well under a minute.
-EXAMPLES = 30
+#: Examples per operation and mode: about 400 requests in all, in well under a minute.
+EXAMPLES = 25
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance, response_schema_conformance]
 
