@@ -31,9 +31,17 @@ def server(tiny_llama):
     server.stop()
 
 
-async def send(session: aiohttp.ClientSession, url: str, i: int) -> tuple[int, dict, dict]:
-    body = {"prompt": f"Request {i}: count to ten.", "max_tokens": MAX_TOKENS,
-            "ignore_eos": True, "temperature": 0}
+async def send(session: aiohttp.ClientSession, server: ServerProcess,
+               i: int) -> tuple[int, dict, dict]:
+    """Completions and chat completions, alternately."""
+    body: dict = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
+    text = f"Request {i}: count to ten."
+    if i % 2:
+        body["messages"] = [{"role": "user", "content": text}]
+        url = server.url("/v1/chat/completions")
+    else:
+        body["prompt"] = text
+        url = server.url("/v1/completions")
     async with session.post(url, json=body) as resp:
         return resp.status, dict(resp.headers), await resp.json()
 
@@ -42,11 +50,10 @@ def test_surplus_gets_503_with_retry_after_and_the_rest_completes(server):
     async def storm():
         limits = aiohttp.TCPConnector(limit=0)  # all at once
         async with aiohttp.ClientSession(connector=limits) as session:
-            url = server.url("/v1/completions")
             results: list = [None] * NUM_REQUESTS
 
             async def one(i: int) -> None:
-                results[i] = await send(session, url, i)
+                results[i] = await send(session, server, i)
 
             async with anyio.create_task_group() as tg:
                 for i in range(NUM_REQUESTS):

@@ -134,7 +134,7 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine stopped after an error: {self._dead}")
         if not self._accepting:
             raise EngineShuttingDown("the engine is not accepting requests")
-        self._check_queue()
+        self.check_queue()
         params = params or SamplingParams()
         params.validate(self.sampling_limits)
         request_id = request_id or uuid.uuid4().hex
@@ -239,8 +239,9 @@ class AsyncEngine:
         for rid in list(self.outputs.streams):
             self._abort_at_once(rid)
 
-    def _check_queue(self) -> None:
-        """Admission control: refuse a request while ``--max-queued-requests`` wait."""
+    def check_queue(self) -> None:
+        """Admission control: EngineOverloaded while ``--max-queued-requests`` requests wait
+        (the server also asks before it reads a generation request's body)."""
         waiting = self.scheduler.make_stats().num_waiting
         if waiting >= self.max_queued_requests:
             raise EngineOverloaded(

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import aiohttp_cors
 from aiohttp import web
 
+from asyncengine.engine.errors import EngineOverloaded
 from asyncengine.entrypoints.http import routes
 from asyncengine.entrypoints.http.auth import auth_middleware
 from asyncengine.entrypoints.http.chat import create_chat_completion
@@ -42,7 +43,7 @@ from asyncengine.entrypoints.http.responses_api_protocol import (
     ResponsesRequest,
     ResponseStreamEvent,
 )
-from asyncengine.entrypoints.http.serving import REQUEST_ID_HEADER
+from asyncengine.entrypoints.http.serving import REQUEST_ID_HEADER, to_api_error
 from asyncengine.entrypoints.http.state import STATE, ServerSettings, ServerState
 
 if TYPE_CHECKING:
@@ -93,6 +94,24 @@ async def draining_middleware(request: web.Request, handler) -> web.StreamRespon
     return await handler(request)
 
 
+#: Handlers that queue engine requests.
+_QUEUEING = frozenset({create_completion, create_chat_completion, create_response})
+
+
+@web.middleware
+async def overload_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """While the engine's queue is full (--max-queued-requests), a generation request gets
+    its 503 at once: its body is not decoded, its prompt neither rendered nor tokenized
+    (``add_request`` would refuse it after all that work). A storm costs less this way."""
+    if request.match_info.route.handler in _QUEUEING:
+        engine = request.app[STATE].engine
+        try:
+            engine.check_queue()
+        except EngineOverloaded as e:
+            raise to_api_error(e) from None
+    return await handler(request)
+
+
 async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
     """``X-Request-Id`` back on every response to a request that sent one (streams too)."""
     given = request.headers.get(REQUEST_ID_HEADER)
@@ -107,6 +126,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None,
     middlewares = [error_middleware, draining_middleware]
     if settings.api_key:
         middlewares.append(auth_middleware(settings.api_key))
+    middlewares.append(overload_middleware)
     app = web.Application(client_max_size=settings.max_request_body, middlewares=middlewares)
     app[STATE] = ServerState(engine, metrics, settings)
     app[ROUTES] = list(BUILTIN_ROUTES)
