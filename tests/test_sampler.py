@@ -244,8 +244,10 @@ def test_rows_without_valid_tokens_get_no_token(method):
         out = sample(logits, batch_of(*[params] * 4, method=method)).token_ids
         assert out[:3] == [NO_TOKEN] * 3
         assert 0 <= out[3] < V
-    # A repetition penalty that pushes logits to infinity
-    huge = SamplingParams(temperature=0.8, repetition_penalty=1e-45)
+    # A repetition penalty that pushes logits to infinity (past what validation lets in:
+    # this is the defence behind it)
+    huge = SamplingParams(temperature=0.8)
+    huge.repetition_penalty = 1e-45
     out = sample(logits_for(2, seed=1) * 10, batch_of(huge, SamplingParams(temperature=0),
                                                       prompts=[list(range(V)), []],
                                                       method=method)).token_ids
