@@ -49,6 +49,10 @@ def main(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
+    from asyncengine.executor.models.quantization import weight_footprint
+
+    sizes = weight_footprint(parts.runner.model)
+    print("weights:", ", ".join(f"{k} {mb:.1f} MB" for k, mb in sorted(sizes.items())))
     print(f"model={parts.model_name} dtype={parts.dtype} quantization={args.quantization} "
           f"batch={args.batch} threads={torch.get_num_threads()}: decode step best "
           f"{min(times) * 1e3:.1f} ms, median {statistics.median(times) * 1e3:.1f} ms")
