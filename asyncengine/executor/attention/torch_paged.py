@@ -144,7 +144,7 @@ def _make_plan(metadata: AttentionMetadata) -> _Plan:
     groups: list[_Group | ChunkedDecode] = []
     if decodes:
         longest = max(seq_lens[i] for i in decodes)
-        if longest > DECODE_CHUNK_TOKENS:
+        if longest > DECODE_CHUNK_TOKENS and device.type == "cpu":  # a CPU kernel
             groups.append(make_chunked_decode(decodes, metadata, device))
         else:
             groups.append(_padded_group(decodes, metadata, device))
