@@ -19,7 +19,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4")
 POOLING_TYPES = ("last", "mean")
 GENERATION_CONFIG_HELP = (
     "server-side sampling defaults: auto (the model's generation_config.json: temperature, "
@@ -39,9 +39,10 @@ class ModelConfig:
         "help": "weights and activations dtype (auto: bfloat16 on CUDA and on CPUs with "
                 "bf16 instructions, else float32)", "choices": DTYPES})
     quantization: str = field(default="none", metadata={
-        "help": "weight quantization of the linear layers and the logits head: none, or int8 "
-                "(per-output-channel weight-only; faster decoding of small batches on CPUs "
-                "with bfloat16, at a small accuracy cost)", "choices": QUANTIZATIONS})
+        "help": "weight-only quantization: none; int8 (linears and the logits head, "
+                "per output channel; faster decoding of small batches on CPUs with bfloat16); "
+                "int4 (decoder linears packed, groups of 32; a GGUF's Q4_0/Q4_1 kept as "
+                "stored)", "choices": QUANTIZATIONS})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context length (default: the model's, capped at 8192)"})
     served_model_name: list[str] | None = field(default=None, metadata={

@@ -1,12 +1,13 @@
 """Decode-step time, measured directly: scheduler -> runner.prepare -> runner.execute ->
 update, with no event loop or server around it (the embedded SmolLM2-135M unless --model).
 
-BATCH requests with 100-token prompts are prefilled, then decode steps are timed; the figure
-is the best and the median of --steps steps (a shared machine is noisy: take the best of
-several runs). Usage:
+BATCH requests with prompts of --prompt-len tokens (100) are prefilled, then decode steps are
+timed; the figure is the best and the median of --steps steps (a shared machine is noisy: take
+the best of several runs). Usage:
 
     python benchmarks/decode_step.py [--batch 1] [--steps 30] [--quantization int8]
-        [--dtype bfloat16] [--profile]
+        [--dtype bfloat16] [--load-format dummy] [--num-threads N] [--prompt-len 100]
+        [--profile]
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ def main(args: argparse.Namespace) -> int:
     from asyncengine.core.sampling_params import SamplingParams
     from asyncengine.executor.build import build
 
-    options = {"model": args.model, "dtype": args.dtype}
+    options = {"model": args.model, "dtype": args.dtype, "load_format": args.load_format}
     if args.quantization != "none":
         options["quantization"] = args.quantization
+    if args.num_threads:
+        options["num_threads"] = args.num_threads
     parts = build(EngineConfig.from_dict(options))
     scheduler = parts.make_scheduler()
     params = SamplingParams(temperature=0, max_tokens=args.steps + 16, ignore_eos=True)
     for i in range(args.batch):
-        scheduler.add_request(Request(f"r{i}", [100 + i] * 100, params,
+        scheduler.add_request(Request(f"r{i}", [100 + i] * args.prompt_len, params,
                                       max_model_len=parts.max_model_len))
 
     def step() -> None:
@@ -46,6 +49,10 @@ def main(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
+    from asyncengine.executor.models.quantization import weight_footprint
+
+    sizes = weight_footprint(parts.runner.model)
+    print("weights:", ", ".join(f"{k} {mb:.1f} MB" for k, mb in sorted(sizes.items())))
     print(f"model={parts.model_name} dtype={parts.dtype} quantization={args.quantization} "
           f"batch={args.batch} threads={torch.get_num_threads()}: decode step best "
           f"{min(times) * 1e3:.1f} ms, median {statistics.median(times) * 1e3:.1f} ms")
@@ -67,5 +74,8 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="none")
+    parser.add_argument("--load-format", default="auto", help="auto, or dummy (random weights)")
+    parser.add_argument("--num-threads", type=int, default=0, help="default: all cores")
+    parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--profile", action="store_true", help="add a profile of 5 steps")
     raise SystemExit(main(parser.parse_args()))

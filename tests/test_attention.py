@@ -8,8 +8,9 @@ import random
 import pytest
 import torch
 
-from asyncengine.executor.attention import get_attention_backend
+from asyncengine.executor.attention import decode_chunks, get_attention_backend, torch_paged
 from asyncengine.executor.attention.base import AttentionMetadata
+from asyncengine.executor.attention.decode_chunks import ChunkedDecode
 from asyncengine.executor.attention.torch_paged import TorchPagedBackend
 
 BLOCK = 4
@@ -121,6 +122,38 @@ def test_prefills_of_very_different_lengths_are_split_into_groups():
 
 def test_bfloat16_close_to_reference():
     out, ref, _, _, _ = run_step(MIXED, 4, 2, dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+
+
+LONG = [(1500, 1), (3, 1), (700, 1), (511, 1), (512, 1), (0, 1), (1023, 1), (20, 5), (100, 1)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (8, 1)])
+def test_long_decodes_are_read_in_chunks_and_match_reference(heads, kv_heads):
+    # contexts past DECODE_CHUNK_TOKENS (many 4-token blocks, chunk edges hit exactly),
+    # short ones that stop after the first chunk, a decode with no context, and a prefill
+    out, ref, meta, _, _ = run_step(LONG, heads, kv_heads)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    chunked = [g for g in meta.extra.groups if isinstance(g, ChunkedDecode)]
+    assert len(chunked) == 1
+    sizes = [c.rows for c in chunked[0].chunks]
+    assert sizes[0] == 8 and sizes[-1] == 1  # every decode, then only the longest
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_chunked_decode_with_tiny_chunks(monkeypatch):
+    # one block per chunk: dozens of merges, each row leaving at its own chunk
+    monkeypatch.setattr(torch_paged, "DECODE_CHUNK_TOKENS", 4)
+    monkeypatch.setattr(decode_chunks, "DECODE_CHUNK_TOKENS", 4)
+    cases = [(c, 1) for c in (0, 3, 4, 17, 40, 63, 5, 8)] + [(6, 3)]
+    out, ref, meta, _, _ = run_step(cases, 6, 2)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert len(meta.extra.groups[0].chunks) == 16
+
+
+def test_chunked_decode_bfloat16_close_to_reference():
+    out, ref, _, _, _ = run_step(LONG, 4, 2, dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
 

@@ -95,8 +95,8 @@ def test_engine_generates_with_int8(tiny_llama):
 
 
 def test_bad_quantization_values():
-    with pytest.raises(ValueError, match="--quantization: invalid value 'int4'.*none, int8"):
-        EngineConfig.from_dict({"quantization": "int4"})
+    with pytest.raises(ValueError, match="--quantization: invalid value 'int2'.*none, int8, int4"):
+        EngineConfig.from_dict({"quantization": "int2"})
     with pytest.raises(ValueError, match="--quantization"):
         quantize_model(torch.nn.Sequential(), "fp8")
     with pytest.raises(ValueError, match="--quantization int8: Sequential has no linear"):

@@ -1,4 +1,4 @@
-"""The ``asyncengine`` command: serve | generate | bench {serve, throughput}."""
+"""The ``asyncengine`` command: serve | generate | bench {serve, throughput, overhead, peers}."""
 
 from __future__ import annotations
 
@@ -98,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     from asyncengine.entrypoints.bench import overhead as bench_overhead
 
     bench_overhead.add_arguments(bover)
+    bpeers = bsub.add_parser("peers", help="asyncengine next to llama-server and vLLM-CPU",
+                             description="The same streamed load against asyncengine and, "
+                                         "where installed, llama-server and vLLM's CPU build, "
+                                         "one after another; prints the ratios.")
+    from asyncengine.entrypoints.bench import peers as bench_peers
+
+    bench_peers.add_arguments(bpeers)
     return parser
 
 
@@ -131,6 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from asyncengine.entrypoints.bench import overhead as bench_overhead
 
                 return bench_overhead.main(args)
+            if args.bench_command == "peers":
+                from asyncengine.entrypoints.bench import peers as bench_peers
+
+                return bench_peers.main(args)
             from asyncengine.entrypoints.bench import throughput as bench_throughput
 
             return bench_throughput.main(args)

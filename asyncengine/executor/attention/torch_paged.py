@@ -3,8 +3,12 @@
 Once per step (in the first layer's ``forward``), the batch is split into *groups*, each
 attended by ONE SDPA call shared by all layers' index tensors and masks:
 
-- all pure decodes (query_len 1) form one group: their blocks are gathered through the block
-  tables into a padded ``[B, max_blocks * block_size]`` view, masked by length;
+- all pure decodes (query_len 1) form one group. While their longest context fits in one
+  chunk (``DECODE_CHUNK_TOKENS``), their blocks are gathered through the block tables into a
+  padded ``[B, max_blocks * block_size]`` view, masked by length. Longer contexts are read
+  chunk by chunk (flash-decoding, ``decode_chunks.py``): the KV copy alive at a time is one
+  chunk of the rows that reach it, never every sequence's whole padded history, and the
+  chunks' partial results are merged exactly through their log-sum-exps;
 - prefill chunks are packed into padded groups while padding at most doubles the work
   (one fresh prompt alone attends its own k/v with ``is_causal``, no gather).
 
@@ -21,6 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from asyncengine.executor.attention.base import AttentionBackend, AttentionMetadata
+from asyncengine.executor.attention.decode_chunks import (
+    DECODE_CHUNK_TOKENS,
+    ChunkedDecode,
+    chunked_decode,
+    make_chunked_decode,
+)
 
 # Prefill chunks share a padded SDPA call while padded work <= SLACK * real work + FREE.
 _SLACK = 2.0
@@ -59,7 +69,7 @@ class _Group:
 
 @dataclass
 class _Plan:
-    groups: list[_Group]
+    groups: list[_Group | ChunkedDecode]
     identity: bool  # one group whose output rows are exactly the step's rows, in order
 
 
@@ -87,6 +97,12 @@ class TorchPagedBackend(AttentionBackend):
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
         out = None if plan.identity else q.new_empty(T, num_heads, head_dim)
         for g in plan.groups:
+            if isinstance(g, ChunkedDecode):
+                o = chunked_decode(g, q, kv_cache, scale)
+                if out is None:
+                    return o
+                out[g.dest_rows] = o
+                continue
             if g.fresh is not None:
                 s, e = g.fresh
                 o = F.scaled_dot_product_attention(
@@ -125,7 +141,13 @@ def _make_plan(metadata: AttentionMetadata) -> _Plan:
     q_lens, seq_lens = metadata.query_lens, metadata.seq_lens
     decodes = [i for i, n in enumerate(q_lens) if n == 1]
     prefills = [i for i, n in enumerate(q_lens) if n > 1]
-    groups = [_padded_group(decodes, metadata, device)] if decodes else []
+    groups: list[_Group | ChunkedDecode] = []
+    if decodes:
+        longest = max(seq_lens[i] for i in decodes)
+        if longest > DECODE_CHUNK_TOKENS and device.type == "cpu":  # a CPU kernel
+            groups.append(make_chunked_decode(decodes, metadata, device))
+        else:
+            groups.append(_padded_group(decodes, metadata, device))
     for members in _pack(prefills, q_lens, seq_lens):
         i = members[0]
         if len(members) == 1 and q_lens[i] == seq_lens[i]:
@@ -134,8 +156,9 @@ def _make_plan(metadata: AttentionMetadata) -> _Plan:
         else:
             groups.append(_padded_group(members, metadata, device))
     total = metadata.query_start_loc[-1]
-    identity = len(groups) == 1 and (groups[0].fresh == (0, total)
-                                     or (groups[0].ordered and groups[0].num_rows == total))
+    first = groups[0]
+    identity = len(groups) == 1 and not isinstance(first, ChunkedDecode) and (
+        first.fresh == (0, total) or (first.ordered and first.num_rows == total))
     return _Plan(groups, identity)
 
 

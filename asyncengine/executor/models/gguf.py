@@ -192,8 +192,31 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_tensors(path: str, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (transformers name, float32 tensor) for every tensor of a GGUF file, streaming."""
+def q4_grid(raw: np.ndarray, qtype: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """The (scale, zero) [rows, blocks] float32 of Q4_0 / Q4_1 rows in ``int4.py``'s convention
+    ``w = (q - 8) * scale + zero``: Q4_0 blocks are ``d, 16 bytes of nibbles`` with
+    ``w = d * (q - 8)``; Q4_1 blocks ``d, m, nibbles`` with ``w = d * q + m`` (d, m float16).
+    None for other types."""
+    from gguf import GGMLQuantizationType
+
+    if qtype not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+        return None
+    block_bytes = 18 if qtype == GGMLQuantizationType.Q4_0 else 20
+    blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == GGMLQuantizationType.Q4_0:
+        return d, np.zeros_like(d)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return d, m + 8 * d
+
+
+def iter_gguf_tensors(path: str, config: Any,
+                      grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (transformers name, float32 tensor) for every tensor of a GGUF file, streaming.
+
+    ``grids``, when given, receives the int4 grid (``q4_grid``) of every Q4_0 / Q4_1 matrix by
+    transformers name, its rows in the yielded tensor's order."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -209,15 +232,19 @@ def iter_gguf_tensors(path: str, config: Any) -> Iterator[tuple[str, torch.Tenso
         rows = int(np.prod(t.dims[1:], dtype=np.int64))
         raw = data[t.offset:t.offset + rows * row_bytes].reshape(rows, row_bytes)
         w = dequantize(raw, qtype).reshape(*reversed(t.dims))  # [out, in] for matrices
+        grid = q4_grid(raw, qtype) if grids is not None and len(t.dims) == 2 else None
         if t.name == ROPE_FREQS:
             yield ROPE_FREQS, torch.from_numpy(np.array(w, dtype=np.float32))  # a copy
             continue
         name = hf_name(t.name)
         if name is None:
             raise ValueError(f"{path}: GGUF tensor {t.name!r} has no counterpart in the model")
-        if arch in _PERMUTED_ARCHS and ".q_proj." in name:
-            w = unpermute_rope_rows(w, num_heads)
-        elif arch in _PERMUTED_ARCHS and ".k_proj." in name:
-            w = unpermute_rope_rows(w, num_kv_heads)
+        heads = num_heads if ".q_proj." in name else num_kv_heads if ".k_proj." in name else 0
+        if arch in _PERMUTED_ARCHS and heads:
+            w = unpermute_rope_rows(w, heads)
+            if grid is not None:
+                grid = tuple(unpermute_rope_rows(g, heads) for g in grid)
+        if grid is not None:
+            grids[name] = tuple(torch.from_numpy(np.ascontiguousarray(g)) for g in grid)
         w = np.asarray(w, dtype=np.float32)
         yield name, torch.from_numpy(w if w.flags.writeable else w.copy())

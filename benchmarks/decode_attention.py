@@ -1,0 +1,91 @@
+"""Decode attention alone, one layer: the padded gather (one SDPA call over every decode row's
+whole history) against the chunked read (``attention/decode_chunks.py``), same process, same
+cache, interleaved runs.
+
+Contexts are drawn uniformly from [--min-ctx, --max-ctx]; SmolLM2-135M's attention shape (9
+query heads, 3 KV heads, head_dim 64) by default. Prints the best and median time per layer
+call and the KV copy alive at a time (the gathered K and V). Usage:
+
+    python benchmarks/decode_attention.py [--batch 32] [--min-ctx 100] [--max-ctx 4096]
+        [--dtype float32] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import time
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from asyncengine.executor.attention import decode_chunks, torch_paged
+    from asyncengine.executor.attention.base import AttentionMetadata
+
+    dtype = getattr(torch, args.dtype)
+    bs, heads, kv_heads, dim = args.block_size, args.heads, args.kv_heads, args.head_dim
+    rng = random.Random(0)
+    lens = [rng.randint(args.min_ctx, args.max_ctx) for _ in range(args.batch)]
+    need = [math.ceil(n / bs) for n in lens]
+    pool = list(range(sum(need) + 1))
+    rng.shuffle(pool)
+    tables = [[pool.pop() for _ in range(n)] for n in need]
+    width = max(need)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens,
+                                                                                strict=True)])
+    cache = torch.randn(2, sum(need) + 1, bs, kv_heads, dim).to(dtype)
+    q = torch.randn(args.batch, heads, dim).to(dtype)
+    k = torch.randn(args.batch, kv_heads, dim).to(dtype)
+    v = torch.randn(args.batch, kv_heads, dim).to(dtype)
+    elem = cache.element_size()
+
+    def run(threshold: int) -> tuple[list[float], torch.Tensor]:
+        torch_paged.DECODE_CHUNK_TOKENS = threshold
+        backend = torch_paged.TorchPagedBackend()
+        times, out = [], None
+        for _ in range(args.repeats):
+            meta = AttentionMetadata(list(range(args.batch + 1)), lens, padded, slots, bs)
+            backend.prepare(meta)
+            start = time.perf_counter()
+            out = backend.forward(q, k, v, cache, meta, dim**-0.5)
+            times.append(time.perf_counter() - start)
+        return times, out
+
+    chunk = decode_chunks.DECODE_CHUNK_TOKENS
+    results: dict[str, list[float]] = {"gather": [], "chunked": []}
+    outs = {}
+    for _ in range(3):  # interleaved: the machine's load hits both alike
+        for name, threshold in (("gather", 1 << 30), ("chunked", chunk)):
+            times, outs[name] = run(threshold)
+            results[name] += times
+    diff = (outs["gather"].double() - outs["chunked"].double()).abs().max().item()
+    per_chunk = max(1, chunk // bs) * bs
+    copy = {"gather": args.batch * width * bs,
+            "chunked": args.batch * min(width * bs, per_chunk)}
+    print(f"batch={args.batch} contexts {min(lens)}..{max(lens)} (mean {sum(lens) // len(lens)}) "
+          f"dtype={args.dtype} threads={torch.get_num_threads()} chunk={chunk} tokens; "
+          f"max |difference| {diff:.2e}")
+    for name, times in results.items():
+        mb = copy[name] * kv_heads * dim * 2 * elem / 2**20
+        print(f"  {name:8s} best {min(times) * 1e3:7.2f} ms  median "
+              f"{statistics.median(times) * 1e3:7.2f} ms per layer; KV copy alive {mb:7.1f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--min-ctx", type=int, default=100)
+    parser.add_argument("--max-ctx", type=int, default=4096)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeats", type=int, default=10)
+    raise SystemExit(main(parser.parse_args()))
