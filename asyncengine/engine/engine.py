@@ -36,6 +36,7 @@ from asyncengine.engine.errors import (
 )
 from asyncengine.engine.output_processor import Emitted, OutputProcessor
 from asyncengine.engine.outputs import RequestOutput
+from asyncengine.engine.prompts import check_length, tokenize_prompt
 from asyncengine.engine.step_loop import StepLoop
 from asyncengine.engine.streams import RequestStream
 from asyncengine.executor.build import build
@@ -45,9 +46,6 @@ logger = logging.getLogger("asyncengine")
 
 __all__ = ["AsyncEngine", "EngineDeadError", "EngineOverloaded", "EngineShuttingDown",
            "RequestFailed"]
-
-#: Prompts longer than this (characters) are tokenized in a worker thread, off the loop.
-OFF_LOOP_TOKENIZE_CHARS = 4096
 
 #: Seconds the engine waits, when it stops, for KV-connector saves still in flight.
 KV_SAVE_DRAIN_TIMEOUT = 30.0
@@ -140,8 +138,8 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.outputs.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = await self._tokenize(prompt)
-        self._check_length(token_ids, params)
+        text, token_ids = await tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
+        check_length(token_ids, params, self.max_model_len)
         grammars = [None] * params.n
         if params.structured_outputs is not None:
             manager = await self._structured_manager()
@@ -315,43 +313,7 @@ class AsyncEngine:
         if done.failed:
             self.scheduler.finish_requests(done.failed, RequestStatus.FINISHED_ABORTED)
 
-    def _fail_request(self, request_id: str, error: RequestFailed) -> None:
-        """End one request (all its samples) with ``error``; the others go on."""
-        failed = self.outputs.fail_request(request_id, error)
-        self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
-
     # -- helpers --------------------------------------------------------------------------------
-    async def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if len(prompt) > OFF_LOOP_TOKENIZE_CHARS:  # keep the streams flowing meanwhile
-                ids = await anyio.to_thread.run_sync(self.tokenizer.encode, prompt)
-            else:
-                ids = self.tokenizer.encode(prompt)
-            text: str | None = prompt
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            ids, text = list(prompt), None
-            vocab = self.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is out of vocabulary (0..{vocab - 1})")
-        else:
-            raise ValueError("prompt must be a string or a list of token ids")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        return text, ids
-
-    def _check_length(self, ids: list[int], params: SamplingParams) -> None:
-        limit = self.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(
-                f"This model's maximum context length is {limit} tokens. However, your prompt "
-                f"has {len(ids)} tokens; shorten it to fewer than {limit} tokens.")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
-                f"{params.max_tokens} in the completion). Reduce the prompt or max_tokens.")
-
     async def _structured_manager(self):
         if self.structured is None:
             self.structured = await anyio.to_thread.run_sync(

@@ -115,15 +115,6 @@ class OutputProcessor:
             sample.finish_reason = req.status.finish_reason
             sample.stop_reason = req.stop_reason
 
-    def fail_request(self, request_id: str, error: RequestFailed) -> list[str]:
-        """End one request's stream with ``error``; returns the scheduler ids to finish."""
-        stream = self._stream_of.get(request_id) or self.streams.get(request_id)
-        if stream is None:
-            return []
-        result = Emitted()
-        self._fail(stream, error, result)
-        return result.failed
-
     def _fail(self, stream: RequestStream, error: RequestFailed, result: Emitted) -> None:
         result.failed += [s.request.request_id for s in stream.samples
                           if not s.request.is_finished]
