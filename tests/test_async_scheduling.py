@@ -47,7 +47,7 @@ def test_step_n_plus_1_is_launched_before_step_n_reaches_the_host(tiny_llama):
 
     real_launch, real_execute = engine.device.launch, engine.runner.execute
     real_update = engine.scheduler.update_from_output
-    step_of: dict[int, int] = {}
+    step_of: dict[int, int] = {}  # executed steps, numbered in order
 
     def launch(fn):
         n = launched[0]
@@ -57,7 +57,8 @@ def test_step_n_plus_1_is_launched_before_step_n_reaches_the_host(tiny_llama):
         return real_launch(fn)
 
     def execute(inputs):
-        n = step_of.setdefault(id(inputs), len(step_of))
+        n = len(step_of)  # the device runs steps in launch order
+        step_of[n] = n
         with lock:
             events.append(("start", n, time.perf_counter()))
         time.sleep(0.01)  # a device step long enough to show the overlap
