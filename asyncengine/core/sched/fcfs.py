@@ -38,6 +38,12 @@ from asyncengine.core.sched.interface import (
     SchedulerStats,
 )
 from asyncengine.core.sched.queues import FCFSQueue
+from asyncengine.core.sched.request_state import (
+    append_token,
+    finishes_in_flight,
+    needs_every_position,
+    store_prompt_logprobs,
+)
 
 if TYPE_CHECKING:
     from asyncengine.config import EngineConfig
@@ -153,7 +159,7 @@ class FCFSScheduler(SchedulerInterface):
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            if request.num_output_placeholders and _finishes_in_flight(request):
+            if request.num_output_placeholders and finishes_in_flight(request):
                 continue  # its in-flight token is its last: no step to waste on it
             num_new = min(request.num_tokens + request.num_output_placeholders
                           - request.num_computed_tokens, step.budget)
@@ -216,14 +222,14 @@ class FCFSScheduler(SchedulerInterface):
         return True
 
     def _lookup_prefix(self, request: Request) -> tuple[list[Block], int]:
-        if _needs_every_position(request):
+        if needs_every_position(request):
             return [], 0
         return self.kv_cache_manager.get_computed_blocks(request)
 
     def _lookup_external(self, request: Request, num_cached: int) -> int:
         """Tokens after the local hit of ``num_cached`` that the KV connector will load:
         whole blocks, never the last token (its logits are needed)."""
-        if self.kv_connector is None or _needs_every_position(request):
+        if self.kv_connector is None or needs_every_position(request):
             return 0
         bs = self.block_size
         update_block_hashes(request, bs)  # filled even when prefix caching is off
@@ -269,7 +275,7 @@ class FCFSScheduler(SchedulerInterface):
             self.kv_cache_manager.cache_full_blocks(request, computed)
             entries = runner_output.prompt_logprobs.get(rid)
             if entries:
-                _store_prompt_logprobs(request, scheduled.start + 1, entries)
+                store_prompt_logprobs(request, scheduled.start + 1, entries)
             if not scheduled.samples:
                 continue
             token = runner_output.sampled_token_ids.get(rid)
@@ -294,7 +300,7 @@ class FCFSScheduler(SchedulerInterface):
                              "infinite after the sampling parameters were applied, or the "
                              "structured-output grammar allowed no token)")
             return RequestStatus.FINISHED_ERROR
-        _append_token(request, token, logprobs, now)
+        append_token(request, token, logprobs, now)
         return request.check_stop()
 
     # -- misc ------------------------------------------------------------------------------
@@ -311,41 +317,3 @@ class FCFSScheduler(SchedulerInterface):
 
     def shutdown(self) -> None:
         self.finish_requests(list(self.requests), RequestStatus.FINISHED_ABORTED)
-
-
-def _finishes_in_flight(request: Request) -> bool:
-    """The tokens in flight bring the request to its length limit."""
-    num_out = request.num_output_tokens + request.num_output_placeholders
-    return num_out >= request.max_tokens or \
-        request.num_tokens + request.num_output_placeholders >= request.max_model_len
-
-
-def _needs_every_position(request: Request) -> bool:
-    """Prompt logprobs need every prompt position computed, at least once."""
-    return request.sampling_params.prompt_logprobs is not None and \
-        len(request.prompt_logprobs or ()) < request.num_prompt_tokens
-
-
-def _append_token(request: Request, token: int, logprobs: PositionLogprobs | None,
-                  now: float) -> None:
-    request.append_output_token(token)
-    if logprobs is not None:
-        request.logprobs.append(logprobs)
-        request.cumulative_logprob += logprobs[token].logprob
-    if request.grammar is not None and not request.grammar.accept_token(token):
-        raise ValueError(f"the grammar does not allow token {token} here")
-    if request.first_token_time is None:
-        request.first_token_time = now
-    request.last_token_time = now
-
-
-def _store_prompt_logprobs(
-    request: Request, start: int, entries: list[PositionLogprobs | None]
-) -> None:
-    """Entries are for prompt tokens ``start, start + 1, ...``; a recompute after preemption
-    sends positions again, which are kept from the first time."""
-    if request.prompt_logprobs is None:
-        request.prompt_logprobs = [None]
-    have = len(request.prompt_logprobs)
-    if start <= have:
-        request.prompt_logprobs.extend(entries[have - start:])
