@@ -6,12 +6,21 @@ from __future__ import annotations
 import anyio
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asyncengine.core.request import Request
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.engine.streams import RequestStream, SampleState
+from asyncengine.entrypoints.http.responses import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChoice,
+    Delta,
+)
 from asyncengine.entrypoints.http.serving import run_sse
-from asyncengine.entrypoints.http.sse import PUSH_HIGH_WATER
+from asyncengine.entrypoints.http.sse import PUSH_HIGH_WATER, event, text_template
 
 
 class FakeDetokenizer:
@@ -79,3 +88,50 @@ def test_emission_writes_for_a_parked_handler_and_merges_when_the_socket_is_full
     body = anyio.run(main)
     assert body.startswith("a|b|cd|e|")
     assert body.endswith("data: [DONE]\n\n")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_text_template_renders_the_same_bytes_as_the_full_event(text):
+    """The fast path of a text-only step writes byte for byte what the full render writes."""
+    completion = text_template(lambda t: Completion("cmpl-1", 7, "m", [CompletionChoice(0, t)]))
+    assert completion(text) == event(Completion("cmpl-1", 7, "m", [CompletionChoice(0, text)]))
+    chunk = text_template(lambda t: ChatCompletionChunk(
+        "chat-1", 7, "m", [ChatChunkChoice(0, Delta(content=t))]))
+    assert chunk(text) == event(ChatCompletionChunk(
+        "chat-1", 7, "m", [ChatChunkChoice(0, Delta(content=text))]))
+
+
+def test_text_only_steps_skip_the_full_render_but_not_the_first_or_last():
+    stream, sample = make_stream()
+    full: list[str] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        def render(i, out):
+            c = out.outputs[0]
+            full.append(c.delta_text)
+            return f"[{c.delta_text}:{c.finish_reason}]".encode()
+
+        return await run_sse(request, [stream], render, on_end,
+                             render_text=lambda text: f"<{text}>".encode())
+
+    async def on_end(sse):
+        pass
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/s", handler)
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.get("/s")
+            await anyio.sleep(0.05)
+            for i, piece in enumerate(["a", "", "b", "c"]):
+                emit(stream, sample, 5 + i, piece)
+            emit(stream, sample, 9, "d", finish="length")
+            return (await resp.read()).decode()
+
+    body = anyio.run(main)
+    # The first output and the final one are rendered in full; the text-only steps between
+    # them are templated, and a step with no new text writes nothing.
+    assert body.startswith("[a:None]<b><c>[d:length]")
+    assert full == ["a", "d"]
+    assert sample.sent_tokens == 5 and sample.sent_chunks == 5

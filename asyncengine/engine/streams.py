@@ -69,6 +69,8 @@ class RequestStream:
         self._push: Callable[[RequestStream], bool] | None = None
         self._waiting = False
         self._first = samples[0].request
+        # Whether take_text() may stand in for take() (see there).
+        self._plain = deltas_only and len(samples) == 1 and not samples[0].want_logprobs
         self.finished_time: float | None = None
 
     # -- engine side ----------------------------------------------------------------------------
@@ -101,6 +103,20 @@ class RequestStream:
         else:
             return None
         return self._take()
+
+    def take_text(self) -> str | None:
+        """The fast path of :meth:`take` for what most streamed steps deliver: the new text of
+        a single-sample delta stream that has not finished and wants no logprobs (possibly
+        ""). It advances what was sent as ``take`` would. None: a full output is needed."""
+        if not self._plain or self._delivered_final:
+            return None
+        s = self.samples[0]
+        if s.finish_reason is not None:
+            return None
+        chunks = s.detokenizer.chunks
+        sent, n = s.sent_chunks, len(chunks)
+        s.sent_tokens, s.sent_chunks = s.num_emitted, n
+        return "" if n == sent else chunks[sent] if n == sent + 1 else "".join(chunks[sent:])
 
     def fail(self, error: BaseException) -> None:
         """End the stream with ``error`` (an ``EngineDeadError`` or a ``RequestFailed``),

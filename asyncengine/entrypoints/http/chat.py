@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jinja2
@@ -39,7 +40,7 @@ from asyncengine.entrypoints.http.serving import (
     request_id,
     run_sse,
 )
-from asyncengine.entrypoints.http.sse import SSEStream, event
+from asyncengine.entrypoints.http.sse import SSEStream, event, text_template
 from asyncengine.entrypoints.http.state import ServerState, state_of
 from asyncengine.entrypoints.http.tools import (
     ToolPlan,
@@ -124,7 +125,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     streams = await open_streams(engine, [prompt], params, call.id, body.priority or 0,
                                  deltas_only=bool(body.stream))
     if body.stream:
-        return await run_sse(request, streams, call.render, call.on_end)
+        return await run_sse(request, streams, call.render, call.on_end,
+                             render_text=call.text_renderer(params.n))
     return json_response(call.response((await collect(streams))[0]))
 
 
@@ -187,6 +189,16 @@ class _Chat:
         usage = self._usage() if self.continuous_usage else None
         return event(ChatCompletionChunk(self.id, self.created, self.model, [choice],
                                          usage=usage))
+
+    def text_renderer(self, n: int) -> Callable[[str], bytes] | None:
+        """The chunk of a step that brings only content (see ``run_sse``), when this call's
+        chunks can be that simple: one choice, no logprobs, no tool parsing, no usage in every
+        chunk."""
+        if n != 1 or self.want_logprobs or self.continuous_usage or \
+                self.plan.make_parser is not None:
+            return None
+        return text_template(lambda text: ChatCompletionChunk(
+            self.id, self.created, self.model, [ChatChunkChoice(0, Delta(content=text))]))
 
     def render(self, i: int, out: RequestOutput) -> bytes:
         """The events for one streamed output (deltas only)."""

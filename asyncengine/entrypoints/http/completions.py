@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -27,7 +28,7 @@ from asyncengine.entrypoints.http.serving import (
     request_id,
     run_sse,
 )
-from asyncengine.entrypoints.http.sse import SSEStream, event
+from asyncengine.entrypoints.http.sse import SSEStream, event, text_template
 from asyncengine.entrypoints.http.state import ServerState, state_of
 
 
@@ -62,7 +63,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     streams = await open_streams(engine, prompts, params, call.id, body.priority or 0,
                                  deltas_only=bool(body.stream))
     if body.stream:
-        return await run_sse(request, streams, call.render, call.on_end)
+        return await run_sse(request, streams, call.render, call.on_end,
+                             render_text=call.text_renderer())
     return json_response(call.response(await collect(streams)))
 
 
@@ -154,6 +156,14 @@ class _Completion:
             usage = self._usage() if self.continuous_usage else None
             data += event(Completion(self.id, self.created, self.model, [choice], usage=usage))
         return data
+
+    def text_renderer(self) -> Callable[[str], bytes] | None:
+        """The chunk of a step that brings only text (see ``run_sse``), when this call's chunks
+        can be that simple: one choice, no logprobs, no usage in every chunk."""
+        if self.n != 1 or self.want_logprobs or self.continuous_usage:
+            return None
+        return text_template(lambda text: Completion(
+            self.id, self.created, self.model, [CompletionChoice(0, text, None, None, None)]))
 
     async def on_end(self, sse: SSEStream) -> None:
         if self.include_usage:

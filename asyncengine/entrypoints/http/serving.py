@@ -204,7 +204,8 @@ async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
 async def run_sse(request: web.Request, streams: list[RequestStream],
                   render: Callable[[int, RequestOutput], bytes],
                   on_end: Callable[[SSEStream], Awaitable[None]], *,
-                  done_marker: bool = True) -> web.StreamResponse:
+                  done_marker: bool = True,
+                  render_text: Callable[[str], bytes] | None = None) -> web.StreamResponse:
     """Stream the outputs of ``streams`` as server-sent events; ``render(i, out)`` turns an
     output of stream ``i`` into event bytes. A client that leaves ends it quietly (its requests
     are aborted by ``consume``); an error becomes an error event.
@@ -213,7 +214,12 @@ async def run_sse(request: web.Request, streams: list[RequestStream],
     step's events itself, synchronously, while this handler stays parked, so a step costs one
     write per stream and no task switch. The handler takes over whenever a write would have to
     wait for the client (the socket's buffer is full: later steps merge into one event), and
-    for the end of the stream."""
+    for the end of the stream.
+
+    ``render_text(text)``, when the call can give it, renders a step that brings nothing but
+    new text (no finish, no logprobs, no tool-call parsing): pushed steps then skip building a
+    ``RequestOutput`` altogether. It is used only after the stream's first output, which goes
+    through ``render`` (a chat stream's role chunk, a completion's echo)."""
     try:
         sse = await SSEStream.open(request, done_marker)
     except BaseException:
@@ -227,7 +233,7 @@ async def run_sse(request: web.Request, streams: list[RequestStream],
             await sse.write(data)
 
     if len(streams) == 1:
-        streams[0].set_push(_Pusher(sse, render))
+        streams[0].set_push(_Pusher(sse, render, render_text))
     try:
         await consume(streams, write)
         await on_end(sse)
@@ -247,17 +253,28 @@ async def run_sse(request: web.Request, streams: list[RequestStream],
 class _Pusher:
     """What emission calls for a parked handler's stream (``RequestStream.set_push``)."""
 
-    def __init__(self, sse: SSEStream, render: Callable[[int, RequestOutput], bytes]) -> None:
+    def __init__(self, sse: SSEStream, render: Callable[[int, RequestOutput], bytes],
+                 render_text: Callable[[str], bytes] | None = None) -> None:
         self.sse = sse
         self.render = render
+        self.render_text = render_text
+        self.started = False  # whether an output went through render() yet
 
     def __call__(self, stream: RequestStream) -> bool:
-        if not self.sse.can_write_now():
+        sse = self.sse
+        if not sse.can_write_now():
             return False  # the handler writes, and waits for the client
+        if self.started and self.render_text is not None:
+            text = stream.take_text()
+            if text is not None:
+                if text and not sse.write_now(self.render_text(text)):
+                    raise ClientGone()
+                return True
         out = stream.take()
         if out is None:
             return True
+        self.started = True
         data = self.render(0, out)
-        if data and not self.sse.write_now(data):
+        if data and not sse.write_now(data):
             raise ClientGone()
         return not out.finished  # the handler ends the stream
