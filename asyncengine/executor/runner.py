@@ -40,7 +40,9 @@ from asyncengine.executor.attention.base import AttentionBackend, AttentionMetad
 from asyncengine.executor.input_batch import InputBatch
 from asyncengine.executor.kv_blocks import read_blocks, write_blocks
 from asyncengine.executor.penalty_state import PenaltyState
-from asyncengine.executor.sampler import prompt_logprobs, sample, sample_ids
+from asyncengine.executor.sampler import NO_TOKEN, prompt_logprobs, sample, sample_ids
+from asyncengine.executor.sampler.greedy_head import MIN_ROWS as GREEDY_HEAD_MIN_ROWS
+from asyncengine.executor.sampler.greedy_head import greedy_from_hidden
 from asyncengine.executor.sampling_inputs import gather_sampling_batch
 from asyncengine.executor.staging import DirectStaging
 from asyncengine.executor.step_inputs import (
@@ -217,6 +219,12 @@ class ModelRunner:
         """Run the step and read its results back (the CPU; the worker thread)."""
         result = ModelRunnerOutput()
         hidden = self._forward(inputs)
+        ids = self._greedy_from_hidden(inputs, hidden, result.prompt_logprobs)
+        if ids is not None:  # the common all-greedy step: no logits at all
+            self._last_sampled = ids.clamp(min=0)
+            result.sampled_token_ids = dict(
+                zip(inputs.sample_req_ids, ids.tolist(), strict=True))
+            return result
         logits = self._sampling_logits(inputs, hidden, result.prompt_logprobs)
         if logits is None:
             return result
@@ -266,15 +274,40 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                           inputs.attn_metadata, self.attn_backend)
 
+    def _greedy_from_hidden(self, inputs: StepInputs, hidden: torch.Tensor,
+                            prompt: dict[str, list[PositionLogprobs | None]]
+                            ) -> torch.Tensor | None:
+        """A step whose sampled rows are all plain greedy (no logit processing, logprobs or
+        grammar) on the CPU: their ids from the head a vocabulary slice at a time
+        (``sampler/greedy_head.py``). None: the step takes the general path."""
+        batch = inputs.sampling_batch
+        if (batch is None or not batch.all_greedy or batch.needs_processing
+                or inputs.bitmask is not None or hidden.device.type != "cpu"
+                or len(inputs.sample_req_ids) < GREEDY_HEAD_MIN_ROWS
+                or any(k is not None for k in batch.logprobs)):
+            return None
+        plain_head = getattr(self.model, "plain_head", None)
+        head = plain_head() if plain_head is not None else None
+        if head is None:
+            return None
+        self._prompt_logprobs(inputs, hidden, prompt)
+        weight, bias = head
+        return greedy_from_hidden(hidden[inputs.sample_indices], weight, bias,
+                                  no_token=NO_TOKEN)
+
+    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor,
+                         prompt: dict[str, list[PositionLogprobs | None]]) -> None:
+        for task in inputs.prompt_tasks:
+            logits = self.model.compute_logits(hidden[task.first:task.last])
+            prompt[task.req_id] = list(
+                prompt_logprobs(logits, task.next_token_ids.to(logits.device), task.k))
+
     def _sampling_logits(self, inputs: StepInputs, hidden: torch.Tensor,
                          prompt: dict[str, list[PositionLogprobs | None]]
                          ) -> torch.Tensor | None:
         """Prompt logprobs into ``prompt``; then the sampled rows' logits, with the grammar
         bitmask applied and the penalty state gathered (None when nothing samples)."""
-        for task in inputs.prompt_tasks:
-            logits = self.model.compute_logits(hidden[task.first:task.last])
-            prompt[task.req_id] = list(
-                prompt_logprobs(logits, task.next_token_ids.to(logits.device), task.k))
+        self._prompt_logprobs(inputs, hidden, prompt)
         batch = inputs.sampling_batch
         if batch is None:
             return None

@@ -82,6 +82,26 @@ class IncrementalDetokenizer:
             return ""
         if stop_terminated and not self._include_stop:
             new_token_ids = new_token_ids[:-1]
+        if len(new_token_ids) == 1 and not self._stops and not self._undecoded:
+            # The common step: one token, no stop strings, nothing held (as below, inlined).
+            token_id = new_token_ids[0]
+            try:
+                piece = self._stream.step(self._backend, token_id)
+            except Exception:
+                piece = self._restart(token_id)
+            else:
+                if piece is None:
+                    self._undecoded.append(token_id)
+                    return ""
+                ctx = self._context
+                ctx.append(token_id)
+                if len(ctx) > 4:
+                    del ctx[0]
+            if piece:
+                self._chunks.append(piece)
+                self._text = None
+                return piece
+            return ""
         parts = []
         for token_id in new_token_ids:
             piece = self._step(token_id)
@@ -128,7 +148,10 @@ class IncrementalDetokenizer:
             self._context = (self._context + self._undecoded + [token_id])[-4:]
             self._undecoded = []
         else:
-            self._context = self._context[-3:] + [token_id]
+            ctx = self._context
+            ctx.append(token_id)
+            if len(ctx) > 4:
+                del ctx[0]
         return piece
 
     def _restart(self, token_id: int) -> str | None:

@@ -203,6 +203,15 @@ class LlamaForCausalLM(nn.Module):
                 return F.linear(hidden, self.model.embed_tokens.weight).float()
             return self.lm_head(hidden).float()
 
+    def plain_head(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The logits head as a plain weight ``[vocab, hidden]`` and bias, for computing it a
+        slice at a time (None when the head is not a plain linear, e.g. quantized)."""
+        if self.lm_head is None:
+            return self.model.embed_tokens.weight, None
+        if type(self.lm_head) is Linear:
+            return self.lm_head.weight, self.lm_head.bias
+        return None
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into place, one at a time.
