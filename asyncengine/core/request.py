@@ -131,8 +131,9 @@ class Request:
         """Token-level stop conditions after appending a token (stop strings are textual and
         live in the detokenizer). Returns the finished status, or None to keep going."""
         sp = self.sampling_params
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= sp.min_tokens:
+        out = self.output_token_ids
+        num_out, last = len(out), out[-1]
+        if num_out >= sp.min_tokens:
             if not sp.ignore_eos and last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if last in sp.stop_token_ids:
@@ -140,7 +141,7 @@ class Request:
                 return RequestStatus.FINISHED_STOPPED
         if self.grammar is not None and self.grammar.is_terminated():
             return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= self.max_model_len:
+        if num_out >= self.max_tokens or len(self.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

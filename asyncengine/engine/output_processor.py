@@ -96,23 +96,31 @@ class OutputProcessor:
         sample = stream.samples[req.index]
         if sample.finish_reason is not None:
             return
-        if req.status == RequestStatus.FINISHED_ERROR:
+        status = req.status
+        if status is RequestStatus.FINISHED_ERROR:
             raise RequestFailed(f"request {req.request_id} failed: {req.error}")
         tokens = req.output_token_ids
-        if len(tokens) > sample.num_emitted:
-            new = tokens[sample.num_emitted:]
-            self._observe_tokens(sample, len(new), now)
-            sample.num_emitted = len(tokens)
+        emitted, num = sample.num_emitted, len(tokens)
+        if num > emitted:
+            new = tokens[emitted:]
+            metrics = self.metrics
+            if metrics is not None:  # TTFT and inter-token latencies, as the caller sees them
+                if sample.last_emit is None:
+                    metrics.on_first_token(now - req.arrival_time)
+                else:
+                    metrics.on_token((now - sample.last_emit) / (num - emitted), num - emitted)
+            sample.last_emit = now
+            sample.num_emitted = num
             detok = sample.detokenizer
-            detok.update(new, stop_terminated=req.status == RequestStatus.FINISHED_STOPPED
+            detok.update(new, stop_terminated=status is RequestStatus.FINISHED_STOPPED
                          and _ended_by_stop_token(req))
             if detok.finished:  # a stop string: it wins over any other reason
                 sample.finish_reason, sample.stop_reason = "stop", detok.stop_reason
-                if not req.is_finished:
+                if not status.finished:
                     result.stopped.append(req.request_id)
-        if req.is_finished and sample.finish_reason is None:
+        if status.finished and sample.finish_reason is None:
             sample.detokenizer.flush()
-            sample.finish_reason = req.status.finish_reason
+            sample.finish_reason = status.finish_reason
             sample.stop_reason = req.stop_reason
 
     def _fail(self, stream: RequestStream, error: RequestFailed, result: Emitted) -> None:
@@ -141,15 +149,6 @@ class OutputProcessor:
                 self.metrics.on_request_finished(now - r.arrival_time, s.finish_reason,
                                                  r.num_prompt_tokens, s.num_emitted,
                                                  request=r)
-
-    def _observe_tokens(self, sample: SampleState, count: int, now: float) -> None:
-        """TTFT and inter-token latencies, as the caller sees them (at emission)."""
-        if self.metrics is not None:
-            if sample.last_emit is None:
-                self.metrics.on_first_token(now - sample.request.arrival_time)
-            else:
-                self.metrics.on_token((now - sample.last_emit) / count, count)
-        sample.last_emit = now
 
 
 def _ended_by_stop_token(req: Request) -> bool:

@@ -79,6 +79,12 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
+    def has_room(self, request_id: str, num_tokens: int) -> bool:
+        """Whether the request's blocks already hold ``num_tokens`` tokens (the common decode
+        step: no allocation needed)."""
+        blocks = self._blocks.get(request_id)
+        return blocks is not None and len(blocks) * self.block_size >= num_tokens
+
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[Block] | None = None
     ) -> bool:

@@ -40,7 +40,6 @@ from asyncengine.core.sched.interface import (
 from asyncengine.core.sched.queues import FCFSQueue
 from asyncengine.core.sched.request_state import (
     append_token,
-    finishes_in_flight,
     needs_every_position,
     store_prompt_logprobs,
 )
@@ -154,21 +153,44 @@ class FCFSScheduler(SchedulerInterface):
     # -- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = _Step(budget=self.max_num_batched_tokens)
+        kv = self.kv_cache_manager
+        has_room, block_ids = kv.has_room, kv.get_block_ids
+        scheduled = step.scheduled
+        running = RequestStatus.RUNNING
         for request in self._running_order():
-            if step.budget == 0:
+            budget = step.budget
+            if budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted earlier in this step
-            if request.num_output_placeholders and finishes_in_flight(request):
+            # (finishes_in_flight and _add_to_step, inlined: this loop runs per request.)
+            placeholders = request.num_output_placeholders
+            num_tokens = len(request.all_token_ids)
+            if placeholders and (
+                    len(request.output_token_ids) + placeholders >= request.max_tokens
+                    or num_tokens + placeholders >= request.max_model_len):
                 continue  # its in-flight token is its last: no step to waste on it
-            num_new = min(request.num_tokens + request.num_output_placeholders
-                          - request.num_computed_tokens, step.budget)
-            if num_new > 0 and self._allocate_running(request, num_new, step):
-                self._add_to_step(request, num_new, step)
+            start = request.num_computed_tokens
+            num_new = num_tokens + placeholders - start
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0:
+                continue
+            if not has_room(request.request_id, start + num_new) and \
+                    not self._allocate_running(request, num_new, step):
+                continue
+            rid = request.request_id
+            samples = start + num_new >= num_tokens + placeholders
+            scheduled[rid] = ScheduledRequest(request, start, num_new, block_ids(rid), None,
+                                              samples)
+            request.num_computed_tokens = start + num_new
+            if samples:
+                request.num_output_placeholders = placeholders + 1
+            step.budget = budget - num_new
         if not step.preempted:
             self._admit_waiting(step)
 
-        out = SchedulerOutput(scheduled=list(step.scheduled.values()),
+        out = SchedulerOutput(scheduled=list(scheduled.values()),
                               finished_req_ids=self._finished_ids,
                               preempted_req_ids=step.preempted)
         self._finished_ids = set()
@@ -266,24 +288,30 @@ class FCFSScheduler(SchedulerInterface):
     ) -> list[Request]:
         updated: list[Request] = []
         now = time.monotonic()
+        cache_full_blocks = self.kv_cache_manager.cache_full_blocks
+        prompt_logprobs = runner_output.prompt_logprobs
+        sampled = runner_output.sampled_token_ids
+        logprobs = runner_output.logprobs
+        running = RequestStatus.RUNNING
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # finished, aborted or preempted while the step ran: dropped
             rid = request.request_id
-            computed = scheduled.start + scheduled.num_new_tokens
-            self.kv_cache_manager.cache_full_blocks(request, computed)
-            entries = runner_output.prompt_logprobs.get(rid)
-            if entries:
-                store_prompt_logprobs(request, scheduled.start + 1, entries)
+            cache_full_blocks(request, scheduled.start + scheduled.num_new_tokens)
+            if prompt_logprobs:
+                entries = prompt_logprobs.get(rid)
+                if entries:
+                    store_prompt_logprobs(request, scheduled.start + 1, entries)
             if not scheduled.samples:
                 continue
-            token = runner_output.sampled_token_ids.get(rid)
+            token = sampled.get(rid)
             if token is None:
                 raise RuntimeError(f"the runner sampled no token for request {rid!r}")
             request.num_output_placeholders -= 1
             try:
-                status = self._apply_token(request, token, runner_output.logprobs.get(rid), now)
+                status = self._apply_token(request, token, logprobs.get(rid) if logprobs
+                                           else None, now)
             except Exception as e:  # this request's grammar (a plugin) failed: it alone ends
                 request.error = f"its structured-output grammar failed: {type(e).__name__}: {e}"
                 status = RequestStatus.FINISHED_ERROR

@@ -267,8 +267,8 @@ class _Pusher:
         if self.started and self.render_text is not None:
             text = stream.take_text()
             if text is not None:
-                if text and not sse.write_now(self.render_text(text)):
-                    raise ClientGone()
+                if text:
+                    sse.write_now(self.render_text(text), checked=True)
                 return True
         out = stream.take()
         if out is None:

@@ -75,10 +75,11 @@ class SSEStream:
         return self._writer is not None and t is not None and not t.is_closing() and \
             t.get_write_buffer_size() <= PUSH_HIGH_WATER
 
-    def write_now(self, data: bytes) -> bool:
+    def write_now(self, data: bytes, *, checked: bool = False) -> bool:
         """Write without awaiting, from any task on the loop (the engine's emission pushes
-        here). False, with nothing written, if :meth:`can_write_now` says no."""
-        if not self.can_write_now():
+        here). False, with nothing written, if :meth:`can_write_now` says no (``checked``:
+        the caller has just asked it, with nothing run since)."""
+        if not checked and not self.can_write_now():
             return False
         w = self._writer
         if w.chunked and getattr(w, "_headers_written", False) and w.length is None and \
