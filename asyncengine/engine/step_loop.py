@@ -30,6 +30,7 @@ updating and filling take longer than N+1's forward pass.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -78,6 +79,9 @@ class StepLoop:
         self.in_flight: list[Step] = []
         self.num_steps = 0
         self.num_stream_steps = 0  # sum over steps of the requests in them
+        # CPU seconds of this thread in the step path proper: schedule, prepare and launch,
+        # then update and emission (pushed SSE writes included), never the awaits between.
+        self.step_cpu_s = 0.0
 
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
         prev: Step | None = None
@@ -109,12 +113,16 @@ class StepLoop:
     async def _launch_next(self, tg: anyio.abc.TaskGroup) -> Step | None:
         if not self.scheduler.has_unfinished_requests():
             return None
+        cpu = time.thread_time()
         out = self.scheduler.schedule()
         if out.is_empty:
+            self.step_cpu_s += time.thread_time() - cpu
             return None
         engine = self.engine
         if engine.kv_transfer is not None:  # before prepare(): a failed load widens the step
+            self.step_cpu_s += time.thread_time() - cpu
             await engine.kv_transfer.load(out)
+            cpu = time.thread_time()
         grammars = None
         if engine.structured is not None:
             grammars = [s.request.grammar for s in out.scheduled if s.samples]
@@ -125,6 +133,7 @@ class StepLoop:
         self.in_flight.append(step)
         self.num_steps += 1
         self.num_stream_steps += len(out.scheduled)
+        self.step_cpu_s += time.thread_time() - cpu
         return step
 
     async def _process(self, step: Step, nxt: Step | None, tg: anyio.abc.TaskGroup) -> None:
@@ -133,6 +142,7 @@ class StepLoop:
             result = await step.handle.wait()
         finally:
             self.in_flight.remove(step)
+        cpu = time.thread_time()
         updated = self.scheduler.update_from_output(step.out, result)
         if nxt is not None and nxt.grammars is not None:
             self._fill_bitmask(nxt)
@@ -148,6 +158,7 @@ class StepLoop:
             metrics.on_step(self.scheduler.make_stats(), prompt_tokens,
                             len(result.sampled_token_ids))
         engine.emit(updated)
+        self.step_cpu_s += time.thread_time() - cpu
 
     # -- grammar bitmasks ------------------------------------------------------------------
     def _fill_bitmask(self, step: Step) -> None:

@@ -11,7 +11,10 @@ all measured in the same run:
 
 For each, it prints output tokens/s and the ratio to the bare server; the loop thread's CPU
 time per stream per step (``time.thread_time`` of the loop's thread, over the steps' total
-request count); and the fraction of the run the device sat waiting for the host.
+request count), with the part spent in the step path proper (schedule, prepare, launch,
+update, emission including the pushed SSE writes; the rest is HTTP: requests, handlers,
+connections) and, for scale, the bare server's own loop CPU per chunk; and the fraction of
+the run the device sat waiting for the host.
 
 The servers run in subprocesses (this process is the client), one at a time.
 """
@@ -105,7 +108,7 @@ async def _serve_engine(args: argparse.Namespace) -> None:
         return web.json_response({
             "loop_cpu_s": time.thread_time(), "wall_s": time.perf_counter(),
             "steps": engine.loop.num_steps, "stream_steps": engine.loop.num_stream_steps,
-            "device_busy_s": engine.device.busy_s})
+            "step_cpu_s": engine.loop.step_cpu_s, "device_busy_s": engine.device.busy_s})
 
     async with engine:
         app = build_app(engine, engine.metrics, ServerSettings(access_log=False))
@@ -140,7 +143,8 @@ async def _serve_bare(args: argparse.Namespace) -> None:
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({"loop_cpu_s": time.thread_time(),
                                   "wall_s": time.perf_counter(), "steps": 0,
-                                  "stream_steps": 0, "device_busy_s": 0.0})
+                                  "stream_steps": 0, "step_cpu_s": 0.0,
+                                  "device_busy_s": 0.0})
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
@@ -233,10 +237,14 @@ async def measure(kind: str, model_dir: str, streams: int, tokens: int) -> dict[
     result: dict[str, Any] = {"server": kind, "streams": streams, "tokens": tokens,
                               "tokens_per_s": sum(done) / wall, "wall_s": wall}
     stream_steps = after["stream_steps"] - before["stream_steps"]
+    cpu = after["loop_cpu_s"] - before["loop_cpu_s"]
+    if kind == "bare":  # its loop's CPU per chunk sent: the HTTP floor of this machine
+        result["loop_us_per_chunk"] = cpu / sum(done) * 1e6
     if stream_steps:
-        cpu = after["loop_cpu_s"] - before["loop_cpu_s"]
         server_wall = after["wall_s"] - before["wall_s"]
         result["loop_us_per_stream_step"] = cpu / stream_steps * 1e6
+        result["step_path_us_per_stream_step"] = \
+            (after["step_cpu_s"] - before["step_cpu_s"]) / stream_steps * 1e6
         result["steps"] = after["steps"] - before["steps"]
         result["device_wait_frac"] = 1 - (after["device_busy_s"]
                                           - before["device_busy_s"]) / server_wall
@@ -272,7 +280,8 @@ def _format(r: dict[str, Any], bare: dict[str, Any]) -> str:
     return (f"{r['server']:>4} runner, {r['streams']:>5} streams x {r['tokens']} tokens: "
             f"{r['tokens_per_s']:>8.0f} tok/s = {r['ratio_to_bare']:.2f}x bare "
             f"({bare['tokens_per_s']:.0f} tok/s); loop {r['loop_us_per_stream_step']:.1f} "
-            f"us/stream/step over {r['steps']} steps; device waiting "
+            f"us/stream/step (step path {r['step_path_us_per_stream_step']:.1f}; bare server "
+            f"{bare['loop_us_per_chunk']:.1f} us/chunk) over {r['steps']} steps; device waiting "
             f"{100 * r['device_wait_frac']:.0f}% of the run")
 
 
