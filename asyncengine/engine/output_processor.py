@@ -69,13 +69,14 @@ class OutputProcessor:
         if not requests:
             return result
         now = time.monotonic()
-        touched: dict[str, RequestStream] = {}
+        stream_of, emit_one = self._stream_of, self._emit_one
+        touched: dict[str, RequestStream] = {}  # streams of several samples, woken once
         for req in requests:
-            stream = self._stream_of.get(req.request_id)
+            stream = stream_of.get(req.request_id)
             if stream is None:
                 continue
             try:
-                self._emit_one(stream, req, now, result)
+                emit_one(stream, req, now, result)
             except RequestFailed as e:
                 self._fail(stream, e, result)
                 continue
@@ -84,7 +85,12 @@ class OutputProcessor:
                 self._fail(stream, RequestFailed(f"processing the output failed: "
                                                  f"{type(e).__name__}: {e}"), result)
                 continue
-            touched[stream.request_id] = stream
+            if len(stream.samples) > 1:
+                touched[stream.request_id] = stream
+                continue
+            if stream.samples[0].finish_reason is not None:
+                self._close(stream, now)
+            stream.notify()
         for stream in touched.values():
             if stream.finished:
                 self._close(stream, now)

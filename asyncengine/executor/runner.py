@@ -98,9 +98,9 @@ class ModelRunner:
         for rid in out.preempted_req_ids:
             ib.remove(rid)
         num_reqs = len(out.scheduled)
-        rows = np.empty(num_reqs, dtype=np.int64)
-        starts = np.empty(num_reqs, dtype=np.int64)
-        lens = np.empty(num_reqs, dtype=np.int64)
+        rows_l: list[int] = []
+        starts_l: list[int] = []
+        lens_l: list[int] = []
         input_ids: list[int] = []
         prev_dst: list[int] = []
         prev_src: list[int] = []
@@ -110,26 +110,33 @@ class ModelRunner:
         counters: list[int] = []
         prompt_tasks: list[PromptLogprobsTask] = []
         prev_pos, sample_pos = self._sample_pos, {}
-        row_of = ib.row_of
-        for i, s in enumerate(out.scheduled):
+        row_of, num_blocks = ib.row_of, ib.num_blocks
+        add_id = input_ids.append
+        for s in out.scheduled:  # O(1) Python per request: this loop runs every step
             req, start, n = s.request, s.start, s.num_new_tokens
             rid = req.request_id
             row = row_of.get(rid)
             if row is None:
                 row = ib.add(req, s.block_ids)
-            elif len(s.block_ids) > ib.num_blocks[row]:
+            elif len(s.block_ids) > num_blocks[row]:
                 ib.append_blocks(row, s.block_ids)
-            rows[i], starts[i], lens[i] = row, start, n
+            rows_l.append(row)
+            starts_l.append(start)
+            lens_l.append(n)
             first = len(input_ids)
             tokens = req.all_token_ids
-            end = start + n
-            if n == 1 and start < len(tokens):
-                input_ids.append(tokens[start])
-            elif end <= len(tokens):
-                input_ids.extend(tokens[start:end])
+            if n == 1:  # a decode step
+                if start < len(tokens):
+                    add_id(tokens[start])
+                else:  # its input is the token sampled by the step still in flight
+                    add_id(0)
+                    prev_dst.append(first)
+                    prev_src.append(prev_pos[rid])
+            elif start + n <= len(tokens):
+                input_ids.extend(tokens[start:start + n])
             else:  # the last input token was sampled by the step still in flight
-                input_ids.extend(tokens[start:end - 1])
-                input_ids.append(0)
+                input_ids.extend(tokens[start:start + n - 1])
+                add_id(0)
                 prev_dst.append(first + n - 1)
                 prev_src.append(prev_pos[rid])
             if req.sampling_params.prompt_logprobs is not None:
@@ -143,6 +150,9 @@ class ModelRunner:
                 sample_rows.append(row)
                 # This token's output position: the ones known, plus earlier in-flight ones.
                 counters.append(len(req.output_token_ids) + req.num_output_placeholders - 1)
+        rows = np.array(rows_l, dtype=np.int64)
+        starts = np.array(starts_l, dtype=np.int64)
+        lens = np.array(lens_l, dtype=np.int64)
         self._sample_pos = sample_pos
 
         staging = self.staging
