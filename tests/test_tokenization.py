@@ -112,8 +112,14 @@ def test_leading_space_after_prompt(tok):
     assert detok.text == " Paris."
 
 
+@pytest.mark.parametrize("byte_pieces", [True, False], ids=["byte-pieces", "decode-stream"])
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_stream_matches_decode(tok, skip_special_tokens):
+def test_stream_matches_decode(tok, skip_special_tokens, byte_pieces, monkeypatch):
+    """Both ways of detokenizing: the byte-level table (SmolLM2's tokenizer has one) and
+    ``DecodeStream`` (what tokenizers of other decoders use)."""
+    assert tok.byte_pieces(skip_special_tokens) is not None
+    if not byte_pieces:
+        monkeypatch.setattr(tok, "byte_pieces", lambda skip_special_tokens=True: None)
     rng = random.Random(1234)
     text_ids = [tok.encode(t) for t in TEXTS]
     special = sorted(tok.hf.all_special_ids)
@@ -140,11 +146,16 @@ def test_stream_matches_decode(tok, skip_special_tokens):
         assert not detok.finished
 
 
-def test_multibyte_characters_wait_until_complete(tok):
+@pytest.mark.parametrize("byte_pieces", [True, False], ids=["byte-pieces", "decode-stream"])
+def test_multibyte_characters_wait_until_complete(tok, byte_pieces, monkeypatch):
+    if not byte_pieces:
+        monkeypatch.setattr(tok, "byte_pieces", lambda skip_special_tokens=True: None)
     ids = tok.encode("🎉")
     assert len(ids) > 1
     detok = IncrementalDetokenizer(tok, tok.encode("Party"))
     assert [detok.update([i]) for i in ids] == [""] * (len(ids) - 1) + ["🎉"]
+    cut = IncrementalDetokenizer(tok, [])  # the request ends mid-character
+    assert cut.update(ids[:1]) == "" and cut.flush() == "\ufffd" and cut.text == "\ufffd"
 
 
 def test_stop_string_never_leaks(tok):
@@ -236,7 +247,26 @@ def test_older_decode_stream_and_stream_errors(tok, monkeypatch):
             return self._stream.step(backend, token_id)
 
     monkeypatch.setattr(detokenizer, "DecodeStream", Flaky)
+    monkeypatch.setattr(tok, "byte_pieces", lambda skip_special_tokens=True: None)
     detok, _ = stream(tok, prompt, output, random.Random(3))
     detok.flush()
     assert detok.text == tok.decode(output)
     assert not poison
+
+
+def test_byte_pieces_only_for_plain_byte_level_decoders(tok):
+    """Every token's bytes decode to the tokenizer's own text for that token; a tokenizer
+    whose decoder is not byte-level gets no table (its detokenizer keeps DecodeStream)."""
+    from tokenizers import decoders
+
+    from asyncengine.text.byte_pieces import build_byte_pieces
+
+    backend = tok.backend
+    ids = list(range(backend.get_vocab_size()))
+    for skip in (True, False):
+        pieces = build_byte_pieces(backend, skip)
+        texts = backend.decode_batch([[i] for i in ids], skip_special_tokens=skip)
+        assert [pieces[i].decode("utf-8", "replace") for i in ids] == texts
+    other = copy.deepcopy(tok.hf).backend_tokenizer
+    other.decoder = decoders.Metaspace()
+    assert build_byte_pieces(other, True) is None

@@ -152,9 +152,9 @@ class StepLoop:
         if metrics is not None:
             prompt_tokens = 0
             for s in step.out.scheduled:
-                n = min(s.start + s.num_new_tokens, s.request.num_prompt_tokens) - s.start
-                if n > 0:
-                    prompt_tokens += n
+                start, num_prompt = s.start, len(s.request.prompt_token_ids)
+                if start < num_prompt:
+                    prompt_tokens += min(start + s.num_new_tokens, num_prompt) - start
             metrics.on_step(self.scheduler.make_stats(), prompt_tokens,
                             len(result.sampled_token_ids))
         engine.emit(updated)

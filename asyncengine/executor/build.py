@@ -108,6 +108,7 @@ def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:
     tokenizer = load_tokenizer(
         mc.tokenizer or source.path, gguf_file=None if mc.tokenizer else source.gguf_file,
         revision=mc.revision, chat_template=mc.chat_template)
+    tokenizer.byte_pieces()  # the detokenizer's table, built now rather than at a request
     model_name = (mc.served_model_name or [source.name])[0]
     max_model_len = _max_model_len(config, source.hf_config, model)
     block_size = config.cache.block_size

@@ -43,12 +43,18 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop_str_in_output
         self._max_hold = max((len(s) for s in self._stops), default=1) - 1
         self._stop_starts = frozenset(s[0] for s in self._stops)
-        window = self._clean_window(list(prompt_token_ids[-_PREFILL_TOKENS:]))
-        self._stream = self._new_stream(window)
+        # Byte-level tokenizers: each token's bytes (byte_pieces.py), and the bytes held
+        # because they do not form a complete character yet. Else a DecodeStream.
+        pieces = getattr(tokenizer, "byte_pieces", None)
+        self._pieces: list[bytes] | None = pieces(skip_special_tokens) if pieces else None
+        self._held = b""
         # The last decoded tokens (context for flush) and the tokens the stream holds because
-        # they do not yet form complete characters.
-        self._context = window[-4:]
+        # they do not yet form complete characters (DecodeStream only).
         self._undecoded: list[int] = []
+        if self._pieces is None:
+            window = self._clean_window(list(prompt_token_ids[-_PREFILL_TOKENS:]))
+            self._stream = self._new_stream(window)
+            self._context = window[-4:]
         self._pending = ""
         self._chunks: list[str] = []
         self._text: str | None = ""
@@ -82,6 +88,18 @@ class IncrementalDetokenizer:
             return ""
         if stop_terminated and not self._include_stop:
             new_token_ids = new_token_ids[:-1]
+        if self._pieces is not None:
+            parts = []
+            for token_id in new_token_ids:
+                piece = self._step_bytes(token_id)
+                if piece:
+                    parts.append(piece)
+            if not parts:
+                return ""
+            new = parts[0] if len(parts) == 1 else "".join(parts)
+            if self._stops:
+                new = self._check_stops(new)
+            return self._emit(new)
         if len(new_token_ids) == 1 and not self._stops and not self._undecoded:
             # The common step: one token, no stop strings, nothing held (as below, inlined).
             token_id = new_token_ids[0]
@@ -119,6 +137,9 @@ class IncrementalDetokenizer:
         if self.finished:
             return ""
         tail = self._pending
+        if self._held:
+            tail += self._held.decode("utf-8", "replace")
+            self._held = b""
         if self._undecoded:
             tail += self._decode_tail(self._undecoded)
             self._context = (self._context + self._undecoded)[-4:]
@@ -131,6 +152,21 @@ class IncrementalDetokenizer:
         if text:
             self._chunks.append(text)
             self._text = None
+        return text
+
+    def _step_bytes(self, token_id: int) -> str | None:
+        """As ``DecodeStream.step``, from the token's bytes: the new text, or None while it
+        ends in an incomplete (or invalid) character, whose bytes are held."""
+        pieces = self._pieces
+        piece = pieces[token_id] if 0 <= token_id < len(pieces) else b""
+        if not piece:
+            return None
+        buf = self._held + piece if self._held else piece
+        text = buf.decode("utf-8", "replace")
+        if text.endswith(_REPLACEMENT):
+            self._held = buf
+            return None
+        self._held = b""
         return text
 
     def _step(self, token_id: int) -> str | None:

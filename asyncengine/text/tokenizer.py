@@ -40,6 +40,7 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(ids)
         self.vocab_size: int = len(hf)
         self._token_texts: dict[int, str] = {}
+        self._byte_pieces: dict[bool, list[bytes] | None] = {}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
@@ -72,6 +73,16 @@ class Tokenizer:
             texts = self.backend.decode_batch([[i] for i in missing], skip_special_tokens=False)
             cache.update(zip(missing, texts, strict=True))
         return [cache[i] for i in ids]
+
+    def byte_pieces(self, skip_special_tokens: bool = True) -> list[bytes] | None:
+        """Each token's bytes when decoding is plain byte-level BPE (``byte_pieces.py``), for
+        the incremental detokenizer; None otherwise. Built once per tokenizer."""
+        if skip_special_tokens not in self._byte_pieces:
+            from asyncengine.text.byte_pieces import build_byte_pieces
+
+            self._byte_pieces[skip_special_tokens] = build_byte_pieces(
+                self.backend, skip_special_tokens)
+        return self._byte_pieces[skip_special_tokens]
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.hf.name_or_path!r}, vocab_size={self.vocab_size})"
