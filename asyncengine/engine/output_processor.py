@@ -42,6 +42,10 @@ class OutputProcessor:
         self.metrics = metrics
         self.streams: dict[str, RequestStream] = {}
         self._stream_of: dict[str, RequestStream] = {}  # sample's request id -> its stream
+        # Inter-token latency in bulk: the previous emission's time (the very float object
+        # every sample emitted then holds) and how many samples this one found there.
+        self._last_now: float | None = None
+        self._same_itl = 0
 
     def make_sample(self, request: Request, params: SamplingParams) -> SampleState:
         return SampleState(
@@ -69,6 +73,7 @@ class OutputProcessor:
         if not requests:
             return result
         now = time.monotonic()
+        self._same_itl = 0
         stream_of, emit_one = self._stream_of, self._emit_one
         touched: dict[str, RequestStream] = {}  # streams of several samples, woken once
         for req in requests:
@@ -95,6 +100,9 @@ class OutputProcessor:
             if stream.finished:
                 self._close(stream, now)
             stream.notify()
+        if self._same_itl:  # one token each since the previous emission: one observation
+            self.metrics.on_token(now - self._last_now, self._same_itl)
+        self._last_now = now
         return result
 
     def _emit_one(self, stream: RequestStream, req: Request, now: float,
@@ -111,10 +119,13 @@ class OutputProcessor:
             new = tokens[emitted:]
             metrics = self.metrics
             if metrics is not None:  # TTFT and inter-token latencies, as the caller sees them
-                if sample.last_emit is None:
+                last = sample.last_emit
+                if last is None:
                     metrics.on_first_token(now - req.arrival_time)
+                elif last is self._last_now and num - emitted == 1:
+                    self._same_itl += 1  # the usual case, observed once per step (see emit)
                 else:
-                    metrics.on_token((now - sample.last_emit) / (num - emitted), num - emitted)
+                    metrics.on_token((now - last) / (num - emitted), num - emitted)
             sample.last_emit = now
             sample.num_emitted = num
             detok = sample.detokenizer
