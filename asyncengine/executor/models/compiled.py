@@ -10,7 +10,9 @@ up, the final norm.
   attention backend, with a per-step plan, so it is one opaque custom op,
   ``asyncengine::paged_attention(q, k, v, layer, scale)``. The op takes the step's KV cache,
   metadata and backend from a per-step context (set around each call), so the graph has no
-  graph breaks and no cache tensors among its inputs: one compiled graph per shape.
+  graph breaks and no cache tensors among its inputs: one compiled graph per shape. The op
+  is declared as mutating nothing: it does write the cache, but nothing in the graph reads
+  the cache, so no reordering inside the graph can observe the write.
 - **Shape buckets.** A step's token count is padded up to the next bucket (powers of two up
   to ``max_tokens``, then ``max_tokens``); each bucket is compiled with static shapes.
   Padding rows get token id 0 at position 0; the attention op drops them (it attends only
@@ -28,8 +30,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,10 +60,10 @@ def token_buckets(max_tokens: int) -> list[int]:
     return buckets
 
 
-@dataclass
-class _StepContext:
-    """What the attention op reads while a compiled forward runs (one step at a time, on the
-    device's worker thread). ``meta is None``: warming up, attention returns zeros."""
+class _StepContext(threading.local):
+    """What the attention op reads while a compiled forward runs on this thread (the op runs
+    in the thread that calls the graph; thread-local, so two engines' device threads never
+    see each other's step). ``meta is None``: warming up, attention returns zeros."""
 
     backend: AttentionBackend | None = None
     meta: AttentionMetadata | None = None
