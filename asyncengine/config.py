@@ -126,6 +126,13 @@ class DeviceConfig:
     device: str = field(default="auto", metadata={"help": "where to run", "choices": DEVICES})
     num_threads: int | None = field(default=None, metadata={
         "help": "CPU threads for the forward pass (default: all cores)"})
+    compile: bool = field(default=False, metadata={
+        "help": "CPU: run the decoder forward through torch.compile (inductor), one graph per "
+                "token bucket, compiled at start-up and cached under "
+                "~/.cache/asyncengine/inductor (see docs/serving.md, CPU speed)"})
+    compile_max_tokens: int = field(default=32, metadata={
+        "help": "with --compile: the largest step (in tokens) that runs compiled; buckets are "
+                "the powers of two up to it, larger steps run eagerly"})
     attention_backend: str = field(default="auto", metadata={
         "help": "attention kernels (auto: flashinfer on CUDA when installed and the dtype is "
                 "bfloat16/float16, else torch_paged)",
@@ -251,6 +258,7 @@ class EngineConfig:
                             ("max_model_len", mc.max_model_len),
                             ("max_logprobs", mc.max_logprobs),
                             ("num_threads", self.device.num_threads),
+                            ("compile_max_tokens", self.device.compile_max_tokens),
                             ("num_gpu_blocks_override", cc.num_gpu_blocks_override),
                             ("tensor_parallel_size", self.parallel.tensor_parallel_size),
                             ("pipeline_parallel_size", self.parallel.pipeline_parallel_size),

@@ -7,7 +7,7 @@ the best of several runs). Usage:
 
     python benchmarks/decode_step.py [--batch 1] [--steps 30] [--quantization int8]
         [--dtype bfloat16] [--load-format dummy] [--num-threads N] [--prompt-len 100]
-        [--profile]
+        [--compile [--compile-max-tokens N]] [--profile]
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ def main(args: argparse.Namespace) -> int:
         options["quantization"] = args.quantization
     if args.num_threads:
         options["num_threads"] = args.num_threads
+    if args.compile:
+        options.update(compile=True, compile_max_tokens=args.compile_max_tokens
+                       or max(args.batch, 1))
     parts = build(EngineConfig.from_dict(options))
     scheduler = parts.make_scheduler()
     params = SamplingParams(temperature=0, max_tokens=args.steps + 16, ignore_eos=True)
@@ -54,7 +57,8 @@ def main(args: argparse.Namespace) -> int:
     sizes = weight_footprint(parts.runner.model)
     print("weights:", ", ".join(f"{k} {mb:.1f} MB" for k, mb in sorted(sizes.items())))
     print(f"model={parts.model_name} dtype={parts.dtype} quantization={args.quantization} "
-          f"batch={args.batch} threads={torch.get_num_threads()}: decode step best "
+          f"batch={args.batch} threads={torch.get_num_threads()} compile={args.compile}: "
+          f"decode step best "
           f"{min(times) * 1e3:.1f} ms, median {statistics.median(times) * 1e3:.1f} ms")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -77,5 +81,8 @@ if __name__ == "__main__":
     parser.add_argument("--load-format", default="auto", help="auto, or dummy (random weights)")
     parser.add_argument("--num-threads", type=int, default=0, help="default: all cores")
     parser.add_argument("--prompt-len", type=int, default=100)
+    parser.add_argument("--compile", action="store_true", help="the compiled CPU path")
+    parser.add_argument("--compile-max-tokens", type=int, default=0,
+                        help="with --compile: the largest bucket (default: --batch)")
     parser.add_argument("--profile", action="store_true", help="add a profile of 5 steps")
     raise SystemExit(main(parser.parse_args()))

@@ -125,6 +125,8 @@ def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:
     attn_backend.bind_kv_cache(kv_caches)
     if device.type == "cuda":  # weights and cache were made on the default stream
         torch.cuda.synchronize()
+    if config.device.compile:
+        model = _compile_model(config, model, device)
     runner = ModelRunner(model, attn_backend, kv_caches, block_size,
                          device.torch_device, tokenizer.eos_token_ids,
                          max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
@@ -165,6 +167,20 @@ def _off_the_loop_thread(device: Device, fn: Callable[[], T]) -> T:
         return fn()
     with ThreadPoolExecutor(1, thread_name_prefix="asyncengine-load") as pool:
         return pool.submit(fn).result()
+
+
+def _compile_model(config: EngineConfig, model: torch.nn.Module,
+                   device: Device) -> torch.nn.Module:
+    """--compile: the model behind ``compiled.CompiledModel``, every bucket compiled now."""
+    if device.type != "cpu":
+        logger.warning("--compile is for the CPU (CUDA replays CUDA graphs): ignored")
+        return model
+    from asyncengine.executor.models.compiled import CompiledModel
+
+    max_tokens = min(config.device.compile_max_tokens, config.scheduler.max_num_batched_tokens)
+    compiled = CompiledModel(model, max_tokens)
+    _off_the_loop_thread(device, compiled.warm_up)
+    return compiled
 
 
 def _resolve_kv_connector(config: EngineConfig, scheduler_cls: type,

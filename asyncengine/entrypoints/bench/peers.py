@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -49,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="CPU threads of every server (default: all cores)")
     parser.add_argument("--start-timeout", type=float, default=600.0)
+    parser.add_argument("--asyncengine-args", default="",
+                        help="more flags for asyncengine serve, e.g. '--compile'")
 
 
 def _free_port() -> int:
@@ -64,6 +67,7 @@ def server_command(peer: str, args: argparse.Namespace, port: int) -> list[str] 
         cmd = [sys.executable, "-m", "asyncengine", "serve", "--port", str(port),
                "--disable-access-log", "--num-threads", str(args.threads),
                "--max-num-seqs", str(max(max(args.concurrency), 1))]
+        cmd += shlex.split(getattr(args, "asyncengine_args", "") or "")
         return cmd + ([args.model] if args.model else [])
     if peer == "llama-server":
         binary = args.llama_server or shutil.which("llama-server")

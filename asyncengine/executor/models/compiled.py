@@ -1,0 +1,220 @@
+"""The compiled CPU model path (``--compile``): the decoder forward through torch.compile.
+
+Eager PyTorch pays a fixed cost per op (dispatch, allocation, one OpenMP fork per parallel
+kernel); a batch-1 decode step of a small model is mostly that cost. Inductor turns the
+pointwise and reduction ops between two matmuls into one generated C++ kernel each: the
+residual add and the RMSNorm that follows it, RoPE's multiply-adds on q and k, SiLU(gate) *
+up, the final norm.
+
+- **Attention stays outside the graph.** It reads and writes the paged KV cache through the
+  attention backend, with a per-step plan, so it is one opaque custom op,
+  ``asyncengine::paged_attention(q, k, v, layer, scale)``. The op takes the step's KV cache,
+  metadata and backend from a per-step context (set around each call), so the graph has no
+  graph breaks and no cache tensors among its inputs: one compiled graph per shape. The op
+  is declared as mutating nothing: it does write the cache, but nothing in the graph reads
+  the cache, so no reordering inside the graph can observe the write.
+- **Shape buckets.** A step's token count is padded up to the next bucket (powers of two up
+  to ``max_tokens``, then ``max_tokens``); each bucket is compiled with static shapes.
+  Padding rows get token id 0 at position 0; the attention op drops them (it attends only
+  the step's real tokens and returns zeros for the rest), and their outputs are sliced off.
+  A step larger than the last bucket runs eagerly (prefills of that size are compute-bound:
+  the per-op cost compilation removes is a small share there).
+- **Warm-up and cache.** :meth:`CompiledModel.warm_up` compiles every bucket at start-up,
+  behind a progress bar (the attention op returns zeros while warming: there is no step).
+  Inductor's FX graph and AOT caches live under ``~/.cache/asyncengine/inductor`` (or
+  ``$TORCHINDUCTOR_CACHE_DIR``), so a restart re-traces but does not re-generate or
+  re-compile the C++.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncengine.executor.attention.base import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def default_cache_dir() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "asyncengine", "inductor")
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Powers of two below ``max_tokens``, then ``max_tokens``."""
+    if max_tokens < 1:
+        raise ValueError(f"compile buckets: max_tokens must be >= 1, got {max_tokens}")
+    buckets, b = [], 1
+    while b < max_tokens:
+        buckets.append(b)
+        b *= 2
+    buckets.append(max_tokens)
+    return buckets
+
+
+class _StepContext(threading.local):
+    """What the attention op reads while a compiled forward runs on this thread (the op runs
+    in the thread that calls the graph; thread-local, so two engines' device threads never
+    see each other's step). ``meta is None``: warming up, attention returns zeros."""
+
+    backend: AttentionBackend | None = None
+    meta: AttentionMetadata | None = None
+    kv_caches: list[torch.Tensor] | None = None
+    num_tokens: int = 0
+
+
+_CTX = _StepContext()
+
+
+@torch.library.custom_op("asyncengine::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                    scale: float) -> torch.Tensor:
+    """Attention of the step's real tokens over the paged KV cache (writing their K/V into it);
+    [T, heads, head_dim] with zeros in the padding rows."""
+    ctx = _CTX
+    if ctx.meta is None:
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    n = ctx.num_tokens
+    o = ctx.backend.forward(q[:n], k[:n], v[:n], ctx.kv_caches[layer], ctx.meta, scale)
+    if n == q.shape[0]:
+        return o.contiguous()
+    out = q.new_zeros(q.shape)
+    out[:n] = o
+    return out
+
+
+@paged_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+      scale: float) -> torch.Tensor:
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+class _OpBackend:
+    """Stands in for the attention backend inside the traced forward: ``kv_cache`` is the
+    layer's index, and the call becomes the custom op."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: int,
+                meta: Any, scale: float) -> torch.Tensor:
+        return torch.ops.asyncengine.paged_attention(q, k, v, kv_cache, scale)
+
+
+_OP_BACKEND = _OpBackend()
+
+
+def supports_compile(model: nn.Module) -> bool:
+    """The Llama-family layout this path traces (``LlamaForCausalLM``)."""
+    inner = getattr(model, "model", None)
+    return all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")) and hasattr(
+        model, "rotary")
+
+
+def _decoder(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    inner = model.model
+    h = inner.embed_tokens(input_ids)
+    cos, sin = model.rotary(positions, h.dtype)
+    for i, layer in enumerate(inner.layers):
+        h = layer(h, cos, sin, i, None, _OP_BACKEND)
+    return inner.norm(h)
+
+
+class CompiledModel(nn.Module):
+    """``model`` with its forward compiled per token bucket; everything else (logits, weights,
+    sizes) is the wrapped model's."""
+
+    def __init__(self, model: nn.Module, max_tokens: int, *,
+                 cache_dir: str | None = None) -> None:
+        super().__init__()
+        if not supports_compile(model):
+            raise ValueError(f"--compile: {type(model).__name__} is not a Llama-family model "
+                             "(the compiled path traces LlamaForCausalLM's layout)")
+        self.inner = model
+        self.buckets = token_buckets(max_tokens)
+        self.compiled_steps = 0  # forwards that ran compiled (the rest ran eagerly)
+        configure_inductor(cache_dir)
+        # One static-shape graph per bucket, in one code object's cache.
+        torch._dynamo.config.recompile_limit = max(
+            torch._dynamo.config.recompile_limit, len(self.buckets) + 4)
+        self._compiled = torch.compile(self._run, dynamic=False, fullgraph=True)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return _decoder(self.inner, input_ids, positions)
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        for b in self.buckets:
+            if num_tokens <= b:
+                return b
+        return None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
+                attn_backend: AttentionBackend) -> torch.Tensor:
+        n = input_ids.shape[0]
+        bucket = self.bucket_for(n)
+        if bucket is None:
+            return self.inner(input_ids, positions, kv_caches, attn_metadata, attn_backend)
+        if bucket != n:
+            input_ids = torch.nn.functional.pad(input_ids, (0, bucket - n))
+            positions = torch.nn.functional.pad(positions, (0, bucket - n))
+        ctx = _CTX
+        ctx.backend, ctx.meta, ctx.kv_caches, ctx.num_tokens = (
+            attn_backend, attn_metadata, kv_caches, n)
+        self.compiled_steps += 1
+        try:
+            h = self._compiled(input_ids, positions)
+        finally:
+            ctx.backend = ctx.meta = ctx.kv_caches = None
+        return h[:n] if bucket != n else h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.inner.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def warm_up(self, progress: bool = True) -> float:
+        """Compile every bucket (attention returns zeros meanwhile); returns the seconds."""
+        start = time.perf_counter()
+        device = next(self.inner.parameters()).device
+        buckets = self.buckets
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(buckets), desc="compiling the model", unit="bucket")
+        for b in buckets:
+            ids = torch.zeros(b, dtype=torch.long, device=device)
+            self._compiled(ids, torch.arange(b, device=device))
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        took = time.perf_counter() - start
+        logger.info("compiled the model for %d token buckets (%s) in %.1f s",
+                    len(buckets), ", ".join(map(str, buckets)), took)
+        return took
+
+
+def configure_inductor(cache_dir: str | None = None) -> str:
+    """Point inductor's on-disk caches at ``cache_dir`` (default: ``$TORCHINDUCTOR_CACHE_DIR``
+    or ``~/.cache/asyncengine/inductor``) and turn the FX graph / AOT caches on."""
+    path = cache_dir or os.environ.get(CACHE_DIR_ENV) or default_cache_dir()
+    os.makedirs(path, exist_ok=True)
+    os.environ[CACHE_DIR_ENV] = path
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    inductor_config.autotune_local_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+    return path
