@@ -47,6 +47,7 @@ class TensorParallel:
         self.closed = True
         self.workers.close(kill=True)
         self.workers.join(1.0)
+        _leave_group()
 
     async def wait_for_death(self) -> str | None:
         """Wait (off the loop) until a worker exits: what happened; None once closing."""
@@ -77,6 +78,14 @@ class TensorParallel:
                 clean = False
         self.workers.close(kill=not clean)
         self.workers.join()
+        _leave_group()
+
+
+def _leave_group() -> None:
+    """Destroy this process's groups, so that a later engine of the process can start one
+    (one tensor-parallel engine at a time per process)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def start_tensor_parallel(config: EngineConfig, device_type: str) -> TensorParallel:
@@ -96,6 +105,7 @@ def start_tensor_parallel(config: EngineConfig, device_type: str) -> TensorParal
     except BaseException:
         workers.close(kill=True)
         workers.join(1.0)
+        _leave_group()
         raise
     return TensorParallel(tp, workers)
 
