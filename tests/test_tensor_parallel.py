@@ -4,16 +4,19 @@ refused; the flags; two "nodes" on one machine; a worker killed mid-stream."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
 import anyio
+import psutil
 import pytest
 import torch
 
@@ -190,3 +193,22 @@ def test_killed_worker_fails_every_stream_and_the_server_exits(tiny_llama):
     finally:
         server.stop()
         Path(server._log.name).unlink(missing_ok=True)
+
+
+def test_serve_stops_its_workers_on_sigterm(tiny_llama):
+    server = ServerProcess(tiny_llama, "-tp", "2", "--max-model-len", "256",
+                           "--num-gpu-blocks-override", "64", "--block-size", "16")
+    try:
+        worker = int(re.search(r"worker ranks \[1\] \(pids \[(\d+)\]\)", server.log()).group(1))
+        body = json.dumps({"prompt": "Hello", "max_tokens": 8, "ignore_eos": True}).encode()
+        req = urllib.request.Request(server.url("/v1/completions"), data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 8
+        started = time.monotonic()
+        assert server.stop(timeout=30) == 0, server.log()
+        assert time.monotonic() - started < 15
+        assert not psutil.pid_exists(worker) or \
+            psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+    finally:
+        server.stop()

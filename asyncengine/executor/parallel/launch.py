@@ -10,7 +10,10 @@ only run workers (:func:`serve_worker_node`) and exit when rank 0 stops them or 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,10 +52,32 @@ class TensorParallel:
         self.workers.join(1.0)
         _leave_group()
 
+    def watch(self) -> None:
+        """Start the one thread that waits on the workers' sentinels (after start-up)."""
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, anyio.Event]] = []
+        self._lock = threading.Lock()
+        self.died: str | None = None
+        threading.Thread(target=self._watch, name="asyncengine-tp-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        died = self.workers.wait_for_death()
+        with self._lock:
+            self.died = died
+            waiters, self._waiters = self._waiters, []
+        for loop, event in waiters:
+            with contextlib.suppress(RuntimeError):  # that loop is closed
+                loop.call_soon_threadsafe(event.set)
+
     async def wait_for_death(self) -> str | None:
-        """Wait (off the loop) until a worker exits: what happened; None once closing."""
-        return await anyio.to_thread.run_sync(self.workers.wait_for_death,
-                                              abandon_on_cancel=True)
+        """Wait until a worker exits: what happened; None once the group is closing."""
+        event = anyio.Event()
+        with self._lock:
+            if self.died is None and not self.workers.closing:
+                self._waiters.append((asyncio.get_running_loop(), event))
+            else:
+                event.set()
+        await event.wait()
+        return self.died
 
     async def abandon(self, device: Any) -> None:
         """After a failure: kill the workers (a collective stuck on them then fails), then
@@ -107,7 +132,9 @@ def start_tensor_parallel(config: EngineConfig, device_type: str) -> TensorParal
         workers.join(1.0)
         _leave_group()
         raise
-    return TensorParallel(tp, workers)
+    parallel = TensorParallel(tp, workers)
+    parallel.watch()
+    return parallel
 
 
 def serve_worker_node(config: EngineConfig) -> int:
