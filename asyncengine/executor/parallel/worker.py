@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 
@@ -39,6 +40,8 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
     """The worker process's entry point."""
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s tp-rank{rank}: %(message)s")
+    # Ctrl-C reaches the whole process group: rank 0 drains and then stops the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
     try:
         if num_threads:
