@@ -9,7 +9,7 @@ per layer, 1 for the embedding, the logits gather; the time includes waiting for
 rank) and broadcasting the step message. Usage:
 
     OMP_NUM_THREADS=1 python benchmarks/tp.py [--tp 1 2] [--requests 16] [--max-tokens 32]
-        [--prompt-len 64] [--hidden 512] [--layers 8]
+        [--prompt-len 64] [--hidden 512] [--layers 8] [--num-threads T]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def run(path: str, tp: int, args: argparse.Namespace) -> dict:
     from asyncengine import LLM, SamplingParams
 
     llm = LLM(path, load_format="dummy", dtype=args.dtype, tensor_parallel_size=tp,
-              max_num_seqs=args.requests, max_model_len=512)
+              max_num_seqs=args.requests, max_model_len=512, num_threads=args.num_threads)
     prompts = [[(7 * i + j) % 40000 + 100 for j in range(args.prompt_len)]
                for i in range(args.requests)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -78,6 +78,8 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="CPU threads per rank (default: the cores shared by the ranks)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(Path(tmp), args.hidden, args.layers)
