@@ -84,16 +84,6 @@ def test_tp2_matches_tp1_and_transformers(family, tiny_models):
         stop_workers(tp2)
 
 
-def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path):
-    path = make_tiny_model(tmp_path / "mqa", "llama", num_key_value_heads=1)
-    llm = LLM(path, tensor_parallel_size=2, **KW)
-    try:
-        check(llm, hf_model(path), [llm.tokenizer.encode(p) for p in PROMPTS[:3]])
-        assert llm.engine.runner.kv_caches[0].shape[-2] == 1
-    finally:
-        stop_workers(llm)
-
-
 @pytest.mark.parametrize(("overrides", "tp", "what"), [
     (dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3), 2, "3 KV heads"),
     (dict(num_attention_heads=4, num_key_value_heads=2), 3, "4 attention heads"),
@@ -120,9 +110,10 @@ def test_parallel_flags_are_validated(values, flag):
         EngineConfig.from_dict(values)
 
 
-def test_two_nodes_on_one_machine(tiny_models):
-    """--nnodes 2: node 1 runs rank 1 only (``serve --node-rank 1``); node 0 serves."""
-    path = tiny_models["qwen2"]
+def test_two_nodes_on_one_machine_and_a_replicated_kv_head(tmp_path):
+    """--nnodes 2: node 1 runs rank 1 only (``serve --node-rank 1``); node 0 serves. The
+    model has one KV head: each rank holds a copy of it."""
+    path = make_tiny_model(tmp_path / "mqa", "qwen2", num_key_value_heads=1)
     method = f"tcp://127.0.0.1:{free_port()}"
     node1 = subprocess.Popen(
         [sys.executable, "-m", "asyncengine", "serve", path, "--tensor-parallel-size", "2",
@@ -134,6 +125,7 @@ def test_two_nodes_on_one_machine(tiny_models):
         llm = LLM(path, tensor_parallel_size=2, nnodes=2, node_rank=0,
                   distributed_init_method=method, **KW)
         check(llm, hf_model(path), [llm.tokenizer.encode(p) for p in PROMPTS[:3]])
+        assert llm.engine.runner.kv_caches[0].shape[-2] == 1
         llm.engine.shutdown()
         assert node1.wait(timeout=30) == 0, node1.stderr.read().decode()
     finally:
