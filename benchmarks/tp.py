@@ -69,6 +69,45 @@ def run(path: str, tp: int, args: argparse.Namespace) -> dict:
     return result
 
 
+def _allreduce_rank(rank: int, init: str, rows: list[int], hidden: int, iters: int,
+                    out: object) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    for n in rows:
+        x = torch.randn(n, hidden)
+        for _ in range(10):
+            dist.all_reduce(x)
+        start = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x)
+        if rank == 0:
+            out.put((n, (time.perf_counter() - start) / iters))
+    dist.destroy_process_group()
+
+
+def allreduce_latency(hidden: int, rows: list[int], iters: int = 200) -> list[tuple[int, float]]:
+    """Seconds per gloo all-reduce of a float32 [rows, hidden] tensor between two processes
+    of this machine, both idle otherwise: the pure cost of one collective."""
+    import multiprocessing
+
+    from asyncengine.executor.parallel.state import free_init_method
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    init = free_init_method()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, init, rows, hidden, iters, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=300) for _ in rows]
+    for p in procs:
+        p.join()
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
@@ -80,7 +119,13 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="CPU threads per rank (default: the cores shared by the ranks)")
+    parser.add_argument("--allreduce", action="store_true",
+                        help="also time one gloo all-reduce of [rows, hidden] alone")
     args = parser.parse_args()
+    if args.allreduce:
+        for n, sec in allreduce_latency(args.hidden, [1, args.requests, 256]):
+            print(f"gloo all-reduce of [{n}, {args.hidden}] float32: {1e6 * sec:.0f} us",
+                  flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(Path(tmp), args.hidden, args.layers)
         for tp in args.tp:
