@@ -110,7 +110,7 @@ def allreduce_latency(hidden: int, rows: list[int], iters: int = 200) -> list[tu
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--tp", type=int, nargs="*", default=[1, 2])
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
