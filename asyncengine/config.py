@@ -142,10 +142,19 @@ class DeviceConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = field(default=1, metadata={
-        "help": "devices per model (only 1 until tensor parallelism exists)",
+        "help": "processes (devices) the model is sharded over, Megatron-style: rank 0 serves, "
+                "ranks 1..N-1 are worker processes (gloo on the CPU, NCCL on CUDA)",
         "aliases": ("-tp",)})
     pipeline_parallel_size: int = field(default=1, metadata={
         "help": "pipeline stages (only 1)", "aliases": ("-pp",)})
+    distributed_init_method: str | None = field(default=None, metadata={
+        "help": "torch.distributed rendezvous of the tensor-parallel ranks, tcp://HOST:PORT "
+                "(default: a free port on 127.0.0.1; required with --nnodes > 1)"})
+    nnodes: int = field(default=1, metadata={
+        "help": "nodes the tensor-parallel ranks span (each runs "
+                "--tensor-parallel-size / --nnodes of them)"})
+    node_rank: int = field(default=0, metadata={
+        "help": "this node's index: 0 serves (ranks 0..), others only run worker ranks"})
 
 
 @dataclass
@@ -262,6 +271,7 @@ class EngineConfig:
                             ("num_gpu_blocks_override", cc.num_gpu_blocks_override),
                             ("tensor_parallel_size", self.parallel.tensor_parallel_size),
                             ("pipeline_parallel_size", self.parallel.pipeline_parallel_size),
+                            ("nnodes", self.parallel.nnodes),
                             ("max_queued_requests", self.scheduler.max_queued_requests),
                             ("max_n", self.scheduler.max_n)):
             check_positive(name, value)
@@ -277,10 +287,10 @@ class EngineConfig:
         if cc.kv_cache_dtype != "auto":
             raise ValueError(f"--kv-cache-dtype {cc.kv_cache_dtype}: not supported; the KV cache "
                              "is kept in the model's dtype (only 'auto')")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(self.parallel, name) > 1:
-                raise ValueError(f"{_flag(name)} {getattr(self.parallel, name)}: not supported "
-                                 "yet (one device per engine); use 1")
+        _validate_parallel(self.parallel)
+        if self.device.compile and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("--compile: not supported with --tensor-parallel-size > 1 (the "
+                             "collectives are not traced); drop one of them")
         if isinstance(mc.served_model_name, str):
             mc.served_model_name = [mc.served_model_name]
         if mc.served_model_name is not None and not (
@@ -312,6 +322,24 @@ ALIASES: dict[str, str] = {
     a.lstrip("-").replace("-", "_"): f.name
     for c in SECTIONS.values() for f in fields(c) for a in f.metadata.get("aliases", ())
     if a.startswith("--")}
+
+
+def _validate_parallel(pc: ParallelConfig) -> None:
+    if pc.pipeline_parallel_size > 1:
+        raise ValueError(f"--pipeline-parallel-size {pc.pipeline_parallel_size}: not supported "
+                         "(one pipeline stage); use --tensor-parallel-size to shard a model")
+    tp, nnodes = pc.tensor_parallel_size, pc.nnodes
+    if not isinstance(pc.node_rank, int) or not 0 <= pc.node_rank < nnodes:
+        raise ValueError(f"--node-rank {pc.node_rank!r}: must be in [0, --nnodes {nnodes})")
+    if tp % nnodes:
+        raise ValueError(f"--tensor-parallel-size {tp} must be a multiple of --nnodes {nnodes} "
+                         "(every node runs the same number of ranks)")
+    method = pc.distributed_init_method
+    if method is not None and not re.match(r"^tcp://[^:/]+:\d+$", method):
+        raise ValueError(f"--distributed-init-method {method!r}: expected tcp://HOST:PORT")
+    if nnodes > 1 and method is None:
+        raise ValueError("--nnodes > 1 needs --distributed-init-method tcp://HOST:PORT (the "
+                         "address of node 0, reachable from every node)")
 
 
 def _flag(name: str) -> str:

@@ -202,7 +202,7 @@ def test_version_help_and_flag_errors(capsys):
     for group in ("ModelConfig:", "CacheConfig:", "SchedulerConfig:", "ParallelConfig:",
                   "Frontend:"):
         assert group in help_
-    for args, flag in ((["-tp", "2"], "--tensor-parallel-size"),
+    for args, flag in ((["-tp", "0"], "--tensor-parallel-size"),
                        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
                        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
                        (["--generation-config", "/no/such/dir"], "--generation-config"),

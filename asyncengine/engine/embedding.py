@@ -31,6 +31,8 @@ async def embed(engine: Any, prompts: list[list[int]], *, pooling: str | None = 
     ``--pooling-type``). Raises ValueError for an empty or too long prompt."""
     if engine.error is not None:
         raise EngineDeadError(f"the engine stopped after an error: {engine.error}")
+    if engine.config.parallel.tensor_parallel_size > 1:
+        raise ValueError("embeddings are not served with --tensor-parallel-size > 1 (yet)")
     limit = engine.max_model_len
     for i, p in enumerate(prompts):
         if not p:

@@ -86,6 +86,7 @@ class AsyncEngine:
         # Request ids whose consumer left while they were waiting, finished by _reap_aborts.
         self._abort_backlog: dict[str, None] = {}
         self._reap = anyio.Event()
+        self._loop_scope: anyio.CancelScope | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncEngine:
@@ -97,6 +98,8 @@ class AsyncEngine:
         self._accepting = True
         self._tg.start_soon(self._run_step_loop, self._tg)
         self._tg.start_soon(self._reap_aborts)
+        if self.parts.parallel is not None:
+            self._tg.start_soon(self._watch_workers)
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
@@ -112,7 +115,15 @@ class AsyncEngine:
         finally:
             self._tg = None
             with anyio.CancelScope(shield=True):
+                if self.parts.parallel is not None and self._dead is not None:
+                    await self.parts.parallel.abandon(self.device)  # a worker died
                 await self.device.aclose()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at exit). After the engine's
+        last ``async with`` block; it cannot run steps afterwards."""
+        if self.parts.parallel is not None:
+            self.parts.parallel.shutdown(self.runner)
 
     async def drain(self, timeout: float) -> None:
         """Stop accepting; let in-flight requests finish within ``timeout``; abort the rest."""
@@ -286,18 +297,33 @@ class AsyncEngine:
 
     # -- the step loop --------------------------------------------------------------------------
     async def _run_step_loop(self, tg: anyio.abc.TaskGroup) -> None:
-        try:
-            await self.loop.run(tg)
-        except anyio.get_cancelled_exc_class():
-            raise
-        except Exception as e:  # a bug or a device failure: fail every request, loudly
-            logger.exception("the engine's step loop failed")
-            self._dead = e
-            self._failed.set()
-            self._accepting = False
-            error = EngineDeadError(f"the engine stopped after an error: {e}")
-            error.__cause__ = e
-            self.outputs.fail_all(error)
+        with anyio.CancelScope() as self._loop_scope:
+            try:
+                await self.loop.run(tg)
+            except anyio.get_cancelled_exc_class():
+                raise
+            except Exception as e:  # a bug or a device failure: fail every request, loudly
+                logger.exception("the engine's step loop failed")
+                self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        if self._dead is not None:
+            return
+        self._dead = e
+        self._failed.set()
+        self._accepting = False
+        error = EngineDeadError(f"the engine stopped after an error: {e}")
+        error.__cause__ = e
+        self.outputs.fail_all(error)
+        if self._loop_scope is not None:  # its step may never end (a collective, a dead rank)
+            self._loop_scope.cancel()
+
+    async def _watch_workers(self) -> None:
+        """Tensor parallelism: a worker process that exits fails the engine at once."""
+        died = await self.parts.parallel.wait_for_death()
+        if died is not None:
+            logger.error("%s: the engine stops", died)
+            self._fail(RuntimeError(died))
 
     async def wait_for_work(self) -> None:
         """Sleep until a request arrives (no spinning when idle)."""

@@ -146,6 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return bench_throughput.main(args)
         config = EngineConfig.from_cli(args)
+        if config.parallel.node_rank > 0:  # a worker-only node of a multi-node group
+            from asyncengine.executor.parallel.launch import serve_worker_node
+
+            return serve_worker_node(config)
         if args.command == "serve":
             from asyncengine.entrypoints.http.server import main as serve_main
 

@@ -9,6 +9,7 @@ on; nothing here runs per step.
 
 from __future__ import annotations
 
+import atexit
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -64,6 +65,8 @@ class EngineParts:
     kv_connector: KVConnector | None
     # Sampling defaults from generation_config.json (--generation-config): SamplingParams names.
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    # --tensor-parallel-size > 1: rank 0's group and its node's workers (parallel/launch.py).
+    parallel: Any = None
 
     def make_scheduler(self) -> SchedulerInterface:
         config = self.config.replace(max_model_len=self.max_model_len)
@@ -79,6 +82,16 @@ class EngineParts:
 
 def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:
     """Everything the engine needs, from its configuration (slow: loads the weights)."""
+    started: list[Any] = []  # the tensor-parallel group, once its workers run
+    try:
+        return _build(config, plugin_manager, started)
+    except BaseException:
+        for parallel in started:
+            parallel.abort()
+        raise
+
+
+def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> EngineParts:
     # Components named in the config are resolved (and contract-checked) before the slow
     # part, so a typo in --scheduler fails at once.
     scheduler_cls = registry.resolve_scheduler(config.scheduler.scheduler, plugin_manager)
@@ -87,7 +100,13 @@ def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:
     kv_connector_cls = _resolve_kv_connector(config, scheduler_cls, plugin_manager)
     mc = config.model
     torch.manual_seed(mc.seed)  # unseeded sampling draws from the global generator
-    device = make_device(config.device.device, config.device.num_threads)
+    tp_size = config.parallel.tensor_parallel_size
+    num_threads = config.device.num_threads
+    if tp_size > 1:
+        from asyncengine.executor.parallel.group import threads_per_rank
+
+        num_threads = threads_per_rank(config)
+    device = make_device(config.device.device, num_threads)
     at_start = None
     if device.type == "cuda":
         at_start = cuda_snapshot()  # before the weights: what the engine started from
@@ -101,9 +120,27 @@ def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:
     generation_defaults = load_generation_defaults(
         mc.generation_config, source.path, revision=mc.revision,
         overrides=mc.override_generation_config)
-    model = _off_the_loop_thread(device, lambda: load_model(
-        source, config.load.load_format, dtype, device.torch_device, seed=mc.seed,
-        model_cls=model_cls, quantization=mc.quantization))
+    parallel = None
+    if tp_size > 1:
+        from asyncengine.executor.parallel.launch import start_tensor_parallel
+        from asyncengine.executor.parallel.loader import load_tp_model
+        from asyncengine.executor.parallel.sharding import make_plan
+
+        make_plan(source.hf_config, 0, tp_size)  # an unsplittable model fails before spawning
+        if device.type == "cuda":  # the NCCL path: written, not run in this repository
+            if _auto_kv_size(config):
+                raise ValueError("--tensor-parallel-size > 1 on CUDA: give --kv-cache-memory "
+                                 "(the memory profile runs rank 0's shard alone)")
+            device.eager_on_thread = True  # collectives block: never on the event loop
+        parallel = start_tensor_parallel(config, device.type)
+        started.append(parallel)
+        model = _off_the_loop_thread(device, lambda: load_tp_model(
+            source, config.load.load_format, dtype, device.torch_device, parallel.tp,
+            seed=mc.seed, model_cls=model_cls, quantization=mc.quantization))
+    else:
+        model = _off_the_loop_thread(device, lambda: load_model(
+            source, config.load.load_format, dtype, device.torch_device, seed=mc.seed,
+            model_cls=model_cls, quantization=mc.quantization))
     model.eval()
     tokenizer = load_tokenizer(
         mc.tokenizer or source.path, gguf_file=None if mc.tokenizer else source.gguf_file,
@@ -127,12 +164,20 @@ def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:
         torch.cuda.synchronize()
     if config.device.compile:
         model = _compile_model(config, model, device)
-    runner = ModelRunner(model, attn_backend, kv_caches, block_size,
-                         device.torch_device, tokenizer.eos_token_ids,
-                         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
-                         staging=device.make_staging(),
-                         sampling_method=_sampling_method(device))
-    if device.type == "cuda":
+    runner_cls, runner_kwargs = ModelRunner, {}
+    if parallel is not None:
+        from asyncengine.executor.parallel.runner import TPModelRunner
+
+        parallel.exchange_setup(num_blocks, max_model_len)
+        runner_cls, runner_kwargs = TPModelRunner, {"tp": parallel.tp}
+    runner = runner_cls(model, attn_backend, kv_caches, block_size,
+                        device.torch_device, tokenizer.eos_token_ids,
+                        max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
+                        staging=device.make_staging(),
+                        sampling_method=_sampling_method(device), **runner_kwargs)
+    if parallel is not None:  # stop the workers at exit, unless engine.shutdown() did
+        atexit.register(parallel.shutdown, runner)
+    if device.type == "cuda" and parallel is None:  # graphs cannot hold the collectives yet
         _capture_cuda_graphs(config, runner, device)
     kv_connector = None
     if kv_connector_cls is not None:
@@ -141,6 +186,8 @@ def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:
             config.cache.block_size, model.num_kv_heads, model.head_dim, dtype)
         kv_connector = kv_connector_cls(config, layout)
     quant = "" if mc.quantization == "none" else f", {mc.quantization} weights"
+    if parallel is not None:
+        quant += f", tensor parallel {tp_size} (rank 0's shard)"
     logger.info("loaded %s (%s, %s%s) on %s: %d KV blocks of %d tokens, max_model_len %d, "
                 "attention %s", model_name, arch, dtype, quant, device.type, num_blocks,
                 block_size, max_model_len, attn_backend.name)
@@ -149,7 +196,7 @@ def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:
         vocab_size=model.vocab_size, max_model_len=max_model_len, num_blocks=num_blocks,
         dtype=dtype, device=device, runner=runner, scheduler_cls=scheduler_cls,
         structured_output_backend_cls=so_backend_cls, kv_connector=kv_connector,
-        generation_defaults=generation_defaults)
+        generation_defaults=generation_defaults, parallel=parallel)
 
 
 def _off_the_loop_thread(device: Device, fn: Callable[[], T]) -> T:

@@ -70,6 +70,9 @@ class InputBatch:
         self.any_logprobs = 0  # rows that asked for logprobs
         self.extras: dict[int, RowExtras] = {}
         self.pending_resets: list[RowReset] = []
+        # Tensor parallelism: (row, first, block ids) of every table change since the last
+        # step, for the workers' copies of the tables (None: not recorded).
+        self.table_log: list[tuple[int, int, list[int]]] | None = None
         self._grow(max_rows)
 
     _COLUMNS = ("block_table", "temperature", "top_p", "top_k", "min_p",
@@ -155,6 +158,8 @@ class InputBatch:
                                  f"{self.max_blocks} a row of the batch can hold")
             self.block_table[row, have:n] = block_ids[have:]
             self.num_blocks[row] = n
+            if self.table_log is not None:
+                self.table_log.append((row, have, list(block_ids[have:])))
 
     def is_greedy(self, rows: np.ndarray) -> np.ndarray:
         return self.temperature[rows] < GREEDY_EPS

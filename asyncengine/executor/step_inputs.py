@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -75,6 +76,8 @@ class StepInputs:
     decode_only: bool = False  # every request computes one token
     # CUDA: the decode step replays the CUDA graph captured for this many rows (padded).
     graph_batch: int | None = None
+    # Tensor parallelism: the workers' step message (``parallel/messages.StepMessage``).
+    tp_message: Any = None
 
     @property
     def blocks_host(self) -> bool:

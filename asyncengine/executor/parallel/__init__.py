@@ -1,0 +1,1 @@
+"""Tensor parallelism (``--tensor-parallel-size``): see docs/architecture.md."""

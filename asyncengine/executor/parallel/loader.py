@@ -1,0 +1,68 @@
+"""Loading one rank's shard of the weights.
+
+safetensors: every tensor is read through ``safe_open(...).get_slice(name)``, so a rank reads
+only its rows (or columns) of each split weight from the file. GGUF: the file's tensors are
+dequantized whole, then sliced (a GGUF is one file of quantized blocks; reading a slice of
+rows of a quantized tensor would need its block layout: not done). dummy: random weights,
+seeded per rank (the same seed on every rank gives each shard the same values as the same
+shard of another run, not the values of a TP=1 model: fine for benchmarks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from asyncengine.executor.models import loader as base
+from asyncengine.executor.models.llama import LlamaForCausalLM
+from asyncengine.executor.parallel.model import TPLlamaForCausalLM
+from asyncengine.executor.parallel.sharding import (
+    FLAG,
+    ShardPlan,
+    make_plan,
+    shard_tensor,
+    slice_getter,
+    tensor_getter,
+)
+from asyncengine.executor.parallel.state import TPState
+
+
+def load_tp_model(source: base.ModelSource, load_format: str, dtype: torch.dtype,
+                  device: torch.device | str, tp: TPState, *, seed: int = 0,
+                  model_cls: type | None = None, quantization: str = "none") -> nn.Module:
+    """This rank's :class:`TPLlamaForCausalLM`, with its shard of the weights."""
+    if model_cls is not None and not issubclass(model_cls, LlamaForCausalLM):
+        raise ValueError(f"{FLAG} {tp.world_size}: only the built-in Llama family can be "
+                         f"sharded, not {model_cls.__name__}")
+    if quantization != "none":
+        raise ValueError(f"--quantization {quantization} cannot be combined with {FLAG} > 1 "
+                         "(yet)")
+    config = source.hf_config
+    plan = make_plan(config, tp.rank, tp.world_size)
+    fmt = base._load_format(source, load_format)
+    device = torch.device(device)
+    with base._default_dtype(dtype), device:
+        model = TPLlamaForCausalLM(config, plan, tp)
+    if fmt == "dummy":
+        base._fill_dummy(model, seed, getattr(config, "initializer_range", 0.02))
+    elif fmt == "gguf":
+        from asyncengine.executor.models.gguf import iter_gguf_tensors
+
+        model.load_weights((name, shard_tensor(name, tensor_getter(t), plan))
+                           for name, t in iter_gguf_tensors(source.gguf_path, config, None))
+    else:
+        model.load_weights(_iter_sharded_safetensors(base.safetensors_files(source.path), plan))
+    return model.eval()
+
+
+def _iter_sharded_safetensors(files: list[str],
+                              plan: ShardPlan) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield key, shard_tensor(key, slice_getter(f.get_slice(key)), plan)
+
