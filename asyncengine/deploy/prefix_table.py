@@ -4,9 +4,11 @@ Plain Python (no Ray), so that it can be tested alone. A prompt's routing text i
 chunks of ``chunk_chars`` characters; chunk ``i`` is keyed by a hash chained over chunks
 ``0..i`` (as the KV cache chains its block hashes over token ids), so two prompts share the
 key of chunk ``i`` exactly when they share their first ``(i + 1) * chunk_chars`` characters.
-``record`` maps every chunk key of a routed prompt to the replica it went to; ``match`` walks a
-new prompt's keys and returns the replica that holds its longest recorded prefix. Both are
-O(len(text) / chunk_chars). The table is an LRU bounded by ``max_entries`` keys.
+``record`` adds the replica a prompt went to to the holders of each of its chunk keys (most
+recent last); ``match`` walks a new prompt's keys and returns the replica that holds its
+longest recorded prefix (the most recent one among the candidates at that depth). Both are
+O(len(text) / chunk_chars) dict operations. The table is an LRU bounded by ``max_entries``
+keys.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ class PrefixTable:
             raise ValueError(f"max_entries must be at least 1, not {max_entries}")
         self.chunk_chars = chunk_chars
         self.max_entries = max_entries
-        self._owner: OrderedDict[bytes, str] = OrderedDict()
+        # chunk key -> its holders, in the order they last got it (a dict as an ordered set)
+        self._holders: OrderedDict[bytes, dict[str, None]] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._owner)
+        return len(self._holders)
 
     def keys(self, text: str) -> list[bytes]:
         """The chained keys of the whole chunks of ``text`` (a shorter tail is left out)."""
@@ -50,25 +53,35 @@ class PrefixTable:
         length in characters; ``(None, 0)`` when no candidate holds any of it."""
         best, best_len = None, 0
         for i, key in enumerate(self.keys(text)):
-            owner = self._owner.get(key)
-            if owner is None:
+            holders = self._holders.get(key)
+            if holders is None:
                 break  # chained keys: no longer prefix can be recorded
-            if owner in candidates:
-                best, best_len = owner, (i + 1) * self.chunk_chars
+            for replica in reversed(holders):
+                if replica in candidates:
+                    best, best_len = replica, (i + 1) * self.chunk_chars
+                    break
         return best, best_len
 
     def record(self, text: str, replica: str) -> None:
         """``replica`` now holds every prefix of ``text``."""
         for key in self.keys(text):
-            self._owner[key] = replica
-            self._owner.move_to_end(key)
-        while len(self._owner) > self.max_entries:
-            self._owner.popitem(last=False)
+            holders = self._holders.get(key)
+            if holders is None:
+                self._holders[key] = {replica: None}
+            else:
+                holders.pop(replica, None)
+                holders[replica] = None
+                self._holders.move_to_end(key)
+        while len(self._holders) > self.max_entries:
+            self._holders.popitem(last=False)
 
     def forget(self, replica: str) -> None:
         """Drop a replica that is gone."""
-        for key in [k for k, v in self._owner.items() if v == replica]:
-            del self._owner[key]
+        for key in list(self._holders):
+            holders = self._holders[key]
+            holders.pop(replica, None)
+            if not holders:
+                del self._holders[key]
 
 
 def routing_text(path: str, body: bytes) -> str:
