@@ -113,6 +113,8 @@ def deployment(tiny_llama, tmp_path_factory):
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (repo, os.environ.get("PYTHONPATH")) if p)  # the replicas import this tree
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Replicas report their engine's queues to the autoscaler every 0.5 s (Serve: 10 s).
+    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
     ray.init(num_cpus=4, include_dashboard=False, logging_level="warning",
              log_to_driver=False)
     try:
@@ -122,7 +124,8 @@ def deployment(tiny_llama, tmp_path_factory):
                         num_replicas=None, min_replicas=2, max_replicas=2,
                         replica_actor_options={"num_cpus": 1})
         serve.run(app, name="asyncengine", route_prefix="/")
-        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", store=store, model=tiny_llama)
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", store=store, model=tiny_llama,
+                              serve=serve, build_app=build_app)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -279,3 +282,59 @@ def test_errors_pass_through_and_a_client_that_leaves_frees_its_blocks(deploymen
     after = [counter(get(deployment.url, "/metrics", pin)[0], aborted, finished_reason="abort")
              for pin in ("0", "1")]
     assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]
+
+
+def test_a_waiting_queue_scales_the_deployment_up(deployment):
+    """One replica with one batch slot; twelve requests queue on it: the policy asks for
+    more replicas (capped at two) and Serve starts the second. Under a route prefix."""
+    import httpx
+
+    serve = deployment.serve
+    app = deployment.build_app(
+        [deployment.model, *ENGINE_FLAGS, "--max-num-seqs", "1"], num_replicas=None,
+        min_replicas=1, max_replicas=2, target_waiting=2,
+        replica_actor_options={"num_cpus": 1},
+        autoscaling_kwargs={"upscale_delay_s": 0, "downscale_delay_s": 600,
+                            "metrics_interval_s": 0.5, "look_back_period_s": 2})
+    serve.run(app, name="scaling", route_prefix="/scaling")
+    url = deployment.url + "/scaling"
+
+    def running() -> int:
+        states = serve.status().applications["scaling"].deployments["AsyncEngine"]
+        return states.replica_states.get("RUNNING", 0)
+
+    try:
+        assert running() == 1
+        body = {"model": deployment.model, "prompt": "once upon a time", "max_tokens": 400,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+
+        async def flood() -> None:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                async def one() -> None:
+                    async with client.stream("POST", "/v1/completions", json=body) as r:
+                        assert r.status_code == 200
+                        async for _ in r.aiter_bytes():
+                            pass
+
+                tasks = [asyncio.ensure_future(one()) for _ in range(12)]
+                deadline = time.monotonic() + 90
+                while running() < 2:
+                    assert time.monotonic() < deadline, "never scaled up"
+                    assert not any(t.done() and t.exception() for t in tasks)
+                    await asyncio.sleep(0.5)
+                for t in tasks:  # the clients leave: their requests are aborted
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run(flood())
+        assert running() == 2
+        deadline = time.monotonic() + 30
+        for pin in ("0", "1"):
+            while True:
+                health = json.loads(get(url, "/health", pin)[0])
+                if health["num_free_blocks"] == health["num_total_blocks"]:
+                    break
+                assert time.monotonic() < deadline, health
+                time.sleep(0.2)
+    finally:
+        serve.delete("scaling")

@@ -60,7 +60,9 @@ class Ingress:
 
     async def __call__(self, request: Request) -> Response:
         body = await request.body()
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        path = _app_path(request.scope)
+        if request.url.query:
+            path += f"?{request.url.query}"
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
         gen = self._engine.forward.remote(request.method, path, headers, body,
                                           prefix=routing_text(path, body),
@@ -72,6 +74,14 @@ class Ingress:
             gen.cancel()
             return _error(503, f"No engine replica could serve the request: {e}")
         return StreamingResponse(_rest(gen), status_code=status, headers=dict(out_headers))
+
+
+def _app_path(scope: dict[str, Any]) -> str:
+    """The request's path inside the application (without the Serve route prefix)."""
+    path, root = scope["path"], scope.get("root_path") or ""
+    if root and path.startswith(root):
+        path = path[len(root):]
+    return path or "/"
 
 
 async def _rest(gen: Any) -> AsyncIterator[bytes]:
