@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -46,7 +47,7 @@ from asyncengine.entrypoints.http.server import settings_from_args
 logger = logging.getLogger("asyncengine.deploy")
 
 __all__ = ["EngineReplica", "Ingress", "PrefixAffinityRouter", "WaitingQueuePolicy",
-           "build_app", "main"]
+           "app_builder", "build_app", "main"]
 
 #: Requests one replica takes at once (Serve's default, 5, would starve a batching engine).
 DEFAULT_MAX_ONGOING = 1024
@@ -142,6 +143,25 @@ def build_app(serve_argv: Sequence[str], *, num_replicas: int | None = 2,
         name="OpenAIIngress", num_replicas=1, max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine.bind(argv))
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """Serve's application builder: ``serve run asyncengine.deploy.ray:app_builder
+    serve_args="MODEL --kv-connector ..." num_replicas=2``, or ``import_path`` + ``args`` in a
+    Serve config file (a KubeRay ``RayService``). ``serve_args``: the serve flags, one string
+    or a list; ``num_replicas``: a count, or ``auto`` to autoscale; the other keys are
+    ``build_app``'s (``min_replicas``, ``max_replicas``, ``target_waiting``...)."""
+    kw = dict(args)
+    serve_argv = kw.pop("serve_args", [])
+    if isinstance(serve_argv, str):
+        serve_argv = shlex.split(serve_argv)
+    replicas = kw.pop("num_replicas", 2)
+    kw["num_replicas"] = None if str(replicas) == "auto" else int(replicas)
+    for key, cast in (("min_replicas", int), ("max_replicas", int), ("target_waiting", float),
+                      ("max_ongoing_requests", int)):
+        if key in kw:
+            kw[key] = cast(kw[key])
+    return build_app(serve_argv, **kw)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
