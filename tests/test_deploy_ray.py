@@ -96,6 +96,23 @@ def test_waiting_queue_policy():
         WaitingQueuePolicy(target_waiting=0)
 
 
+def test_bad_deploy_configuration_names_the_flag(tiny_llama):
+    pytest.importorskip("ray.serve")
+    from asyncengine.deploy.ray import app_builder, build_app
+
+    with pytest.raises(ValueError, match="--ssl-certfile"):
+        build_app([tiny_llama, "--ssl-certfile", "cert.pem"])
+    with pytest.raises(ValueError, match="--num-replicas"):
+        build_app([tiny_llama], num_replicas=0)
+    with pytest.raises(ValueError, match="--min-replicas"):
+        build_app([tiny_llama], num_replicas=None, min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="--max-num-seqs"):
+        build_app([tiny_llama, "--max-num-seqs", "0"])
+    app = app_builder({"serve_args": f"{tiny_llama} --max-num-seqs 4", "num_replicas": "auto",
+                       "min_replicas": "1", "max_replicas": "3"})
+    assert type(app).__name__ == "Application"
+
+
 # -- on a local Ray cluster ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def deployment(tiny_llama, tmp_path_factory):
