@@ -22,7 +22,9 @@ import argparse
 import json
 import logging
 import shlex
+import signal
 import sys
+import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -197,8 +199,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ray.init(address=ours.ray_address)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(app, name="asyncengine", route_prefix="/", blocking=True)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own;
+        signal.signal(signum, lambda *_: stop.set())  # SIGINT too in a background job
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name="asyncengine", route_prefix="/")
+        logger.info("serving on http://%s:%s", args.host, args.port)
+        stop.wait()
+        logger.info("stopping: the replicas drain (up to --shutdown-timeout)")
+        serve.delete("asyncengine")
+    finally:
+        ray.shutdown()
     return 0
 
 
