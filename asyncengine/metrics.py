@@ -116,6 +116,8 @@ class EngineMetrics:
         self.request_generation_tokens = Histogram(tokens)
         self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
         self.cache_info = _cache_info(cache_config, num_gpu_blocks, extra_cache_info)
+        # Tokens a KV connector loaded instead of computing (None: no connector configured).
+        self.kv_connector_hits: int | None = None
 
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(self)
@@ -169,9 +171,12 @@ class EngineMetrics:
             self.decode_time.observe(last - first)
 
     # -- called by the server --------------------------------------------------------------------
-    def set_stats(self, stats: SchedulerStats) -> None:
-        """Refresh the gauges from the scheduler (at scrape time, between steps)."""
+    def set_stats(self, stats: SchedulerStats, kv_connector_hits: int | None = None) -> None:
+        """Refresh the gauges from the scheduler (at scrape time, between steps), and the
+        tokens the KV connector has loaded so far when one is configured."""
         self.stats = stats
+        if kv_connector_hits is not None:
+            self.kv_connector_hits = kv_connector_hits
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
@@ -235,6 +240,10 @@ class EngineMetrics:
                            "of queried tokens.", s.prefix_cache_queries)
         yield from counter("prefix_cache_hits", "Prefix cache hits, in terms of number of "
                            "cached tokens.", s.prefix_cache_hits)
+        if self.kv_connector_hits is not None:
+            yield from counter("external_prefix_cache_hits", "Prompt tokens loaded from the KV "
+                               "connector's store (computed by another engine or an earlier "
+                               "run) instead of computed.", self.kv_connector_hits)
         yield from counter("num_preemptions", "Cumulative number of preemption from the "
                            "engine.", s.num_preemptions)
         yield from counter("prompt_tokens", "Number of prefill tokens processed (computed or "

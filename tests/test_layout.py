@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("asyncengine.engine",),
     ("asyncengine.builtins",),
     ("asyncengine.entrypoints",),
+    ("asyncengine.deploy",),  # serving beyond one process (Ray Serve), on top of entrypoints
     ("asyncengine", "asyncengine.__main__"),  # the package's public face sits on top
 ]
 #: Third-party modules a layer must never import.

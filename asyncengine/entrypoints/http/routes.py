@@ -64,7 +64,9 @@ async def metrics(request: web.Request) -> web.Response:
     state = state_of(request)
     if state.metrics is None:
         raise APIError(404, "Metrics are disabled.")
-    state.metrics.set_stats(state.engine.stats())
+    transfer = getattr(state.engine, "kv_transfer", None)
+    state.metrics.set_stats(state.engine.stats(), None if transfer is None
+                            else transfer.num_loaded_tokens)
     return web.Response(body=state.metrics.render(),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
