@@ -88,41 +88,10 @@ class IncrementalDetokenizer:
             return ""
         if stop_terminated and not self._include_stop:
             new_token_ids = new_token_ids[:-1]
-        if self._pieces is not None:
-            parts = []
-            for token_id in new_token_ids:
-                piece = self._step_bytes(token_id)
-                if piece:
-                    parts.append(piece)
-            if not parts:
-                return ""
-            new = parts[0] if len(parts) == 1 else "".join(parts)
-            if self._stops:
-                new = self._check_stops(new)
-            return self._emit(new)
-        if len(new_token_ids) == 1 and not self._stops and not self._undecoded:
-            # The common step: one token, no stop strings, nothing held (as below, inlined).
-            token_id = new_token_ids[0]
-            try:
-                piece = self._stream.step(self._backend, token_id)
-            except Exception:
-                piece = self._restart(token_id)
-            else:
-                if piece is None:
-                    self._undecoded.append(token_id)
-                    return ""
-                ctx = self._context
-                ctx.append(token_id)
-                if len(ctx) > 4:
-                    del ctx[0]
-            if piece:
-                self._chunks.append(piece)
-                self._text = None
-                return piece
-            return ""
+        step = self._step_bytes if self._pieces is not None else self._step
         parts = []
         for token_id in new_token_ids:
-            piece = self._step(token_id)
+            piece = step(token_id)
             if piece:
                 parts.append(piece)
         if not parts:
