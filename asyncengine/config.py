@@ -19,7 +19,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 POOLING_TYPES = ("last", "mean")
 GENERATION_CONFIG_HELP = (
     "server-side sampling defaults: auto (the model's generation_config.json: temperature, "
@@ -38,11 +38,12 @@ class ModelConfig:
     dtype: str = field(default="auto", metadata={
         "help": "weights and activations dtype (auto: bfloat16 on CUDA and on CPUs with "
                 "bf16 instructions, else float32)", "choices": DTYPES})
-    quantization: str = field(default="none", metadata={
-        "help": "weight-only quantization: none; int8 (linears and the logits head, "
-                "per output channel; faster decoding of small batches on CPUs with bfloat16); "
-                "int4 (decoder linears packed, groups of 32; a GGUF's Q4_0/Q4_1 kept as "
-                "stored)", "choices": QUANTIZATIONS})
+    quantization: str = field(default="auto", metadata={
+        "help": "weight-only quantization: auto (a GGUF file on the CPU runs packed as stored: "
+                "Q4_0/Q4_1 as int4, Q8_0 as int8; anything else as none); none (dequantized "
+                "to --dtype); int8 (linears and the logits head, per output channel or a "
+                "GGUF's Q8_0 blocks); int4 (decoder linears, blocks of 32, a GGUF's Q4_0/Q4_1 "
+                "kept as stored; the logits head int8)", "choices": QUANTIZATIONS})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context length (default: the model's, capped at 8192)"})
     served_model_name: list[str] | None = field(default=None, metadata={

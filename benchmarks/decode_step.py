@@ -77,7 +77,7 @@ if __name__ == "__main__":
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--quantization", default="none")
+    parser.add_argument("--quantization", default="auto")
     parser.add_argument("--load-format", default="auto", help="auto, or dummy (random weights)")
     parser.add_argument("--num-threads", type=int, default=0, help="default: all cores")
     parser.add_argument("--prompt-len", type=int, default=100)

@@ -1,5 +1,5 @@
-"""--quantization int8: weight round trip, the int8 kernel vs the dequantized weights, logits of
-int8 models vs the unquantized ones, the engine end to end, bad values."""
+"""--quantization int8: weight round trip, the packed int8 kernel vs the dequantized weights,
+logits of int8 models vs the unquantized ones, the engine end to end, bad values."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ import torch.nn.functional as F
 from asyncengine.config import EngineConfig
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.engine.llm import LLM
-from asyncengine.executor.models import load_model
+from asyncengine.executor.models import load_model, packed_kernels
 from asyncengine.executor.models.llama import Linear
 from asyncengine.executor.models.loader import resolve_model
 from asyncengine.executor.models.quantization import (
-    INT8_MAX_ROWS,
     Int8Linear,
     dequantize_int8,
     quantize_int8,
@@ -37,22 +36,27 @@ def test_int8_weights_round_trip():
     assert ((back - w).norm() / w.norm()).item() < 0.01
 
 
+@pytest.mark.skipif(not packed_kernels.available("int8"), reason="no packed CPU kernel here")
 def test_int8_kernel_agrees_with_the_dequantized_weights():
+    # float32 activations times the int8 weights: the dequantized matmul up to float32
+    # summation order, for any number of rows and dtype
     gen = torch.Generator().manual_seed(1)
-    w = (torch.randn(96, 128, generator=gen) * 0.05).bfloat16()
-    bias = (torch.randn(96, generator=gen) * 0.1).bfloat16()
-    layer = Int8Linear(w, bias)
-    assert layer.qweight is not None  # bfloat16 on the CPU, in_features a multiple of 32
-    for rows in (1, 3, INT8_MAX_ROWS, INT8_MAX_ROWS + 1, 16):
-        x = torch.randn(rows, 128, generator=gen).bfloat16()
-        want = x.float() @ layer.weight.float().t() + bias.float()
-        torch.testing.assert_close(layer(x).float(), want, atol=0.02, rtol=0.02)
-    # no kernel where it would be slower (float32) or cannot run (odd in_features)
-    assert Int8Linear(w.float()).qweight is None
+    w = torch.randn(96, 128, generator=gen) * 0.05
+    bias = torch.randn(96, generator=gen) * 0.1
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = Int8Linear(w.to(dtype), bias.to(dtype))
+        assert layer.use_kernel and layer.scales.shape == (96, 1)
+        assert not hasattr(layer, "weight")  # only the int8 weights are held
+        for rows in (1, 3, 4, 5, 16):
+            x = torch.randn(rows, 128, generator=gen).to(dtype)
+            want = x.float() @ layer.dequantized().t() + bias.to(dtype).float()
+            tol = 1e-5 if dtype == torch.float32 else 0.02
+            torch.testing.assert_close(layer(x).float(), want, atol=tol, rtol=tol)
+    # widths the kernel does not take compute with the dequantized weights
     odd = Int8Linear(w[:, :100].contiguous())
-    assert odd.qweight is None
-    x = torch.randn(2, 100, generator=gen).bfloat16()
-    torch.testing.assert_close(odd(x), F.linear(x, odd.weight))
+    assert not odd.use_kernel
+    x = torch.randn(2, 100, generator=gen)
+    torch.testing.assert_close(odd(x), F.linear(x, odd.dequantized()))
 
 
 def _logits(model, dtype, tokens: torch.Tensor) -> torch.Tensor:
@@ -75,7 +79,7 @@ def test_int8_model_logits_stay_close(tiny_models, family):
         assert len(layers) == 4 * model.num_layers + 1
         assert not any(isinstance(m, Linear) for m in model.modules())
         assert model.model.embed_tokens.weight.dtype == dtype  # the lookup stays exact
-        assert all((m.qweight is not None) == (dtype == torch.bfloat16) for m in layers)
+        assert all(m.use_kernel for m in layers) == packed_kernels.available("int8")
         got = _logits(model, dtype, tokens)
         cos = F.cosine_similarity(got, want, dim=-1)
         assert cos.min().item() > 0.999, (dtype, cos)  # measured: ~0.9999
@@ -95,7 +99,8 @@ def test_engine_generates_with_int8(tiny_llama):
 
 
 def test_bad_quantization_values():
-    with pytest.raises(ValueError, match="--quantization: invalid value 'int2'.*none, int8, int4"):
+    with pytest.raises(ValueError,
+                       match="--quantization: invalid value 'int2'.*auto, none, int8, int4"):
         EngineConfig.from_dict({"quantization": "int2"})
     with pytest.raises(ValueError, match="--quantization"):
         quantize_model(torch.nn.Sequential(), "fp8")

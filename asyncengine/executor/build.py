@@ -185,7 +185,7 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
             model_identity(config, source.path, source.gguf_file), model.num_layers,
             config.cache.block_size, model.num_kv_heads, model.head_dim, dtype)
         kv_connector = kv_connector_cls(config, layout)
-    quant = "" if mc.quantization == "none" else f", {mc.quantization} weights"
+    quant = "" if mc.quantization in ("none", "auto") else f", {mc.quantization} weights"
     if parallel is not None:
         quant += f", tensor parallel {tp_size} (rank 0's shard)"
     logger.info("loaded %s (%s, %s%s) on %s: %d KV blocks of %d tokens, max_model_len %d, "

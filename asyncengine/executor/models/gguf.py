@@ -192,31 +192,47 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def q4_grid(raw: np.ndarray, qtype: Any) -> tuple[np.ndarray, np.ndarray] | None:
-    """The (scale, zero) [rows, blocks] float32 of Q4_0 / Q4_1 rows in ``int4.py``'s convention
-    ``w = (q - 8) * scale + zero``: Q4_0 blocks are ``d, 16 bytes of nibbles`` with
-    ``w = d * (q - 8)``; Q4_1 blocks ``d, m, nibbles`` with ``w = d * q + m`` (d, m float16).
-    None for other types."""
+@dataclass
+class QuantGrid:
+    """A quantized matrix's own blocks, to keep it packed exactly as stored.
+
+    ``kind`` "q4" (Q4_0 / Q4_1): ``w = q * scale + other`` per block of 32 (``other`` is the
+    block minimum, float32 [rows, blocks]); "q8" (Q8_0): ``w = other * scale`` (``other`` the
+    int8 quants [rows, cols], ``scale`` float32 [rows, blocks])."""
+
+    kind: str
+    scale: np.ndarray
+    other: np.ndarray
+
+
+def quant_grid(raw: np.ndarray, qtype: Any) -> QuantGrid | None:
+    """The grid of Q4_0 / Q4_1 / Q8_0 rows (``raw``: uint8 [rows, row bytes]); None for other
+    types. Q4_0 blocks are ``d, 16 bytes of nibbles`` with ``w = d * (q - 8)``, Q4_1 blocks
+    ``d, m, nibbles`` with ``w = d * q + m``, Q8_0 blocks ``d, 32 int8`` with ``w = d * q``
+    (``d, m`` float16)."""
     from gguf import GGMLQuantizationType
 
-    if qtype not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+    kinds = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20,
+             GGMLQuantizationType.Q8_0: 34}
+    if qtype not in kinds:
         return None
-    block_bytes = 18 if qtype == GGMLQuantizationType.Q4_0 else 20
-    blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, block_bytes)
+    blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, kinds[qtype])
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == GGMLQuantizationType.Q8_0:
+        q = blocks[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
+        return QuantGrid("q8", d, q)
     if qtype == GGMLQuantizationType.Q4_0:
-        return d, np.zeros_like(d)
+        return QuantGrid("q4", d, -8 * d)
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    return d, m + 8 * d
+    return QuantGrid("q4", d, m)
 
 
-def iter_gguf_tensors(path: str, config: Any,
-                      grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+def iter_gguf_tensors(path: str, config: Any, grids: dict[str, QuantGrid] | None = None
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (transformers name, float32 tensor) for every tensor of a GGUF file, streaming.
 
-    ``grids``, when given, receives the int4 grid (``q4_grid``) of every Q4_0 / Q4_1 matrix by
-    transformers name, its rows in the yielded tensor's order."""
+    ``grids``, when given, receives the grid (``quant_grid``) of every Q4_0 / Q4_1 / Q8_0
+    matrix by transformers name, its rows in the yielded tensor's order."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -232,7 +248,7 @@ def iter_gguf_tensors(path: str, config: Any,
         rows = int(np.prod(t.dims[1:], dtype=np.int64))
         raw = data[t.offset:t.offset + rows * row_bytes].reshape(rows, row_bytes)
         w = dequantize(raw, qtype).reshape(*reversed(t.dims))  # [out, in] for matrices
-        grid = q4_grid(raw, qtype) if grids is not None and len(t.dims) == 2 else None
+        grid = quant_grid(raw, qtype) if grids is not None and len(t.dims) == 2 else None
         if t.name == ROPE_FREQS:
             yield ROPE_FREQS, torch.from_numpy(np.array(w, dtype=np.float32))  # a copy
             continue
@@ -243,8 +259,9 @@ def iter_gguf_tensors(path: str, config: Any,
         if arch in _PERMUTED_ARCHS and heads:
             w = unpermute_rope_rows(w, heads)
             if grid is not None:
-                grid = tuple(unpermute_rope_rows(g, heads) for g in grid)
+                grid = QuantGrid(grid.kind, unpermute_rope_rows(grid.scale, heads),
+                                 unpermute_rope_rows(grid.other, heads))
         if grid is not None:
-            grids[name] = tuple(torch.from_numpy(np.ascontiguousarray(g)) for g in grid)
+            grids[name] = grid
         w = np.asarray(w, dtype=np.float32)
         yield name, torch.from_numpy(w if w.flags.writeable else w.copy())

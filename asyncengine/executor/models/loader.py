@@ -200,8 +200,9 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
 
     ``load_format``: auto (GGUF for .gguf sources, else safetensors), safetensors, gguf, or
     dummy (random weights, seeded). ``model_cls`` defaults to the built-in class registered for
-    the config's architecture. ``quantization`` (none, int8, int4) is applied to the loaded weights
-    (see ``quantization.py``).
+    the config's architecture. ``quantization`` (auto, none, int8, int4) is applied to the loaded
+    weights (see ``quantization.py``; auto keeps a GGUF file's quantized matrices packed on the
+    CPU).
     """
     config = source.hf_config
     if model_cls is None:
@@ -214,13 +215,17 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
     device = torch.device(device)
     with _default_dtype(dtype), device:
         model = model_cls(config)
-    grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    from asyncengine.executor.models.quantization import resolve_auto
+
+    quantization = resolve_auto(quantization, fmt, device, _gguf_matrix_types(source, fmt))
+    grids: dict[str, Any] | None = None
     if fmt == "dummy":
         _fill_dummy(model, seed, getattr(config, "initializer_range", 0.02))
     elif fmt == "gguf":
         from asyncengine.executor.models.gguf import iter_gguf_tensors
 
-        grids = {} if quantization == "int4" else None  # keep the file's Q4 grids exactly
+        # keep the file's Q4 / Q8_0 blocks exactly
+        grids = {} if quantization in ("int4", "int8") else None
         model.load_weights(_progress(iter_gguf_tensors(source.gguf_path, config, grids), None,
                                      source.name))
     else:
@@ -237,6 +242,18 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
     logger.info("weights in memory: %.1f MB (%s)", sum(sizes.values()),
                 ", ".join(f"{kind} {mb:.1f} MB" for kind, mb in sorted(sizes.items())))
     return model.eval()
+
+
+def _gguf_matrix_types(source: ModelSource, fmt: str) -> set[str]:
+    """The GGML types of a GGUF file's matrices (empty for other formats)."""
+    if fmt != "gguf":
+        return set()
+    from gguf import GGMLQuantizationType
+
+    from asyncengine.executor.models.gguf import read_header
+
+    return {GGMLQuantizationType(t.ggml_type).name
+            for t in read_header(source.gguf_path).tensors if len(t.dims) == 2}
 
 
 def _load_format(source: ModelSource, load_format: str) -> str:

@@ -1,38 +1,33 @@
-"""Weight-only int8 quantization (``--quantization int8``), applied once the weights are loaded.
+"""Weight-only quantization (``--quantization``), applied once the weights are loaded.
 
-Every linear layer of the decoder and the logits head (the tied embedding's copy of it: the
-embedding lookup itself stays exact) gets symmetric per-output-channel int8 weights,
-``w[n, k] ~= q[n, k] * scale[n]`` with ``q`` in [-127, 127].
+- **int8**: every linear layer of the decoder and the logits head (the tied embedding's copy of
+  it: the embedding lookup itself stays exact) gets symmetric int8 weights, per output channel
+  from float weights (``w[n, k] ~= q[n, k] * scale[n]``, ``q`` in [-127, 127]) or per block of
+  32 inputs as a GGUF file's Q8_0 stores them.
+- **int4** (``int4.py``): the decoder's linears packed to 4 bits per block of 32 inputs (a
+  GGUF's Q4_0 / Q4_1 kept as stored); the logits head int8 as above.
+- **auto** (the default): a GGUF file on the CPU runs packed as it is stored (Q4 linears as
+  int4, a Q8_0 head as int8) where the packed kernels build; anything else as ``none``.
 
 Decoding a few requests streams all weights once per token, so a step costs what reading the
-weights costs: int8 halves the bytes. PyTorch's CPU kernel ``torch._weight_int8pack_mm(x, q,
-scales)`` multiplies bfloat16 activations by the int8 weights directly. Measured on a 2-core
-AVX512-BF16 CPU (SmolLM2-135M, torch 2.13), it is the faster kernel up to ``INT8_MAX_ROWS``
-rows: a decode step of 4 requests takes ~24 ms instead of ~33 ms; at one request it only
-matches bfloat16 (~18 ms: this kernel reads int8 at ~14 GB/s, ATen's bfloat16 one at ~23 GB/s,
-see ``small_matmul.py``); from 5 rows on it is slower, and from 8 rows at least twice as slow
-(a step is compute-bound there). Larger batches therefore multiply by the dequantized weights
-``q * scale`` kept in the model dtype: every batch size computes with the same int8 model, at
-the price of holding both forms (1.5x the weight memory). float32 models (and other devices)
-always take the dequantized form: the int8 kernel is slower than float32 matmuls there.
+weights costs: int8 is a quarter of float32's bytes, int4 an eighth. The matmuls read the
+packed weights directly (``packed_kernels.py``); nothing is dequantized at load, and where the
+kernels cannot be compiled the layers multiply by dequantized weights rebuilt per call.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.config import QUANTIZATIONS
+from asyncengine.executor.models import packed_kernels
 
 logger = logging.getLogger(__name__)
-
-# Up to this many rows the int8 kernel is faster than a bfloat16 matmul.
-INT8_MAX_ROWS = 4
-# The int8 kernel reads in_features in vectors: other widths crash it or give wrong sums.
-_INT8_K_MULTIPLE = 32
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,56 +42,85 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The weights an int8 layer computes with: ``q * scales[:, None]`` in ``dtype``."""
-    return (q.float() * scales.float()[:, None]).to(dtype)
+    """The weights an int8 layer holds: ``q * scales`` (scales [out] or [out, blocks])."""
+    s = scales.float()
+    s = s[:, None] if s.dim() == 1 else s.repeat_interleave(q.shape[1] // s.shape[1], dim=1)
+    return (q.float() * s).to(dtype)
 
 
 class Int8Linear(nn.Module):
-    """``y = x @ dequant(q).T + bias``: int8 kernel for few rows, dequantized weights else."""
+    """``y = x @ (q * scales).T + bias`` from int8 weights (``packed_kernels.int8_mm``).
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    ``grid``: (q int8 [out, in], scales float32 [out, in / 32]) as a GGUF file's Q8_0 stores
+    them; else per-channel scales from ``weight``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
-        dtype = weight.dtype
-        q, scales = quantize_int8(weight)
-        # The kernel scales by model-dtype scales: round them first so both paths agree.
-        scales = scales.to(dtype)
+        if grid is None:
+            q, scales = quantize_int8(weight)
+            scales = scales[:, None]
+        else:
+            q, scales = grid[0].to(torch.int8), grid[1].float()
         self.out_features, self.in_features = q.shape
-        self.use_kernel = (weight.device.type == "cpu" and dtype == torch.bfloat16
-                           and self.in_features % _INT8_K_MULTIPLE == 0)
-        self.register_buffer("qweight", q if self.use_kernel else None)
-        self.register_buffer("scales", scales)
-        self.register_buffer("weight", dequantize_int8(q, scales, dtype))
+        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("scales", scales.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.use_kernel = (q.device.type == "cpu" and packed_kernels.supports(
+            self.in_features, self.in_features // scales.shape[1])
+            and packed_kernels.available("int8"))
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_int8(self.qweight, self.scales, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight is not None and x.shape[0] <= INT8_MAX_ROWS:
-            y = torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.use_kernel:
+            y = packed_kernels.int8_linear(x2.float(), self.qweight, self.scales).to(x.dtype)
+        else:
+            y = F.linear(x2, self.dequantized(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int8_kernel={self.qweight is not None}")
+                f"group={self.in_features // self.scales.shape[1]}, kernel={self.use_kernel}")
 
 
-def quantize_model(model: nn.Module, method: str,
-                   grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+def resolve_auto(quantization: str, fmt: str, device: torch.device, qtypes: set[str]) -> str:
+    """What ``--quantization auto`` means for this model: ``int4`` for a GGUF file on the CPU
+    whose linears are Q4_0 / Q4_1 (``qtypes``: the file's matrix types by name) when the
+    packed kernels build, ``int8`` for one whose matrices are Q8_0; else ``none``."""
+    if quantization != "auto":
+        return quantization
+    if fmt != "gguf" or device.type != "cpu":
+        return "none"
+    if qtypes & {"Q4_0", "Q4_1"} and packed_kernels.available("int4"):
+        return "int4" if packed_kernels.available("int8") else "none"
+    if qtypes == {"Q8_0"} and packed_kernels.available("int8"):
+        return "int8"
+    return "none"
+
+
+def quantize_model(model: nn.Module, method: str, grids: dict[str, Any] | None = None
                    ) -> nn.Module:
     """Quantize ``model``'s linear layers in place (``method``: none, int8, int4).
 
-    Linear layers are the built-in ``Linear`` and ``torch.nn.Linear`` modules. int8 also
-    quantizes the logits head (a model with tied embeddings, ``lm_head is None``, gets an int8
-    ``lm_head`` made from the embedding); int4 (``int4.py``) quantizes the decoder's linears
-    and keeps the logits head in the model dtype. ``grids``: int4 grids by checkpoint weight
-    name (a GGUF file's Q4 blocks) to keep those weights exactly as stored.
+    Linear layers are the built-in ``Linear`` and ``torch.nn.Linear`` modules. Both methods
+    quantize the logits head to int8 (a model with tied embeddings, ``lm_head is None``, gets an
+    int8 ``lm_head`` made from the embedding). ``grids``: a GGUF file's ``QuantGrid`` by
+    checkpoint weight name, to keep those weights exactly as stored.
     """
-    if method not in QUANTIZATIONS:
+    if method not in QUANTIZATIONS or method == "auto":
         raise ValueError(f"--quantization: invalid value {method!r} (allowed: "
                          f"{', '.join(QUANTIZATIONS)})")
     if method == "none":
         return model
     from asyncengine.executor.models.llama import Linear
 
+    grids = grids or {}
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children()
                if isinstance(child, (Linear, nn.Linear))]
@@ -104,28 +128,52 @@ def quantize_model(model: nn.Module, method: str,
         raise ValueError(f"--quantization {method}: {type(model).__name__} has no linear "
                          "layers to quantize")
     if method == "int4":
-        return _quantize_int4(model, grids or {})
-    for parent, name, child in targets:
-        setattr(parent, name, Int8Linear(child.weight.data, child.bias))
-    if getattr(model, "lm_head", False) is None and getattr(model, "tie_word_embeddings", False):
-        model.lm_head = Int8Linear(model.get_submodule("model.embed_tokens").weight.data)
-    kernel = sum(m.qweight is not None for m in model.modules() if isinstance(m, Int8Linear))
-    if not kernel:
-        logger.warning("--quantization int8: no int8 kernel for %s weights on this device; "
-                       "the model computes with the dequantized weights (no speed-up)",
-                       str(next(m for m in model.modules()
-                                if isinstance(m, Int8Linear)).weight.dtype))
+        _quantize_int4(model, grids)
+    else:
+        for qual, parent in list(model.named_modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, (Linear, nn.Linear)) and name != "lm_head":
+                    prefix = f"{qual}." if qual else ""
+                    grid = _q8_grid(grids, [f"{prefix}{p}.weight" for p in _shards(name)])
+                    setattr(parent, name, Int8Linear(child.weight.data, child.bias, grid))
+    _quantize_head(model, grids)
+    if not any(m.use_kernel for m in model.modules() if isinstance(m, Int8Linear)):
+        logger.warning("--quantization %s: the packed CPU kernels are not available here; the "
+                       "model computes with dequantized weights (no speed-up)", method)
     return model
 
 
-def _quantize_int4(model: nn.Module, grids: dict[str, tuple[torch.Tensor, torch.Tensor]]
-                   ) -> nn.Module:
-    from asyncengine.executor.models.int4 import Int4Linear, supports_int4
-    from asyncengine.executor.models.llama import FUSED_SHARDS, Linear
+def _shards(name: str) -> list[str]:
+    """The checkpoint names a fused built-in projection was loaded from (or ``name``)."""
+    from asyncengine.executor.models.llama import FUSED_SHARDS
 
-    shards: dict[str, list[str]] = {}
-    for part, (fused, _) in FUSED_SHARDS.items():
-        shards.setdefault(fused, []).append(part)
+    parts = [part for part, (fused, _) in FUSED_SHARDS.items() if fused == name]
+    return parts or [name]
+
+
+def _q8_grid(grids: dict[str, Any], names: list[str]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not all(n in grids and grids[n].kind == "q8" for n in names):
+        return None
+    return (torch.cat([torch.from_numpy(grids[n].other) for n in names]),
+            torch.cat([torch.from_numpy(grids[n].scale) for n in names]))
+
+
+def _quantize_head(model: nn.Module, grids: dict[str, Any]) -> None:
+    head = getattr(model, "lm_head", False)
+    if head is None and getattr(model, "tie_word_embeddings", False):
+        weight, bias, name = model.get_submodule("model.embed_tokens").weight, None, \
+            "model.embed_tokens.weight"
+    elif isinstance(head, nn.Module) and hasattr(head, "weight"):
+        weight, bias, name = head.weight, getattr(head, "bias", None), "lm_head.weight"
+    else:
+        return
+    model.lm_head = Int8Linear(weight.data, bias, _q8_grid(grids, [name]))
+
+
+def _quantize_int4(model: nn.Module, grids: dict[str, Any]) -> None:
+    from asyncengine.executor.models.int4 import Int4Linear, supports_int4
+    from asyncengine.executor.models.llama import Linear
+
     exact = skipped = 0
     for qual, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
@@ -135,17 +183,16 @@ def _quantize_int4(model: nn.Module, grids: dict[str, tuple[torch.Tensor, torch.
                 skipped += 1
                 continue
             prefix = f"{qual}." if qual else ""
-            parts = [f"{prefix}{p}.weight" for p in shards.get(name, [name])]
+            parts = [f"{prefix}{p}.weight" for p in _shards(name)]
             grid = None
-            if all(p in grids for p in parts):
-                grid = tuple(torch.cat([grids[p][i] for p in parts]) for i in (0, 1))
+            if all(p in grids and grids[p].kind == "q4" for p in parts):
+                grid = tuple(torch.cat([torch.from_numpy(getattr(grids[p], f)) for p in parts])
+                             for f in ("scale", "other"))
                 exact += 1
             setattr(parent, name, Int4Linear(child.weight.data, child.bias, grid))
     logger.info("--quantization int4: %d linears packed (%d on the checkpoint's own Q4 grid), "
-                "%d left unquantized (shapes the kernel does not take); the logits head stays "
-                "unquantized", sum(isinstance(m, Int4Linear) for m in model.modules()), exact,
-                skipped)
-    return model
+                "%d left unquantized (shapes the kernel does not take)",
+                sum(isinstance(m, Int4Linear) for m in model.modules()), exact, skipped)
 
 
 def weight_footprint(model: nn.Module) -> dict[str, float]:

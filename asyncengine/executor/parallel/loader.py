@@ -36,7 +36,7 @@ def load_tp_model(source: base.ModelSource, load_format: str, dtype: torch.dtype
     if model_cls is not None and not issubclass(model_cls, LlamaForCausalLM):
         raise ValueError(f"{FLAG} {tp.world_size}: only the built-in Llama family can be "
                          f"sharded, not {model_cls.__name__}")
-    if quantization != "none":
+    if quantization not in ("none", "auto"):  # auto: the shards are dequantized
         raise ValueError(f"--quantization {quantization} cannot be combined with {FLAG} > 1 "
                          "(yet)")
     config = source.hf_config
