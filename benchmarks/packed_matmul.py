@@ -1,0 +1,70 @@
+"""The packed CPU kernels against float32 matmuls over SmolLM2-135M's shapes, in one run.
+
+Times the 120 decoder linears (30 layers of fused q/k/v 960x576, o 576x576, fused gate/up
+3072x576, down 576x1536; random weights, 513 MB in float32, far past any cache) and the
+49152x576 logits head, as float32 ``F.linear`` and as the packed int4 / int8 kernels of
+``asyncengine/executor/models/packed_kernels.py``, at a few row counts. Usage:
+
+    python benchmarks/packed_matmul.py [--rows 1 4 32] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from asyncengine.executor.models import packed_kernels as pk
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+
+def _best_ms(fn, rounds: int = 10) -> float:
+    for _ in range(2):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32])
+    parser.add_argument("--threads", type=int, default=0, help="default: all cores")
+    parser.add_argument("--layers", type=int, default=30)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not (pk.available("int4") and pk.available("int8")):
+        raise SystemExit("the packed kernels do not build here")
+    gen = torch.Generator().manual_seed(0)
+    wf = [[torch.randn(n, k, generator=gen) * 0.02 for n, k in SHAPES]
+          for _ in range(args.layers)]
+    w4 = [[(pk.pack_int4(torch.randint(0, 16, (n, k), generator=gen)),
+            (torch.rand(n, k // 32, 2, generator=gen) * 0.01).half()) for n, k in SHAPES]
+          for _ in range(args.layers)]
+    head = torch.randn(49152, 576, generator=gen) * 0.02
+    head8 = (torch.randint(-127, 128, (49152, 576), generator=gen, dtype=torch.int8),
+             torch.rand(49152, 576 // 32, generator=gen))
+    print(f"{args.layers} layers x 4 linears + the 49152x576 head, {torch.get_num_threads()} "
+          "threads, best of 10 (ms)")
+    print(f"{'rows':>5} {'dec f32':>9} {'dec int4':>9} {'ratio':>6} {'head f32':>9} "
+          f"{'head int8':>10} {'ratio':>6}")
+    for m in args.rows:
+        xs = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
+        f32 = _best_ms(lambda: [F.linear(xs[w.shape[1]], w) for layer in wf for w in layer])
+        i4 = _best_ms(lambda: [pk.int4_mm(xs[q.shape[1] * 2], q, s)
+                               for layer in w4 for q, s in layer])
+        hf = _best_ms(lambda: F.linear(xs[576], head))
+        h8 = _best_ms(lambda: pk.int8_mm(xs[576], *head8))
+        print(f"{m:>5} {f32:>9.1f} {i4:>9.1f} {f32 / i4:>5.2f}x {hf:>9.1f} {h8:>10.1f} "
+              f"{hf / h8:>5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
