@@ -57,11 +57,11 @@ def main() -> None:
           f"{'head int8':>10} {'ratio':>6}")
     for m in args.rows:
         xs = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
-        f32 = _best_ms(lambda: [F.linear(xs[w.shape[1]], w) for layer in wf for w in layer])
-        i4 = _best_ms(lambda: [pk.int4_mm(xs[q.shape[1] * 2], q, s)
+        f32 = _best_ms(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for layer in wf for w in layer])
+        i4 = _best_ms(lambda xs=xs: [pk.int4_mm(xs[q.shape[1] * 2], q, s)
                                for layer in w4 for q, s in layer])
-        hf = _best_ms(lambda: F.linear(xs[576], head))
-        h8 = _best_ms(lambda: pk.int8_mm(xs[576], *head8))
+        hf = _best_ms(lambda xs=xs: F.linear(xs[576], head))
+        h8 = _best_ms(lambda xs=xs: pk.int8_mm(xs[576], *head8))
         print(f"{m:>5} {f32:>9.1f} {i4:>9.1f} {f32 / i4:>5.2f}x {hf:>9.1f} {h8:>10.1f} "
               f"{hf / h8:>5.2f}x")
 

@@ -29,6 +29,9 @@ from asyncengine.executor.models import packed_kernels
 
 GROUP = packed_kernels.GROUP
 _F16_MAX = 65504.0
+# From this many rows (prefill chunks) a call multiplies by the weights dequantized for that
+# call through MKL, whose blocking beats the kernel's row-at-a-time float path there.
+DEQUANT_ROWS = 64
 
 
 def quantize_int4(weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -86,7 +89,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.use_kernel:
+        if self.use_kernel and x2.shape[0] < DEQUANT_ROWS:
             y = packed_kernels.int4_linear(x2.float(), self.packed, self.scale_min)
         else:
             y = F.linear(x2.float(), self.dequantized())
