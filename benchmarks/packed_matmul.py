@@ -3,7 +3,7 @@
 Times the 120 decoder linears (30 layers of fused q/k/v 960x576, o 576x576, fused gate/up
 3072x576, down 576x1536; random weights, 513 MB in float32, far past any cache) and the
 49152x576 logits head, as float32 ``F.linear`` and as the packed int4 / int8 kernels of
-``asyncengine/executor/models/packed_kernels.py``, at a few row counts. Usage:
+``asyncengine/executor/kernels/packed.py``, at a few row counts. Usage:
 
     python benchmarks/packed_matmul.py [--rows 1 4 32] [--threads 2]
 """
@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from asyncengine.executor.models import packed_kernels as pk
+from asyncengine.executor.kernels import packed as pk
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 

@@ -12,8 +12,27 @@ from asyncengine.executor.attention import decode_chunks, get_attention_backend,
 from asyncengine.executor.attention.base import AttentionMetadata
 from asyncengine.executor.attention.decode_chunks import ChunkedDecode
 from asyncengine.executor.attention.torch_paged import TorchPagedBackend
+from asyncengine.executor.kernels import layer_ops
 
 BLOCK = 4
+
+HAS_KERNEL = layer_ops.ENABLED and layer_ops._kernels(torch.float32) is not None
+
+
+@pytest.fixture(params=["kernel", "sdpa"])
+def path(request, monkeypatch):
+    """Both CPU decode paths: the own C++ kernel (cache read in place) and SDPA's groups."""
+    if request.param == "kernel" and not HAS_KERNEL:
+        pytest.skip("the CPU layer kernels do not build here")
+    if request.param == "sdpa":
+        monkeypatch.setattr(layer_ops, "ENABLED", False)
+    return request.param
+
+
+@pytest.fixture
+def sdpa(monkeypatch):
+    """The SDPA groups only (tests of their structure)."""
+    monkeypatch.setattr(layer_ops, "ENABLED", False)
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -80,7 +99,7 @@ MIXED = [(36, 1), (0, 9), (20, 7), (4, 1), (16, 13), (15, 1), (0, 1), (3, 2)]
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (8, 1)])
-def test_mixed_batch_matches_reference(heads, kv_heads):
+def test_mixed_batch_matches_reference(heads, kv_heads, path):
     # decodes (one at a block boundary, one with no context), a fresh prompt, a chunk on top
     # of earlier chunks, a prompt after a cached prefix, a 2-token chunk — interleaved.
     out, ref, meta, kv_cache, hist = run_step(MIXED, heads, kv_heads)
@@ -93,14 +112,14 @@ def test_mixed_batch_matches_reference(heads, kv_heads):
         torch.testing.assert_close(flat[1, slot], v)
 
 
-def test_pure_decode_batch_is_one_group():
+def test_pure_decode_batch_is_one_group(path):
     cases = [(c, 1) for c in (0, 3, 4, 17, 40, 63, 5, 8)]
     out, ref, meta, _, _ = run_step(cases, 6, 2)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert len(meta.extra.groups) == 1  # one SDPA call per layer for all decodes
 
 
-def test_decodes_first_then_prefills():
+def test_decodes_first_then_prefills(sdpa):
     # the decode group is a plain slice of the step's rows (no gather of queries)
     cases = [(10, 1), (20, 1), (3, 1), (0, 5), (8, 6)]
     out, ref, meta, _, _ = run_step(cases, 4, 2)
@@ -108,19 +127,19 @@ def test_decodes_first_then_prefills():
     assert meta.extra.groups[0].ordered
 
 
-def test_single_fresh_prompt():
+def test_single_fresh_prompt(path):
     out, ref, meta, _, _ = run_step([(0, 50)], 4, 2)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_prefills_of_very_different_lengths_are_split_into_groups():
+def test_prefills_of_very_different_lengths_are_split_into_groups(path):
     cases = [(0, 300), (8, 2), (0, 3), (100, 120), (5, 7), (36, 1), (0, 64), (1, 1)]
     out, ref, meta, _, _ = run_step(cases, 4, 2)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert len(meta.extra.groups) >= 3  # decodes + small prefills + the long ones apart
 
 
-def test_bfloat16_close_to_reference():
+def test_bfloat16_close_to_reference(path):
     out, ref, _, _, _ = run_step(MIXED, 4, 2, dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
@@ -130,7 +149,7 @@ LONG = [(1500, 1), (3, 1), (700, 1), (511, 1), (512, 1), (0, 1), (1023, 1), (20,
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (8, 1)])
-def test_long_decodes_are_read_in_chunks_and_match_reference(heads, kv_heads):
+def test_long_decodes_are_read_in_chunks_and_match_reference(heads, kv_heads, sdpa):
     # contexts past DECODE_CHUNK_TOKENS (many 4-token blocks, chunk edges hit exactly),
     # short ones that stop after the first chunk, a decode with no context, and a prefill
     out, ref, meta, _, _ = run_step(LONG, heads, kv_heads)
@@ -142,7 +161,7 @@ def test_long_decodes_are_read_in_chunks_and_match_reference(heads, kv_heads):
     assert sizes == sorted(sizes, reverse=True)
 
 
-def test_chunked_decode_with_tiny_chunks(monkeypatch):
+def test_chunked_decode_with_tiny_chunks(monkeypatch, sdpa):
     # one block per chunk: dozens of merges, each row leaving at its own chunk
     monkeypatch.setattr(torch_paged, "DECODE_CHUNK_TOKENS", 4)
     monkeypatch.setattr(decode_chunks, "DECODE_CHUNK_TOKENS", 4)
@@ -152,7 +171,7 @@ def test_chunked_decode_with_tiny_chunks(monkeypatch):
     assert len(meta.extra.groups[0].chunks) == 16
 
 
-def test_chunked_decode_bfloat16_close_to_reference():
+def test_chunked_decode_bfloat16_close_to_reference(sdpa):
     out, ref, _, _, _ = run_step(LONG, 4, 2, dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
@@ -161,3 +180,38 @@ def test_chunked_decode_bfloat16_close_to_reference():
 def test_get_attention_backend_on_cpu():
     assert isinstance(get_attention_backend("auto", "cpu"), TorchPagedBackend)
     assert isinstance(get_attention_backend("torch_paged"), TorchPagedBackend)
+
+
+kernel_only = pytest.mark.skipif(not HAS_KERNEL, reason="the CPU layer kernels do not build here")
+
+
+@kernel_only
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (8, 1)])
+def test_decode_kernel_reads_the_cache_in_place(heads, kv_heads, monkeypatch):
+    # no gather copy and no SDPA for the decodes: one kernel call reads the blocks in place
+    def no_copy(*args, **kwargs):
+        raise AssertionError("decodes gathered their KV history")
+
+    monkeypatch.setattr(torch_paged, "_gather", no_copy)
+    monkeypatch.setattr(torch_paged, "chunked_decode", no_copy)
+    cases = [(c, 1) for c in (0, 3, 4, 17, 40, 63, 5, 8, 1500, 700)]
+    out, ref, meta, _, _ = run_step(cases, heads, kv_heads)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert [type(g).__name__ for g in meta.extra.groups] == ["_CppDecode"]
+
+
+@kernel_only
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_kernel_splits_long_contexts_and_merges_exactly(threads, monkeypatch):
+    # few requests with long contexts: each is split into spans of positions that run on
+    # different threads, and the spans' partial softmaxes are merged (flash-decoding)
+    monkeypatch.setattr(layer_ops, "MIN_SPLIT", 8)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, ref, meta, _, _ = run_step([(1500, 1), (300, 1), (20, 5), (0, 1)], 8, 1)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    group = meta.extra.groups[0]
+    assert group.split < max(group.lens.tolist())  # the longest request was split

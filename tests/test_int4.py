@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from asyncengine.config import EngineConfig
-from asyncengine.executor.models import load_model, packed_kernels
+from asyncengine.executor.kernels import packed as packed_kernels
+from asyncengine.executor.models import load_model
 from asyncengine.executor.models.gguf import quant_grid
 from asyncengine.executor.models.int4 import (
     GROUP,

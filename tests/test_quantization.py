@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from asyncengine.config import EngineConfig
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.engine.llm import LLM
-from asyncengine.executor.models import load_model, packed_kernels
+from asyncengine.executor.kernels import packed as packed_kernels
+from asyncengine.executor.models import load_model
 from asyncengine.executor.models.llama import Linear
 from asyncengine.executor.models.loader import resolve_model
 from asyncengine.executor.models.quantization import (

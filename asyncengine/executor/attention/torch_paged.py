@@ -15,6 +15,12 @@ attended by ONE SDPA call shared by all layers' index tensors and masks:
 GQA without copying K/V: the ``group = heads / kv_heads`` query heads sharing a KV head are
 folded into the query-row axis, so SDPA sees ``[G, kv_heads, Q * group, head_dim]`` queries
 against ``[G, kv_heads, L, head_dim]`` keys.
+
+On the CPU in eager mode (float32, bfloat16: ``kernels/layer_ops.usable``) the decodes instead
+form one ``_CppDecode`` group: the own kernel ``decode_attention.cpp`` reads each request's
+blocks in place through its block table, with no gather copy, no padding and no mask, and the
+step's K/V are written by one ``kv_write`` call instead of two ``index_copy_``. The SDPA
+groups above remain the path for prefills, for other dtypes and devices, and the reference.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from asyncengine.executor.attention.decode_chunks import (
     chunked_decode,
     make_chunked_decode,
 )
+from asyncengine.executor.kernels import layer_ops
 
 # Prefill chunks share a padded SDPA call while padded work <= SLACK * real work + FREE.
 _SLACK = 2.0
@@ -68,9 +75,20 @@ class _Group:
 
 
 @dataclass
+class _CppDecode:
+    """The step's decodes, attended by ``layer_ops.decode_attention`` (cache read in place)."""
+
+    rows: torch.Tensor  # [B] int64: each decode's row of q (and of the step output)
+    tables: torch.Tensor  # [B, n] int64 block tables, contiguous
+    lens: torch.Tensor  # [B] int64 keys per request
+    split: int  # positions per work item
+
+
+@dataclass
 class _Plan:
-    groups: list[_Group | ChunkedDecode]
+    groups: list[_Group | ChunkedDecode | _CppDecode]
     identity: bool  # one group whose output rows are exactly the step's rows, in order
+    cpp: bool  # K/V written by the CPU kernel
 
 
 class TorchPagedBackend(AttentionBackend):
@@ -88,15 +106,25 @@ class TorchPagedBackend(AttentionBackend):
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         plan: _Plan | None = metadata.extra
         if plan is None:
-            plan = metadata.extra = _make_plan(metadata)
+            plan = metadata.extra = _make_plan(metadata, q, kv_cache.shape[3])
         T, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads
-        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, dim]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        if plan.cpp and layer_ops.usable(q):
+            layer_ops.kv_write(k, v, kv_cache, metadata.slot_mapping)
+        else:
+            k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, dim]
+            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
+            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
         out = None if plan.identity else q.new_empty(T, num_heads, head_dim)
         for g in plan.groups:
+            if isinstance(g, _CppDecode):
+                o = layer_ops.decode_attention(q, kv_cache, g.tables, g.lens, g.rows, g.split,
+                                               scale)
+                if out is None:
+                    return o
+                out[g.rows] = o
+                continue
             if isinstance(g, ChunkedDecode):
                 o = chunked_decode(g, q, kv_cache, scale)
                 if out is None:
@@ -136,13 +164,16 @@ class TorchPagedBackend(AttentionBackend):
         return out
 
 
-def _make_plan(metadata: AttentionMetadata) -> _Plan:
+def _make_plan(metadata: AttentionMetadata, q: torch.Tensor, kv_heads: int) -> _Plan:
     device = metadata.slot_mapping.device
     q_lens, seq_lens = metadata.query_lens, metadata.seq_lens
     decodes = [i for i, n in enumerate(q_lens) if n == 1]
     prefills = [i for i, n in enumerate(q_lens) if n > 1]
-    groups: list[_Group | ChunkedDecode] = []
-    if decodes:
+    groups: list[_Group | ChunkedDecode | _CppDecode] = []
+    cpp = layer_ops.usable(q)
+    if decodes and cpp:
+        groups.append(_cpp_decode(decodes, metadata, kv_heads))
+    elif decodes:
         longest = max(seq_lens[i] for i in decodes)
         if longest > DECODE_CHUNK_TOKENS and device.type == "cpu":  # a CPU kernel
             groups.append(make_chunked_decode(decodes, metadata, device))
@@ -157,9 +188,27 @@ def _make_plan(metadata: AttentionMetadata) -> _Plan:
             groups.append(_padded_group(members, metadata, device))
     total = metadata.query_start_loc[-1]
     first = groups[0]
-    identity = len(groups) == 1 and not isinstance(first, ChunkedDecode) and (
-        first.fresh == (0, total) or (first.ordered and first.num_rows == total))
-    return _Plan(groups, identity)
+    if isinstance(first, _CppDecode):
+        identity = len(groups) == 1 and len(decodes) == total
+    else:
+        identity = len(groups) == 1 and not isinstance(first, ChunkedDecode) and (
+            first.fresh == (0, total) or (first.ordered and first.num_rows == total))
+    return _Plan(groups, identity, cpp)
+
+
+def _cpp_decode(decodes: list[int], meta: AttentionMetadata, kv_heads: int) -> _CppDecode:
+    qsl, seq_lens = meta.query_start_loc, meta.seq_lens
+    tables = meta.block_tables
+    if len(decodes) == tables.shape[0]:  # every request decodes: rows 0..B-1 in order
+        lens = seq_lens
+        rows = torch.arange(len(decodes))
+    else:
+        lens = [seq_lens[i] for i in decodes]
+        rows = torch.tensor([qsl[i] for i in decodes])
+        tables = tables[torch.tensor(decodes)]
+    split = layer_ops.decode_split(lens, kv_heads, meta.block_size, torch.get_num_threads())
+    return _CppDecode(rows=rows, tables=tables.contiguous(), lens=torch.tensor(lens),
+                      split=split)
 
 
 def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -120,9 +120,10 @@ def _decoder(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor)
     inner = model.model
     h = inner.embed_tokens(input_ids)
     cos, sin = model.rotary(positions, h.dtype)
+    residual = None
     for i, layer in enumerate(inner.layers):
-        h = layer(h, cos, sin, i, None, _OP_BACKEND)
-    return inner.norm(h)
+        h, residual = layer(h, residual, cos, sin, i, None, _OP_BACKEND)
+    return inner.norm(h, residual)[0]
 
 
 class CompiledModel(nn.Module):

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncengine.executor.models import packed_kernels
+from asyncengine.executor.kernels import packed as packed_kernels
 
 GROUP = packed_kernels.GROUP
 _F16_MAX = 65504.0

@@ -8,9 +8,14 @@ a few switches read from the transformers config:
 - Llama 3: RoPE scaling (see ``rope.py``); SmolLM2 / Qwen small models: tied embeddings.
 
 Tokens of many requests are flattened into one ``[T]`` batch; attention over the paged KV cache
-is the backend's job (``asyncengine/kernels``). Projections are fused: ``qkv_proj`` holds
+is the backend's job (``executor/attention``). Projections are fused: ``qkv_proj`` holds
 q, k, v stacked by rows and ``gate_up_proj`` holds gate, up; ``load_weights`` copies the
 checkpoint's separate tensors into the right rows.
+
+The residual stream is carried next to each layer's output (``h, residual``), so that every
+residual add is fused with the RMSNorm that follows it. On the CPU in eager mode the small ops
+(that norm, RoPE, SiLU * up) are one own C++ call each (``executor/kernels/layer_ops.py``);
+elsewhere, and under ``torch.compile``, the PyTorch code below them runs.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.executor.attention.base import AttentionBackend, AttentionMetadata
+from asyncengine.executor.kernels import layer_ops
 from asyncengine.executor.models.rope import RotaryEmbedding, apply_rope
 from asyncengine.executor.models.small_matmul import small_matmuls
 
@@ -60,7 +66,18 @@ class RMSNorm(nn.Module):
         self.weight = _empty(dim)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)`` (the
+        residual add fused; the given ``residual`` tensor may be updated in place)."""
+        if x.dim() == 2 and layer_ops.usable(x):
+            return layer_ops.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in float32, scale in the model dtype (as the reference implementation does).
         x32 = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
         return self.weight * x32.to(x.dtype)
@@ -99,9 +116,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size:qk_size].view(T, self.num_kv_heads, self.head_dim))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         else:  # q and k heads rotated together
-            qk = apply_rope(qkv[:, :qk_size].view(T, -1, self.head_dim), cos, sin)
+            qk = _rope(qkv[:, :qk_size].view(T, -1, self.head_dim), cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         o = backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, heads, head_dim]
         return self.o_proj(o.reshape(T, self.q_size))
@@ -122,7 +139,10 @@ class MLP(nn.Module):
         return (0 if shard == "gate" else self.intermediate_size), self.intermediate_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if layer_ops.usable(gate_up):
+            return self.down_proj(layer_ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -134,11 +154,25 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) -> (h', residual'): the residual stream after this layer is
+        ``h' + residual'`` (``residual`` None at the first layer: the stream is ``h``)."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, cos, sin, kv_cache, meta, backend)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x`` [T, heads, head_dim]: in place by the CPU kernel, else ``apply_rope``."""
+    if layer_ops.usable(x):
+        return layer_ops.rope_(x, cos, sin)
+    return apply_rope(x, cos, sin)
 
 
 class Embedding(nn.Module):
@@ -191,10 +225,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, h.dtype)  # [T, 1, 2, head_dim / 2] each
+        residual = None
         with small_matmuls(h):
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-                h = layer(h, cos, sin, kv_cache, attn_metadata, attn_backend)
-        return self.model.norm(h)
+                h, residual = layer(h, residual, cos, sin, kv_cache, attn_metadata,
+                                    attn_backend)
+        return self.model.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""

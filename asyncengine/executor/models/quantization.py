@@ -11,8 +11,9 @@
 
 Decoding a few requests streams all weights once per token, so a step costs what reading the
 weights costs: int8 is a quarter of float32's bytes, int4 an eighth. The matmuls read the
-packed weights directly (``packed_kernels.py``); nothing is dequantized at load, and where the
-kernels cannot be compiled the layers multiply by dequantized weights rebuilt per call.
+packed weights directly (``executor/kernels/packed.py``); nothing is dequantized at load, and
+where the kernels cannot be compiled the layers multiply by dequantized weights rebuilt per
+call.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.config import QUANTIZATIONS
-from asyncengine.executor.models import packed_kernels
+from asyncengine.executor.kernels import packed as packed_kernels
 
 logger = logging.getLogger(__name__)
 

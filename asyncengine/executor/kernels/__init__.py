@@ -1,0 +1,7 @@
+"""Own C++ kernels for the CPU, compiled at first use (``build.py``).
+
+- ``packed.py``: matmuls that read packed int4 / int8 weights in place (GGUF Q4 / Q8_0).
+- ``layer_ops.py``: the decoder layer's small ops fused one call each: RMSNorm with its
+  residual add, RoPE in place, SiLU(gate) * up, the KV-cache write, and decode attention that
+  reads the paged cache in place.
+"""

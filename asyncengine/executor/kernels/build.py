@@ -1,0 +1,52 @@
+"""Building the C++ kernels of this folder, at first use, with inductor's C++ toolchain.
+
+Each ``<name>.cpp`` defines one ``extern "C" void kernel(...)``; ``load`` inlines
+``common.h`` (ISA detection, float16 / bfloat16 conversion, a vectorized exp), optionally
+fixes the element type (``AE_DTYPE``), and compiles it through
+``CppPythonBindingsCodeCache``, the code cache ``--compile`` already uses: the compiler
+flags are inductor's for this CPU (AVX2 / AVX-512 where present), the build takes a few
+seconds once, and the shared object is cached on disk across restarts. The returned
+function takes tensors for pointer arguments (their data pointers, no checks) and Python
+ints / floats for the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DIR = Path(__file__).parent
+
+# AE_DTYPE codes of the element types the layer kernels are built for.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def source(name: str, dtype_code: int | None = None) -> str:
+    """The self-contained C++ source of kernel ``name``."""
+    text = (_DIR / f"{name}.cpp").read_text()
+    text = text.replace('#include "common.h"', (_DIR / "common.h").read_text(), 1)
+    if dtype_code is not None:
+        text = f"#define AE_DTYPE {dtype_code}\n{text}"
+    return text
+
+
+@functools.cache
+def load(name: str, argtypes: tuple[str, ...],
+         dtype_code: int | None = None) -> Callable[..., None] | None:
+    """The compiled kernel ``name`` (for ``dtype_code``), or None where it cannot be built
+    here (no compiler, an unsupported platform); callers then take their PyTorch path."""
+    try:
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+        return CppPythonBindingsCodeCache.load_pybinding(list(argtypes),
+                                                         source(name, dtype_code))
+    except Exception as exc:
+        logger.warning("the %s CPU kernel could not be built (%s: %s); its PyTorch path runs "
+                       "instead", name, type(exc).__name__, exc)
+        return None

@@ -1,0 +1,153 @@
+// Shared by the CPU kernels of this folder: ISA detection, float16, float dot products.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <cmath>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define AE_AVX2 1
+#endif
+
+static inline float ae_half(uint16_t h) {
+#ifdef AE_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) { bits = sign; }
+        else {  // subnormal: normalize
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) { bits = sign | 0x7f800000 | (man << 13); }
+    else { bits = sign | ((exp + 127 - 15) << 23) | (man << 13); }
+    float f; std::memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+// out[m * N + n] = dot(w, x[m]) for m in [0, M); w: K floats, x: [M, K].
+static inline void ae_dots(const float* w, const float* x, float* out, int64_t M, int64_t N,
+                           int64_t K) {
+    int64_t m = 0;
+#ifdef AE_AVX2
+    for (; m + 4 <= M; m += 4) {
+        const float* x0 = x + m * K; const float* x1 = x0 + K;
+        const float* x2 = x1 + K; const float* x3 = x2 + K;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 wv = _mm256_loadu_ps(w + k);
+            a0 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + k), a0);
+            a1 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x1 + k), a1);
+            a2 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x2 + k), a2);
+            a3 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x3 + k), a3);
+        }
+        // Horizontal sums of the four accumulators at once.
+        __m256 s01 = _mm256_hadd_ps(a0, a1), s23 = _mm256_hadd_ps(a2, a3);
+        __m256 s = _mm256_hadd_ps(s01, s23);
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        float t[4]; _mm_storeu_ps(t, r);
+        out[m * N] = t[0]; out[(m + 1) * N] = t[1];
+        out[(m + 2) * N] = t[2]; out[(m + 3) * N] = t[3];
+    }
+    for (; m < M; ++m) {
+        const float* xm = x + m * K;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(xm + k), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(xm + k + 8), a1);
+        }
+        for (; k < K; k += 8)
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(xm + k), a0);
+        __m256 a = _mm256_add_ps(a0, a1);
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        r = _mm_hadd_ps(r, r); r = _mm_hadd_ps(r, r);
+        out[m * N] = _mm_cvtss_f32(r);
+    }
+#else
+    for (; m < M; ++m) {
+        const float* xm = x + m * K;
+        float acc = 0.f;
+        for (int64_t k = 0; k < K; ++k) acc += w[k] * xm[k];
+        out[m * N] = acc;
+    }
+#endif
+}
+
+// ---- Element types of the layer kernels: AE_DTYPE 0 = float32, 1 = bfloat16 (stored as
+// uint16_t). Arithmetic is float32; a bfloat16 result is rounded to nearest even once.
+#ifndef AE_DTYPE
+#define AE_DTYPE 0
+#endif
+#if AE_DTYPE == 0
+typedef float ae_t;
+static inline float ae_get(const ae_t* p) { return *p; }
+static inline void ae_put(ae_t* p, float v) { *p = v; }
+#else
+typedef uint16_t ae_t;
+static inline float ae_get(const ae_t* p) {
+    uint32_t bits = (uint32_t)(*p) << 16; float f; std::memcpy(&f, &bits, 4); return f;
+}
+static inline void ae_put(ae_t* p, float v) {
+    uint32_t bits; std::memcpy(&bits, &v, 4);
+    if ((bits & 0x7fffffff) > 0x7f800000) { *p = (uint16_t)((bits >> 16) | 0x40); return; }
+    bits += 0x7fff + ((bits >> 16) & 1);
+    *p = (uint16_t)(bits >> 16);
+}
+#endif
+
+#ifdef AE_AVX2
+static inline __m256 ae_load8(const ae_t* p) {
+#if AE_DTYPE == 0
+    return _mm256_loadu_ps(p);
+#else
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+#endif
+}
+static inline void ae_store8(ae_t* p, __m256 v) {
+#if AE_DTYPE == 0
+    _mm256_storeu_ps(p, v);
+#else
+    float t[8]; _mm256_storeu_ps(t, v);
+    for (int i = 0; i < 8; ++i) ae_put(p + i, t[i]);
+#endif
+}
+static inline float ae_hsum8(__m256 a) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    r = _mm_hadd_ps(r, r); r = _mm_hadd_ps(r, r);
+    return _mm_cvtss_f32(r);
+}
+// exp(x) for 8 floats: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial
+// (Cephes' expf coefficients, ~1 ulp), 2^n built in the exponent bits. Inputs are clamped
+// to [-87.3, 88.7]: below, the result is ~1e-38 where the true one underflows to 0.
+static inline __m256 ae_exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                   _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// exp over n floats in place (vectorized where the CPU allows).
+static inline void ae_exp_n(float* x, int64_t n) {
+    int64_t i = 0;
+#ifdef AE_AVX2
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, ae_exp8(_mm256_loadu_ps(x + i)));
+#endif
+    for (; i < n; ++i) x[i] = std::exp(x[i]);
+}

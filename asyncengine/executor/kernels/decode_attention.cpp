@@ -1,0 +1,197 @@
+#include "common.h"
+#include <vector>
+
+// s[g * BS + j] = dot(q[g], k_j) for the n keys k_j = kb + j * kv_row of one block. Eight
+// keys at a time: eight independent FMA chains, reduced into one vector of eight scores.
+static inline void ae_scores(const float* q, const ae_t* kb, float* s, int64_t G, int64_t D,
+                             int64_t n, int64_t BS, int64_t kv_row) {
+    for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        float* sg = s + g * BS;
+        int64_t j = 0;
+#ifdef AE_AVX2
+        if (D % 8 == 0) {
+            for (; j + 8 <= n; j += 8) {
+                __m256 a[8];
+                for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+                const ae_t* k0 = kb + j * kv_row;
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m256 qd = _mm256_loadu_ps(qg + d);
+                    #pragma GCC unroll 8
+                    for (int i = 0; i < 8; ++i)
+                        a[i] = _mm256_fmadd_ps(qd, ae_load8(k0 + i * kv_row + d), a[i]);
+                }
+                const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]),
+                                                 _mm256_hadd_ps(a[2], a[3]));
+                const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]),
+                                                 _mm256_hadd_ps(a[6], a[7]));
+                _mm256_storeu_ps(sg + j, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                                       _mm256_permute2f128_ps(u0, u1, 0x31)));
+            }
+        }
+#endif
+        for (; j < n; ++j) {
+            const ae_t* kj = kb + j * kv_row;
+            float dot = 0.f;
+            for (int64_t d = 0; d < D; ++d) dot += qg[d] * ae_get(kj + d);
+            sg[j] = dot;
+        }
+    }
+}
+
+// acc[d] += sum_j w[j] v_j[d] over the n values v_j = vb + j * kv_row of one block; 32
+// outputs at a time in registers (four independent chains).
+static inline void ae_accumulate(float* acc, const float* w, const ae_t* vb, int64_t D,
+                                 int64_t n, int64_t kv_row) {
+    int64_t d = 0;
+#ifdef AE_AVX2
+    for (; d + 32 <= D; d += 32) {
+        __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
+        __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
+        for (int64_t j = 0; j < n; ++j) {
+            const ae_t* v = vb + j * kv_row + d;
+            const __m256 wj = _mm256_set1_ps(w[j]);
+            a0 = _mm256_fmadd_ps(wj, ae_load8(v), a0);
+            a1 = _mm256_fmadd_ps(wj, ae_load8(v + 8), a1);
+            a2 = _mm256_fmadd_ps(wj, ae_load8(v + 16), a2);
+            a3 = _mm256_fmadd_ps(wj, ae_load8(v + 24), a3);
+        }
+        _mm256_storeu_ps(acc + d, a0); _mm256_storeu_ps(acc + d + 8, a1);
+        _mm256_storeu_ps(acc + d + 16, a2); _mm256_storeu_ps(acc + d + 24, a3);
+    }
+#endif
+    for (; d < D; ++d) {
+        float a = acc[d];
+        for (int64_t j = 0; j < n; ++j) a += w[j] * ae_get(vb + j * kv_row + d);
+        acc[d] = a;
+    }
+}
+
+
+// Decode attention (one query token per request) over the paged KV cache, read in place: no
+// gather copy, no padding, no mask. A key at position p of request b lives at row
+// tables[b][p / BS] of the cache, slot p % BS.
+//
+// Work items are (request, KV head, split): a split is up to `split` consecutive positions
+// (whole blocks). The query heads that share the KV head are handled together, so each key
+// and value row is loaded once for all of them. Scores are taken a block at a time, then
+// one online-softmax update per block:
+//   m' = max(m, max_j s_j);  l' = l e^(m - m') + sum_j e^(s_j - m');
+//   acc' = acc e^(m - m') + sum_j e^(s_j - m') v_j
+// A request whose history spans several splits (long contexts, few requests) has its
+// partial (m, l, acc) merged the same way after the parallel loop (flash-decoding).
+//
+// q: rows of [H, D], row r of request b is rows[b], row stride q_stride (elements);
+// kc: the K cache [num_blocks, BS, KVH, D], the V cache at kc + v_off; tables: int64
+// [B, table_stride]; lens: int64 [B], the keys of each request (its new token's included);
+// out: [B, H, D].
+extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
+                       const int64_t* lens, const int64_t* rows, ae_t* out, int64_t B,
+                       int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t table_stride,
+                       int64_t q_stride, int64_t split, float scale, int64_t v_off) {
+    const ae_t* vc = kc + v_off;
+    const int64_t G = H / KVH, kv_row = KVH * D;
+    // Items, in (b, kv head, split) order, so a request's splits are consecutive.
+    // Scratch of the calling thread, kept between calls (no allocation per call).
+    static thread_local std::vector<int64_t> first_item, item_bh;
+    static thread_local std::vector<float> part;
+    first_item.resize(B * KVH + 1);
+    int64_t items = 0;
+    for (int64_t bh = 0; bh < B * KVH; ++bh) {
+        first_item[bh] = items;
+        items += std::max<int64_t>(1, (lens[bh / KVH] + split - 1) / split);
+    }
+    first_item[B * KVH] = items;
+    item_bh.resize(items);
+    for (int64_t bh = 0; bh < B * KVH; ++bh)
+        for (int64_t it = first_item[bh]; it < first_item[bh + 1]; ++it) item_bh[it] = bh;
+    const bool merge = items > B * KVH;
+    // Partial results of split requests: per item and query head, (m, l, acc[D]).
+    if (merge && (int64_t)part.size() < items * G * (D + 2)) part.resize(items * G * (D + 2));
+    // Thread-locals are per thread: the team reads the calling thread's through these.
+    const int64_t* const fi = first_item.data();
+    const int64_t* const ib = item_bh.data();
+    float* const pt = part.data();
+
+    #pragma omp parallel if (items > 1)
+    {
+        static thread_local std::vector<float> scratch;
+        if ((int64_t)scratch.size() < G * (2 * D + 2 + BS)) scratch.resize(G * (2 * D + 2 + BS));
+        float* qv = scratch.data();
+        float* acc = qv + G * D;
+        float* m = acc + G * D;
+        float* l = m + G;
+        float* s = l + G;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; ++it) {
+            const int64_t bh = ib[it], b = bh / KVH, kh = bh % KVH;
+            const int64_t start = (it - fi[bh]) * split;
+            const int64_t end = std::min(lens[b], start + split);
+            const int64_t* table = tables + b * table_stride;
+            const ae_t* qrow = q + rows[b] * q_stride + kh * G * D;
+            for (int64_t i = 0; i < G * D; ++i) { qv[i] = ae_get(qrow + i) * scale; acc[i] = 0.f; }
+            for (int64_t g = 0; g < G; ++g) { m[g] = -INFINITY; l[g] = 0.f; }
+            for (int64_t p0 = start; p0 < end; p0 += BS) {
+                const int64_t n = std::min(BS, end - p0);
+                const int64_t base = (table[p0 / BS] * BS) * kv_row + kh * D;
+                const ae_t* kb = kc + base;
+                const ae_t* vb = vc + base;
+                ae_scores(qv, kb, s, G, D, n, BS, kv_row);
+                for (int64_t g = 0; g < G; ++g) {
+                    float* sg = s + g * BS;
+                    float mx = m[g];
+                    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+                    const float corr = std::exp(m[g] - mx);  // 0 on the first block
+                    for (int64_t j = 0; j < n; ++j) sg[j] -= mx;
+                    ae_exp_n(sg, n);
+                    float sum = 0.f;
+                    for (int64_t j = 0; j < n; ++j) sum += sg[j];
+                    l[g] = l[g] * corr + sum;
+                    m[g] = mx;
+                    if (corr != 1.f) {
+                        float* ag = acc + g * D;
+                        for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
+                    }
+                }
+                for (int64_t g = 0; g < G; ++g)
+                    ae_accumulate(acc + g * D, s + g * BS, vb, D, n, kv_row);
+            }
+            if (merge) {
+                float* pp = pt + it * G * (D + 2);
+                for (int64_t g = 0; g < G; ++g) {
+                    pp[g * (D + 2)] = m[g]; pp[g * (D + 2) + 1] = l[g];
+                    std::memcpy(pp + g * (D + 2) + 2, acc + g * D, D * sizeof(float));
+                }
+            } else {
+                ae_t* o = out + (b * H + kh * G) * D;
+                for (int64_t g = 0; g < G; ++g) {
+                    const float inv = 1.f / l[g];
+                    for (int64_t d = 0; d < D; ++d) ae_put(o + g * D + d, acc[g * D + d] * inv);
+                }
+            }
+        }
+    }
+    if (!merge) return;
+    #pragma omp parallel for schedule(static) if (B * KVH > 1)
+    for (int64_t bh = 0; bh < B * KVH; ++bh) {
+        const int64_t b = bh / KVH, kh = bh % KVH;
+        const int64_t first = fi[bh], last = fi[bh + 1];
+        std::vector<float> acc(D);
+        for (int64_t g = 0; g < G; ++g) {
+            float mx = -INFINITY;
+            for (int64_t it = first; it < last; ++it)
+                mx = std::max(mx, pt[(it * G + g) * (D + 2)]);
+            float l = 0.f;
+            std::fill(acc.begin(), acc.end(), 0.f);
+            for (int64_t it = first; it < last; ++it) {
+                const float* pp = pt + (it * G + g) * (D + 2);
+                const float w = std::exp(pp[0] - mx);
+                l += pp[1] * w;
+                for (int64_t d = 0; d < D; ++d) acc[d] += pp[2 + d] * w;
+            }
+            ae_t* o = out + (b * H + kh * G + g) * D;
+            const float inv = 1.f / l;
+            for (int64_t d = 0; d < D; ++d) ae_put(o + d, acc[d] * inv);
+        }
+    }
+}

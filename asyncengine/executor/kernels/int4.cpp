@@ -1,0 +1,219 @@
+#include "common.h"
+#include <vector>
+
+// x: float [M, K]; q: uint8 [N, K/2]; sm: float16 [N, K/32, 2] (scale, min); out: float [M, N].
+//
+// Fewer than AE_FLOAT_ROWS input rows (decode): the call is bound by reading the weights, so
+// the weights stay packed and each block of 32 costs byte multiply-adds. The activations
+// are rounded to int8 per block, as llama.cpp does for its Q4 x Q8 dot products, but twice:
+//   x ~= d (xq + xr / 256),  d = max|x| / 127,  xr = round((x - d xq) 256 / d)
+// so they are exact to d / 512 (~1.5e-5 of the block maximum), where one rounding leaves
+// d / 2. Both roundings share one scale, so a block is one integer sum
+//   t = sum_j w_j (256 xq_j + xr_j)   (two vpmaddubsw, two vpmaddwd)
+// and one float FMA: acc += t * (scale d / 256). The min term is exact:
+//   sum_j (q_j scale + min) x_j = scale sum_j q_j x_j + min sum_j x_j.
+// From AE_FLOAT_ROWS rows on, a call is bound by arithmetic: each weight row is dequantized
+// once into L1 and multiplied in float32 (exact activations).
+#define AE_FLOAT_ROWS 8
+#ifndef AE_PREFETCH_ROWS
+#define AE_PREFETCH_ROWS 4
+#endif
+
+// Per input row, interleaved like sm's (scale, min) pairs so one vector op serves both:
+// xa[2b] = d_b / 256, xa[2b + 1] = 0; xb[2b] = 0, xb[2b + 1] = sum of block b.
+static inline void ae_quantize_rows(const float* x, int8_t* xq, int8_t* xr, float* xa,
+                                    float* xb, int64_t M, int64_t K) {
+    const int64_t blocks = K / 32;
+    for (int64_t i = 0; i < M * blocks; ++i) {
+        const float* xs = x + i * 32;
+        int8_t* q = xq + i * 32;
+        int8_t* r = xr + i * 32;
+#ifdef AE_AVX2
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        for (int j = 0; j < 4; ++j) {
+            v[j] = _mm256_loadu_ps(xs + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+            sum = _mm256_add_ps(sum, v[j]);
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float d = _mm_cvtss_f32(m4) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        const __m256 dv = _mm256_set1_ps(d), iv = _mm256_set1_ps(inv);
+        const __m256 iv256 = _mm256_set1_ps(inv * 256.f);
+        __m256i qi[4], ri[4];
+        for (int j = 0; j < 4; ++j) {
+            const __m256 rq = _mm256_round_ps(_mm256_mul_ps(v[j], iv),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            qi[j] = _mm256_cvtps_epi32(rq);
+            ri[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_fnmadd_ps(rq, dv, v[j]), iv256));
+        }
+        const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        __m256i pq = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                        _mm256_packs_epi32(qi[2], qi[3]));
+        __m256i pr = _mm256_packs_epi16(_mm256_packs_epi32(ri[0], ri[1]),
+                                        _mm256_packs_epi32(ri[2], ri[3]));
+        _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(pq, perm));
+        _mm256_storeu_si256((__m256i*)r, _mm256_permutevar8x32_epi32(pr, perm));
+        const float s = ae_hsum8(sum);
+#else
+        float amax = 0.f, s = 0.f;
+        for (int j = 0; j < 32; ++j) { amax = std::max(amax, std::fabs(xs[j])); s += xs[j]; }
+        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        for (int j = 0; j < 32; ++j) {
+            const float rq = std::nearbyint(xs[j] * inv);
+            q[j] = (int8_t)rq;
+            const float rr = std::nearbyint((xs[j] - rq * d) * inv * 256.f);
+            r[j] = (int8_t)std::min(127.f, std::max(-128.f, rr));
+        }
+#endif
+        xa[2 * i] = d / 256.f; xa[2 * i + 1] = 0.f;
+        xb[2 * i] = 0.f; xb[2 * i + 1] = s;
+    }
+}
+
+// One weight row n against input rows [m0, m0 + MC). smf, fac: 2 * blocks * (1 + MC)
+// floats of scratch.
+template <int MC>
+static inline void ae_q4_row(const uint8_t* qn, const uint16_t* smn, const int8_t* xq,
+                             const int8_t* xr, const float* xa, const float* xb, float* smf,
+                             float* out, int64_t m0, int64_t n, int64_t N, int64_t blocks) {
+    const int64_t B2 = 2 * blocks;
+    float* fac = smf + B2;  // [MC][B2]: fac[2b] = scale_b d_b / 256
+    float mins[MC];
+    int64_t i = 0;
+#ifdef AE_AVX2
+    for (; i + 8 <= B2; i += 8)
+        _mm256_storeu_ps(smf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(smn + i))));
+#endif
+    for (; i < B2; ++i) smf[i] = ae_half(smn[i]);
+    for (int r = 0; r < MC; ++r) {
+        const float* xar = xa + (m0 + r) * B2;
+        const float* xbr = xb + (m0 + r) * B2;
+        float* fr = fac + r * B2;
+        float mm = 0.f;
+        i = 0;
+#ifdef AE_AVX2
+        __m256 macc = _mm256_setzero_ps();
+        for (; i + 8 <= B2; i += 8) {
+            const __m256 s = _mm256_loadu_ps(smf + i);
+            _mm256_storeu_ps(fr + i, _mm256_mul_ps(s, _mm256_loadu_ps(xar + i)));
+            macc = _mm256_fmadd_ps(s, _mm256_loadu_ps(xbr + i), macc);
+        }
+        mm = ae_hsum8(macc);
+#endif
+        for (; i < B2; ++i) { fr[i] = smf[i] * xar[i]; mm += smf[i] * xbr[i]; }
+        mins[r] = mm;
+    }
+#ifdef AE_AVX2
+    __m256 acc[MC];
+    for (int r = 0; r < MC; ++r) acc[r] = _mm256_setzero_ps();
+    const __m256i c256 = _mm256_set1_epi16(256), ones = _mm256_set1_epi16(1);
+    auto block = [&](const __m256i w, const int64_t b) {
+        #pragma GCC unroll 2
+        for (int r = 0; r < MC; ++r) {
+            const int64_t xo = ((m0 + r) * blocks + b) * 32;
+            const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + xo));
+            const __m256i rv = _mm256_loadu_si256((const __m256i*)(xr + xo));
+            const __m256i t = _mm256_add_epi32(
+                _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), c256),
+                _mm256_madd_epi16(_mm256_maddubs_epi16(w, rv), ones));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t),
+                                     _mm256_broadcast_ss(fac + r * B2 + 2 * b), acc[r]);
+        }
+    };
+    int64_t b = 0;
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    for (; b + 2 <= blocks; b += 2) {  // two blocks' nibbles per load
+        const __m256i bytes = _mm256_loadu_si256((const __m256i*)(qn + 16 * b));
+        const __m256i lo = _mm256_and_si256(bytes, mask);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+        block(_mm256_permute2x128_si256(lo, hi, 0x20), b);
+        block(_mm256_permute2x128_si256(lo, hi, 0x31), b + 1);
+    }
+    if (b < blocks) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i*)(qn + 16 * b));
+        const __m128i m16 = _mm_set1_epi8(0x0f);
+        block(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), m16),
+                               _mm_and_si128(bytes, m16)), b);
+    }
+    for (int r = 0; r < MC; ++r) out[(m0 + r) * N + n] = ae_hsum8(acc[r]) + mins[r];
+#else
+    for (int r = 0; r < MC; ++r) {
+        float acc = 0.f;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t xo = ((m0 + r) * blocks + b) * 32;
+            const uint8_t* qb = qn + 16 * b;
+            int32_t t = 0;
+            for (int j = 0; j < 16; ++j) {
+                const int32_t lo = qb[j] & 0x0f, hi = qb[j] >> 4;
+                t += lo * (256 * xq[xo + j] + xr[xo + j]);
+                t += hi * (256 * xq[xo + 16 + j] + xr[xo + 16 + j]);
+            }
+            acc += (float)t * fac[r * B2 + 2 * b];
+        }
+        out[(m0 + r) * N + n] = acc + mins[r];
+    }
+#endif
+}
+
+extern "C" void kernel(const float* x, const uint8_t* q, const uint16_t* sm, float* out,
+                       int64_t M, int64_t N, int64_t K) {
+    const int64_t blocks = K / 32;
+    if (M >= AE_FLOAT_ROWS) {
+        #pragma omp parallel
+        {
+            alignas(64) float wbuf[16384];
+            #pragma omp for schedule(static)
+            for (int64_t n = 0; n < N; ++n) {
+                const uint8_t* qn = q + n * (K / 2);
+                const uint16_t* smn = sm + n * blocks * 2;
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const float scale = ae_half(smn[2 * b]), mn = ae_half(smn[2 * b + 1]);
+                    const uint8_t* qb = qn + 16 * b;
+                    for (int j = 0; j < 16; ++j) {
+                        wbuf[32 * b + j] = (float)(qb[j] & 0x0f) * scale + mn;
+                        wbuf[32 * b + 16 + j] = (float)(qb[j] >> 4) * scale + mn;
+                    }
+                }
+                ae_dots(wbuf, x, out + n, M, N, K);
+            }
+        }
+        return;
+    }
+    // The rounded activations: scratch of the calling thread, kept between calls.
+    static thread_local std::vector<int8_t> xq_buf;
+    static thread_local std::vector<float> xf_buf;
+    if ((int64_t)xq_buf.size() < 2 * M * K) xq_buf.resize(2 * M * K);
+    if ((int64_t)xf_buf.size() < 4 * M * blocks) xf_buf.resize(4 * M * blocks);
+    int8_t* xq = xq_buf.data();
+    int8_t* xr = xq + M * K;
+    float* xa = xf_buf.data();
+    float* xb = xa + 2 * M * blocks;
+    ae_quantize_rows(x, xq, xr, xa, xb, M, K);
+    #pragma omp parallel
+    {
+        std::vector<float> smf(2 * blocks * 3);
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; ++n) {
+            const uint8_t* qn = q + n * (K / 2);
+            const uint16_t* smn = sm + n * blocks * 2;
+#ifdef AE_AVX2
+            // Rows a few ahead into the cache while this one computes.
+            if (n + AE_PREFETCH_ROWS < N) {
+                const char* pq = (const char*)(qn + AE_PREFETCH_ROWS * (K / 2));
+                for (int64_t o = 0; o < K / 2; o += 64) _mm_prefetch(pq + o, _MM_HINT_T0);
+                const char* ps = (const char*)(smn + AE_PREFETCH_ROWS * blocks * 2);
+                for (int64_t o = 0; o < blocks * 4; o += 64) _mm_prefetch(ps + o, _MM_HINT_T0);
+            }
+#endif
+            int64_t m0 = 0;  // two input rows per pass share each unpacked weight block
+            for (; m0 + 2 <= M; m0 += 2)
+                ae_q4_row<2>(qn, smn, xq, xr, xa, xb, smf.data(), out, m0, n, N, blocks);
+            if (m0 < M)
+                ae_q4_row<1>(qn, smn, xq, xr, xa, xb, smf.data(), out, m0, n, N, blocks);
+        }
+    }
+}

@@ -1,0 +1,136 @@
+"""The decoder layer's small ops on the CPU, one C++ call each.
+
+Eager PyTorch pays ~5-10 us of dispatch and allocation per op, and a parallel op forks an
+OpenMP team; at one decode token a Llama layer is ~60 such ops around its 7 matmuls, which
+makes those costs most of a batch-1 step. Here each of these becomes one call of an own
+kernel (``<name>.cpp``, float32 and bfloat16):
+
+- ``rms_norm``: the residual add and the RMSNorm after it (``rms_norm.cpp``);
+- ``rope_``: RoPE on q and k, in place in the fused qkv output (``rope.cpp``);
+- ``silu_mul``: SiLU(gate) * up from the fused gate_up output (``silu_mul.cpp``);
+- ``kv_write``: the step's K/V rows into their paged-cache slots (``kv_write.cpp``);
+- ``decode_attention``: one query token per request against the paged cache read in place,
+  split across threads by (request, KV head, span of positions) and merged exactly
+  (``decode_attention.cpp``).
+
+Each op computes what its PyTorch counterpart computes, in float32 with one rounding to the
+element type, so results agree to float32 rounding (``tests/test_layer_ops.py``). The model
+takes these paths only in eager mode on the CPU (``usable``); under ``torch.compile``
+inductor generates its own fused kernels from the PyTorch path. ``ASYNCENGINE_CPU_KERNELS=0``
+turns them off (the PyTorch path runs: for comparisons).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from asyncengine.executor.kernels.build import DTYPE_CODES, load
+
+ENV = "ASYNCENGINE_CPU_KERNELS"
+ENABLED = os.environ.get(ENV, "1") != "0"
+
+_ARGS: dict[str, tuple[str, ...]] = {
+    "rms_norm": ("const ae_t*", "ae_t*", "const ae_t*", "ae_t*", "int64_t", "int64_t",
+                 "int64_t", "int64_t", "float"),
+    "rope": ("ae_t*", "const ae_t*", "const ae_t*", "int64_t", "int64_t", "int64_t", "int64_t"),
+    "silu_mul": ("const ae_t*", "ae_t*", "int64_t", "int64_t"),
+    "kv_write": ("const ae_t*", "const ae_t*", "ae_t*", "const int64_t*", "int64_t", "int64_t",
+                 "int64_t", "int64_t", "int64_t"),
+    "decode_attention": ("const ae_t*", "const ae_t*", "const int64_t*", "const int64_t*",
+                         "const int64_t*", "ae_t*", "int64_t", "int64_t", "int64_t", "int64_t",
+                         "int64_t", "int64_t", "int64_t", "int64_t", "float", "int64_t"),
+}
+
+# dtype -> {name: kernel}, for the dtypes whose kernels all built.
+_BUILT: dict[torch.dtype, dict[str, object] | None] = {}
+
+
+def _kernels(dtype: torch.dtype) -> dict[str, object] | None:
+    if dtype not in _BUILT:
+        code = DTYPE_CODES.get(dtype)
+        fns = None if code is None else {n: load(n, a, code) for n, a in _ARGS.items()}
+        _BUILT[dtype] = fns if fns is not None and all(fns.values()) else None
+    return _BUILT[dtype]
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the ops run for activations like ``x``: CPU, float32 or bfloat16, eager, on."""
+    return (ENABLED and x.device.type == "cpu" and not torch.compiler.is_compiling()
+            and _kernels(x.dtype) is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [T, N] (rows may be strided) -> ``weight * norm(x)``. With ``residual``
+    ([T, N], contiguous): it becomes ``x + residual`` in place, and the result is
+    ``(weight * norm(x + residual), residual)``."""
+    T, N = x.shape
+    out = torch.empty(T, N, dtype=x.dtype)
+    _kernels(x.dtype)["rms_norm"](x, out if residual is None else residual, weight, out, T, N,
+                                  x.stride(0), int(residual is not None), float(eps))
+    return out if residual is None else (out, residual)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in place on ``x`` [T, heads, D] (heads contiguous, rows may be strided); cos, sin
+    from ``RotaryEmbedding`` ([T, 1, 2, D / 2], contiguous). Returns ``x``."""
+    T, heads, D = x.shape
+    _kernels(x.dtype)["rope"](x, cos, sin, T, heads, D, x.stride(0))
+    return x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gate_up`` [T, 2 I] (contiguous) -> ``silu(gate) * up`` [T, I]."""
+    T, two_i = gate_up.shape
+    out = torch.empty(T, two_i // 2, dtype=gate_up.dtype)
+    _kernels(gate_up.dtype)["silu_mul"](gate_up, out, T, two_i // 2)
+    return out
+
+
+def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Rows of ``k``, ``v`` ([T, kv_heads, D], heads contiguous) into slots ``slots`` (int64
+    [T]) of ``kv_cache`` [2, blocks, block_size, kv_heads, D]."""
+    T, kv_heads, D = k.shape
+    _kernels(k.dtype)["kv_write"](k, v, kv_cache, slots, T, kv_heads * D, k.stride(0),
+                                  v.stride(0), kv_cache.stride(0))
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
+                     lens: torch.Tensor, rows: torch.Tensor, split: int,
+                     scale: float) -> torch.Tensor:
+    """Attention of one query token per request over the paged cache, read in place.
+
+    q: [T, heads, D] (a step's queries; heads contiguous); kv_cache: [2, blocks, block_size,
+    kv_heads, D]; tables: int64 [B, n] block tables (contiguous); lens: int64 [B] keys per
+    request (its new token's included, already written); rows: int64 [B], the row of ``q``
+    of each request; split: positions per work item (a multiple of block_size). Returns
+    [B, heads, D]."""
+    _, heads, D = q.shape
+    _, _, block_size, kv_heads, _ = kv_cache.shape
+    B = rows.shape[0]
+    out = torch.empty(B, heads, D, dtype=q.dtype)
+    _kernels(q.dtype)["decode_attention"](
+        q, kv_cache, tables, lens, rows, out, B, heads, kv_heads, D, block_size,
+        tables.stride(0), q.stride(0), split, float(scale), kv_cache.stride(0))
+    return out
+
+
+def decode_split(lens: list[int], kv_heads: int, block_size: int, threads: int) -> int:
+    """Positions per decode-attention work item: whole requests when there are enough
+    (request, KV head) pairs to keep ``threads`` busy, else spans of at least ``MIN_SPLIT``
+    positions, so that a few long contexts still spread over every thread."""
+    longest = max(lens)
+    pairs = len(lens) * kv_heads
+    if pairs >= 4 * threads:
+        split = longest
+    else:
+        split = max(MIN_SPLIT, -(-sum(lens) * kv_heads // (4 * threads)))
+    return -(-min(split, longest) // block_size) * block_size
+
+
+# Spans shorter than this cost more to merge than they gain in balance.
+MIN_SPLIT = 128

@@ -1,0 +1,129 @@
+"""CPU matmuls that read packed int4 / int8 weights directly, compiled at first use.
+
+A decode step of a few requests streams every weight once, so on the CPU its cost is the bytes
+of the weights: float32 SmolLM2-135M is 513 MB per token. Keeping a GGUF file's Q4_1 / Q8_0
+blocks packed cuts that to ~90 MB, but only if the matmul reads them at memory speed.
+PyTorch's own packed kernels (``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``) are
+vectorized for AVX-512 only; on an AVX2 CPU they run at ~1 GB/s, 10x slower than a float32
+matmul. These kernels are written for AVX2 + FMA + F16C (with a plain C++ fallback for other
+CPUs) and compiled with inductor's C++ toolchain, the one ``--compile`` already uses, so they
+need nothing that torch does not bring. The C++ is in ``int4.cpp`` and ``int8.cpp``.
+
+Layouts (``w[n, k]`` is the weight of output ``n`` and input ``k``):
+
+- **int4** ``q``: uint8 ``[N, K / 2]``, blocks of 32 inputs: byte ``j`` of block ``b`` holds
+  input ``32 b + j`` in its low nibble and ``32 b + 16 + j`` in its high nibble (the layout of
+  GGUF's Q4_0 / Q4_1 quants). ``sm``: float16 ``[N, K / 32, 2]`` holding (scale, min) per
+  block, ``w = q * scale + min`` with ``q`` in [0, 15]: Q4_1's ``d, m`` as stored, Q4_0's
+  ``d, -8 d``.
+- **int8** ``q``: int8 ``[N, K]``; ``scales``: float32 ``[N, K / group]``, ``w = q * scale``
+  (GGUF's Q8_0 is ``group`` 32; per-channel int8 is ``group`` K).
+
+How a call runs: the output rows are split across the OpenMP threads. A thread dequantizes
+one weight row into a float32 buffer that stays in L1, then takes its dot product with every
+input row, four input rows at a time so each loaded weight vector feeds four FMAs. The weights
+are read once per call whatever the number of input rows; the arithmetic is the float32
+matmul's. Results equal ``x @ dequant(w).T`` up to float32 summation order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from asyncengine.executor.kernels import build
+
+GROUP = 32
+
+# Input widths the kernels take: whole blocks, whole AVX2 vectors, and a row buffer of 16384.
+MAX_K = 16384
+
+
+_ARGS = {
+    "int4": ("const float*", "const uint8_t*", "const uint16_t*", "float*", "int64_t", "int64_t",
+             "int64_t"),
+    "int8": ("const float*", "const int8_t*", "const float*", "float*", "int64_t", "int64_t",
+             "int64_t", "int64_t"),
+}
+
+
+def _load(name: str) -> Callable[..., None] | None:
+    """The compiled kernel ``name`` (int4, int8: ``int4.cpp``, ``int8.cpp``), or None."""
+    return build.load(name, _ARGS[name])
+
+
+def available(name: str) -> bool:
+    """Whether the ``name`` kernel (int4, int8) builds on this machine (compiles it once)."""
+    return _load(name) is not None
+
+
+def supports(in_features: int, group: int = GROUP) -> bool:
+    return (in_features % group == 0 and in_features % 16 == 0 and in_features <= MAX_K)
+
+
+def int4_mm(x: torch.Tensor, q: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] float32 @ dequant(q, sm).T`` -> ``[M, N]`` (int4 layout above)."""
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, q.shape[0], dtype=torch.float32)
+    _load("int4")(x, q, sm, out, m, q.shape[0], k)
+    return out
+
+
+def int8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] float32 @ (q * scales).T`` -> ``[M, N]`` (int8 layout above)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32)
+    _load("int8")(x, q, scales, out, x.shape[0], q.shape[0], x.shape[1],
+                  x.shape[1] // scales.shape[1])
+    return out
+
+
+@torch.library.custom_op("asyncengine::int4_mm", mutates_args=())
+def _int4_mm_op(x: torch.Tensor, q: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    return int4_mm(x, q, sm)
+
+
+@_int4_mm_op.register_fake
+def _(x: torch.Tensor, q: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("asyncengine::int8_mm", mutates_args=())
+def _int8_mm_op(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return int8_mm(x, q, scales)
+
+
+@_int8_mm_op.register_fake
+def _(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[0], dtype=torch.float32)
+
+
+def int4_linear(x: torch.Tensor, q: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    """``int4_mm`` for a model's forward: a direct call when eager (a custom op's dispatch
+    costs ~10 us, a lot next to a 50 us matmul), the registered op under ``torch.compile``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.asyncengine.int4_mm(x, q, sm)
+    return int4_mm(x, q, sm)
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``int8_mm`` for a model's forward (see ``int4_linear``)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.asyncengine.int8_mm(x, q, scales)
+    return int8_mm(x, q, scales)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int [N, K] values in [0, 15] -> uint8 [N, K / 2] in the int4 layout."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).view(n, k // GROUP, 2, GROUP // 2)  # [N, B, lo/hi, 16]
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_int4``: uint8 [N, K / 2] -> uint8 [N, K] in [0, 15]."""
+    n, half = packed.shape
+    b = packed.view(n, half // 16, 1, 16)
+    return torch.cat([b & 0x0F, b >> 4], dim=2).reshape(n, half * 2)

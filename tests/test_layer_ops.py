@@ -1,0 +1,146 @@
+"""The CPU layer kernels (executor/kernels/layer_ops.py) against their PyTorch counterparts."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asyncengine.executor.kernels import layer_ops
+from asyncengine.executor.models.rope import RotaryEmbedding, apply_rope
+
+pytestmark = pytest.mark.skipif(
+    not layer_ops.ENABLED or layer_ops._kernels(torch.float32) is None,
+    reason="the CPU layer kernels do not build here")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    # float32: the same arithmetic up to summation order; bfloat16: the kernels round once
+    # where PyTorch rounds after every op, so they differ by an ulp or two of bfloat16
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=4e-2, rtol=2e-2)
+    torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_rms_norm_with_and_without_residual(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 200, generator=gen).to(dtype)
+    res = torch.randn(rows, 200, generator=gen).to(dtype)
+    w = torch.randn(200, generator=gen).to(dtype)
+
+    def ref(y):
+        return w * F.rms_norm(y.float(), (200,), eps=1e-6).to(dtype)
+
+    _close(layer_ops.rms_norm(x, w, 1e-6), ref(x), dtype)
+    out, new_res = layer_ops.rms_norm(x, w, 1e-6, res.clone())
+    assert torch.equal(new_res, x + res)  # the residual add, rounded as PyTorch rounds it
+    _close(out, ref(x + res), dtype)
+    # strided rows (a slice of a wider tensor) read correctly
+    wide = torch.randn(rows, 300, generator=gen).to(dtype)
+    _close(layer_ops.rms_norm(wide[:, 50:250], w, 1e-6), ref(wide[:, 50:250]), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_silu_mul(dtype, rows):
+    gu = torch.randn(rows, 2 * 72, generator=torch.Generator().manual_seed(1)).to(dtype) * 4
+    gate, up = gu.chunk(2, dim=-1)
+    _close(layer_ops.silu_mul(gu), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_rope_in_place_on_the_q_and_k_heads_of_a_fused_row(dtype, head_dim):
+    rot = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0, rope_scaling=None), head_dim)
+    positions = torch.tensor([0, 1, 17, 100, 4095])
+    cos, sin = rot(positions, dtype)
+    qkv = torch.randn(5, 7 * head_dim, generator=torch.Generator().manual_seed(2)).to(dtype)
+    qk = qkv.view(5, 7, head_dim)[:, :5]  # 3 q heads + 2 k heads; 2 v heads untouched
+    expected = apply_rope(qk, cos, sin)
+    before_v = qkv.view(5, 7, head_dim)[:, 5:].clone()
+    out = layer_ops.rope_(qk, cos, sin)
+    assert out.data_ptr() == qkv.data_ptr()
+    _close(qkv.view(5, 7, head_dim)[:, :5], expected, dtype)
+    assert torch.equal(qkv.view(5, 7, head_dim)[:, 5:], before_v)
+
+
+def test_kv_write_puts_rows_in_their_slots_and_skips_negative_ones():
+    kv = torch.zeros(2, 6, 4, 2, 8)
+    rows = torch.randn(3, 6 * 8)  # a fused qkv row: 2 q heads, 2 k heads, 2 v heads
+    k, v = rows[:, 16:32].view(3, 2, 8), rows[:, 32:].view(3, 2, 8)
+    layer_ops.kv_write(k, v, kv, torch.tensor([5, -1, 23]))
+    flat = kv.view(2, 24, 2, 8)
+    assert torch.equal(flat[0, 5], k[0]) and torch.equal(flat[1, 23], v[2])
+    assert int((flat != 0).any(-1).any(-1).sum()) == 4  # two slots in K, two in V
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_matches_softmax_over_the_gathered_history(dtype):
+    gen = torch.Generator().manual_seed(3)
+    blocks, bs, kv_heads, dim, heads = 40, 16, 2, 32, 6
+    kv = torch.randn(2, blocks, bs, kv_heads, dim, generator=gen).to(dtype)
+    lens = [1, 16, 17, 250, 600]
+    tables = torch.stack([torch.randperm(blocks, generator=gen)[:38] for _ in lens])
+    q = torch.randn(len(lens) + 1, heads, dim, generator=gen).to(dtype)
+    rows = torch.tensor([5, 0, 2, 1, 3])
+    for split in (16, 48, 1024):  # spans merged across items, and whole requests
+        out = layer_ops.decode_attention(q, kv, tables, torch.tensor(lens), rows, split, 0.2)
+        for b, n in enumerate(lens):
+            blk = tables[b, :(n + bs - 1) // bs]
+            k = kv[0][blk].reshape(-1, kv_heads, dim)[:n].double().repeat_interleave(3, 1)
+            v = kv[1][blk].reshape(-1, kv_heads, dim)[:n].double().repeat_interleave(3, 1)
+            scores = torch.einsum("hd,lhd->hl", q[rows[b]].double(), k) * 0.2
+            ref = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+            _close(out[b], ref, dtype)
+
+
+def test_decode_split_spreads_few_long_requests_over_the_threads():
+    # many (request, KV head) pairs: whole requests; one long request: spans of positions
+    assert layer_ops.decode_split([100] * 64, 2, 16, 2) == 112
+    split = layer_ops.decode_split([4000], 2, 16, 2)
+    assert split % 16 == 0 and layer_ops.MIN_SPLIT <= split < 4000
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_model_forward_agrees_with_the_pytorch_path(family, monkeypatch):
+    # a tiny model, eager on the CPU: a prefill and three decodes, kernels on and off
+    # (qwen3: per-head q/k norms, then RoPE by the kernel on the normed heads)
+    from asyncengine.executor.attention.base import AttentionMetadata
+    from asyncengine.executor.attention.torch_paged import TorchPagedBackend
+    from asyncengine.executor.models.llama import LlamaForCausalLM
+    from tests.utils import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config(family)
+    model = LlamaForCausalLM(config)
+    for p in model.parameters():
+        p.data.normal_(0, 0.2)
+    backend = TorchPagedBackend()
+
+    def run(enabled: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(layer_ops, "ENABLED", enabled)
+        caches = backend.allocate_kv_cache(config.num_hidden_layers, 8, 4, model.num_kv_heads,
+                                           model.head_dim, torch.float32, "cpu")
+        table = torch.tensor([[3, 1, 6, 2]])
+        outs = []
+        ids, positions = torch.tensor([5, 9, 2, 7, 1, 3]), torch.arange(6)
+        for step in range(4):
+            n = ids.shape[0]
+            slots = table[0, positions // 4] * 4 + positions % 4
+            meta = AttentionMetadata(query_start_loc=[0, n], seq_lens=[int(positions[-1]) + 1],
+                                     block_tables=table, slot_mapping=slots, block_size=4)
+            backend.prepare(meta)
+            with torch.inference_mode():
+                h = model(ids, positions, caches, meta, backend)
+            outs.append(h)
+            ids = torch.tensor([10 + step])
+            positions = positions[-1:] + 1
+        return outs
+
+    for a, b in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
