@@ -1,6 +1,7 @@
-"""Decode attention alone, one layer: the padded gather (one SDPA call over every decode row's
-whole history) against the chunked read (``attention/decode_chunks.py``), same process, same
-cache, interleaved runs.
+"""Decode attention alone, one layer, three ways in one process over the same cache,
+interleaved: the padded gather (one SDPA call over every decode row's whole history), the
+chunked read (``attention/decode_chunks.py``), and the own CPU kernel that reads the paged
+cache in place (``kernels/decode_attention.cpp``, the default on the CPU).
 
 Contexts are drawn uniformly from [--min-ctx, --max-ctx]; SmolLM2-135M's attention shape (9
 query heads, 3 KV heads, head_dim 64) by default. Prints the best and median time per layer
@@ -24,6 +25,7 @@ def main(args: argparse.Namespace) -> int:
 
     from asyncengine.executor.attention import decode_chunks, torch_paged
     from asyncengine.executor.attention.base import AttentionMetadata
+    from asyncengine.executor.kernels import layer_ops
 
     dtype = getattr(torch, args.dtype)
     bs, heads, kv_heads, dim = args.block_size, args.heads, args.kv_heads, args.head_dim
@@ -43,8 +45,9 @@ def main(args: argparse.Namespace) -> int:
     v = torch.randn(args.batch, kv_heads, dim).to(dtype)
     elem = cache.element_size()
 
-    def run(threshold: int) -> tuple[list[float], torch.Tensor]:
+    def run(threshold: int, kernel: bool) -> tuple[list[float], torch.Tensor]:
         torch_paged.DECODE_CHUNK_TOKENS = threshold
+        layer_ops.ENABLED = kernel
         backend = torch_paged.TorchPagedBackend()
         times, out = [], None
         for _ in range(args.repeats):
@@ -56,16 +59,20 @@ def main(args: argparse.Namespace) -> int:
         return times, out
 
     chunk = decode_chunks.DECODE_CHUNK_TOKENS
-    results: dict[str, list[float]] = {"gather": [], "chunked": []}
+    paths = [("gather", 1 << 30, False), ("chunked", chunk, False)]
+    if layer_ops._kernels(dtype) is not None:
+        paths.append(("kernel", chunk, True))
+    results: dict[str, list[float]] = {name: [] for name, _, _ in paths}
     outs = {}
-    for _ in range(3):  # interleaved: the machine's load hits both alike
-        for name, threshold in (("gather", 1 << 30), ("chunked", chunk)):
-            times, outs[name] = run(threshold)
+    for _ in range(3):  # interleaved: the machine's load hits all alike
+        for name, threshold, kernel in paths:
+            times, outs[name] = run(threshold, kernel)
             results[name] += times
-    diff = (outs["gather"].double() - outs["chunked"].double()).abs().max().item()
+    diff = max((outs[name].double() - outs["gather"].double()).abs().max().item()
+               for name in outs)
     per_chunk = max(1, chunk // bs) * bs
     copy = {"gather": args.batch * width * bs,
-            "chunked": args.batch * min(width * bs, per_chunk)}
+            "chunked": args.batch * min(width * bs, per_chunk), "kernel": 0}
     print(f"batch={args.batch} contexts {min(lens)}..{max(lens)} (mean {sum(lens) // len(lens)}) "
           f"dtype={args.dtype} threads={torch.get_num_threads()} chunk={chunk} tokens; "
           f"max |difference| {diff:.2e}")

@@ -52,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--asyncengine-args", default="",
                         help="more flags for asyncengine serve, e.g. '--compile'")
+    parser.add_argument("--llama-server-args", default="",
+                        help="extra llama-server flags, one string")
+    parser.add_argument("--vllm-args", default="",
+                        help='extra vLLM flags, one string (e.g. "--dtype float32" on a CPU '
+                             'without bfloat16 arithmetic)')
 
 
 def _free_port() -> int:
@@ -79,7 +84,8 @@ def server_command(peer: str, args: argparse.Namespace, port: int) -> list[str] 
 
             gguf = embedded_model_path()
         return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
-                "-t", str(args.threads), "-np", str(max(args.concurrency)), "-c", str(ctx)]
+                "-t", str(args.threads), "-np", str(max(args.concurrency)), "-c", str(ctx),
+                *shlex.split(getattr(args, "llama_server_args", "") or "")]
     probe = subprocess.run([args.vllm_python, "-c", "import vllm"], capture_output=True)
     if probe.returncode != 0:
         return f"not installed (vllm is not importable by {args.vllm_python})"
@@ -88,7 +94,8 @@ def server_command(peer: str, args: argparse.Namespace, port: int) -> list[str] 
     return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--host",
             "127.0.0.1", "--port", str(port), "--model", args.hf_model,
             "--max-model-len", str(args.prompt_len * 2 + args.max_tokens + 64),
-            "--max-num-seqs", str(max(args.concurrency))]
+            "--max-num-seqs", str(max(args.concurrency)),
+            *shlex.split(getattr(args, "vllm_args", "") or "")]
 
 
 async def _wait_ready(proc: subprocess.Popen, url: str, log: Any, timeout: float) -> None:

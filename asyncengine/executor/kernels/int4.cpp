@@ -159,26 +159,50 @@ static inline void ae_q4_row(const uint8_t* qn, const uint16_t* smn, const int8_
 #endif
 }
 
+// One weight row into floats: w[32 b + j] = q * scale_b + min_b.
+static inline void ae_dequant_q4(const uint8_t* qn, const uint16_t* smn, float* w,
+                                 int64_t blocks) {
+    for (int64_t b = 0; b < blocks; ++b) {
+        const float scale = ae_half(smn[2 * b]), mn = ae_half(smn[2 * b + 1]);
+        const uint8_t* qb = qn + 16 * b;
+        float* wb = w + 32 * b;
+#ifdef AE_AVX2
+        const __m128i bytes = _mm_loadu_si128((const __m128i*)qb);
+        const __m128i m16 = _mm_set1_epi8(0x0f);
+        const __m128i lo = _mm_and_si128(bytes, m16);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), m16);
+        const __m256 s = _mm256_set1_ps(scale), mv = _mm256_set1_ps(mn);
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int i = 0; i < 4; ++i)
+            _mm256_storeu_ps(wb + 8 * i, _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), s, mv));
+#else
+        for (int j = 0; j < 16; ++j) {
+            wb[j] = (float)(qb[j] & 0x0f) * scale + mn;
+            wb[16 + j] = (float)(qb[j] >> 4) * scale + mn;
+        }
+#endif
+    }
+}
+
 extern "C" void kernel(const float* x, const uint8_t* q, const uint16_t* sm, float* out,
                        int64_t M, int64_t N, int64_t K) {
     const int64_t blocks = K / 32;
-    if (M >= AE_FLOAT_ROWS) {
+    if (M >= AE_FLOAT_ROWS) {  // two weight rows at a time, dequantized into L1
         #pragma omp parallel
         {
-            alignas(64) float wbuf[16384];
+            std::vector<float> wbuf(2 * K);
             #pragma omp for schedule(static)
-            for (int64_t n = 0; n < N; ++n) {
-                const uint8_t* qn = q + n * (K / 2);
-                const uint16_t* smn = sm + n * blocks * 2;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const float scale = ae_half(smn[2 * b]), mn = ae_half(smn[2 * b + 1]);
-                    const uint8_t* qb = qn + 16 * b;
-                    for (int j = 0; j < 16; ++j) {
-                        wbuf[32 * b + j] = (float)(qb[j] & 0x0f) * scale + mn;
-                        wbuf[32 * b + 16 + j] = (float)(qb[j] >> 4) * scale + mn;
-                    }
+            for (int64_t n2 = 0; n2 < (N + 1) / 2; ++n2) {
+                const int64_t n = 2 * n2;
+                ae_dequant_q4(q + n * (K / 2), sm + n * blocks * 2, wbuf.data(), blocks);
+                if (n + 1 < N) {
+                    ae_dequant_q4(q + (n + 1) * (K / 2), sm + (n + 1) * blocks * 2,
+                                  wbuf.data() + K, blocks);
+                    ae_dots2(wbuf.data(), wbuf.data() + K, x, out + n, M, N, K);
+                } else {
+                    ae_dots(wbuf.data(), x, out + n, M, N, K);
                 }
-                ae_dots(wbuf, x, out + n, M, N, K);
             }
         }
         return;

@@ -57,8 +57,12 @@ def _kernels(dtype: torch.dtype) -> dict[str, object] | None:
 
 def usable(x: torch.Tensor) -> bool:
     """Whether the ops run for activations like ``x``: CPU, float32 or bfloat16, eager, on."""
-    return (ENABLED and x.device.type == "cpu" and not torch.compiler.is_compiling()
-            and _kernels(x.dtype) is not None)
+    if not ENABLED or x.is_cuda or torch.compiler.is_compiling():
+        return False
+    built = _BUILT.get(x.dtype, False)
+    if built is False:
+        built = _kernels(x.dtype)
+    return built is not None and x.device.type == "cpu"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

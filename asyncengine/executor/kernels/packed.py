@@ -19,11 +19,20 @@ Layouts (``w[n, k]`` is the weight of output ``n`` and input ``k``):
 - **int8** ``q``: int8 ``[N, K]``; ``scales``: float32 ``[N, K / group]``, ``w = q * scale``
   (GGUF's Q8_0 is ``group`` 32; per-channel int8 is ``group`` K).
 
-How a call runs: the output rows are split across the OpenMP threads. A thread dequantizes
-one weight row into a float32 buffer that stays in L1, then takes its dot product with every
-input row, four input rows at a time so each loaded weight vector feeds four FMAs. The weights
-are read once per call whatever the number of input rows; the arithmetic is the float32
-matmul's. Results equal ``x @ dequant(w).T`` up to float32 summation order.
+How a call runs: the output rows are split across the OpenMP threads.
+
+- int4, fewer than 8 input rows (decode, bound by reading the weights): the weights stay
+  packed. The input rows are rounded to int8 per block of 32, twice (the value, then its
+  rounding error at 1/256 of the step), so they are exact to ~1.5e-5 of the block maximum;
+  a block then costs two byte dot products (``vpmaddubsw``) folded into one integer sum and
+  one float FMA (``int4.cpp`` has the algebra).
+- int4 from 8 rows on, and int8 always (bound by arithmetic): each weight row is dequantized
+  into a float32 buffer that stays in L1 and multiplied in float32, exact activations; with
+  several input rows two weight rows share each input load (a 2 x 4 tile of accumulators).
+
+The weights are read once per call whatever the number of input rows. Results equal
+``x @ dequant(w).T`` up to float32 summation order (int4 below 8 rows: up to the rounding of
+the activations, ~1e-5 relative; ``tests/test_int4.py``).
 """
 
 from __future__ import annotations
@@ -48,9 +57,15 @@ _ARGS = {
 }
 
 
+_LOADED: dict[str, Callable[..., None] | None] = {}
+
+
 def _load(name: str) -> Callable[..., None] | None:
     """The compiled kernel ``name`` (int4, int8: ``int4.cpp``, ``int8.cpp``), or None."""
-    return build.load(name, _ARGS[name])
+    fn = _LOADED.get(name)
+    if fn is None and name not in _LOADED:
+        fn = _LOADED[name] = build.load(name, _ARGS[name])
+    return fn
 
 
 def available(name: str) -> bool:

@@ -81,12 +81,18 @@ class Int4Linear(nn.Module):
         self.register_buffer("scale_min", torch.stack([scale, mn], dim=-1).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.use_kernel = packed_kernels.available("int4")
+        self._direct = self.use_kernel and self.bias is None
 
     def dequantized(self) -> torch.Tensor:
         q = packed_kernels.unpack_int4(self.packed)
         return dequantize_int4(q, self.scale_min[..., 0], self.scale_min[..., 1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self._direct and x.dtype is torch.float32 and x.dim() == 2
+                and x.shape[0] < DEQUANT_ROWS and not torch.compiler.is_compiling()):
+            # The decode path, as short as it can be: ~120 of these run per step.
+            buffers = self._buffers
+            return packed_kernels.int4_mm(x, buffers["packed"], buffers["scale_min"])
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.use_kernel and x2.shape[0] < DEQUANT_ROWS:
