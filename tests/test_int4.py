@@ -96,7 +96,10 @@ def test_gguf_q8_0_blocks_are_kept_exactly():
     layer = Int8Linear(w, grid=(torch.from_numpy(g.other), torch.from_numpy(g.scale)))
     assert layer.scales.shape == (40, 4)
     torch.testing.assert_close(layer.dequantized(), w, atol=0, rtol=0)
-    x = torch.randn(3, 128)
+    x = torch.randn(3, 128)  # decode rows: activations rounded twice per block of 32
+    want = x @ w.T
+    assert ((layer(x) - want).abs().max() / want.abs().max()).item() < 2e-4
+    x = torch.randn(9, 128)  # float32 arithmetic from 8 rows on
     torch.testing.assert_close(layer(x), x @ w.T, atol=1e-4, rtol=1e-4)
 
 

@@ -19,12 +19,76 @@ static inline void ae_dequant_q8(const int8_t* qn, const float* sn, float* w, in
     }
 }
 
+// One weight row n against input row m (rounded by ae_quantize_rows): per block of 32,
+//   t = sum_j w_j (256 xq_j + xr_j)  (vpmaddubsw needs an unsigned operand: |w| times x
+//   with w's sign), acc += t * (scale d / 256).
+// |w| <= 127 and |x| <= 128 keep every pair sum inside int16.
+// PER_BLOCK: a scale per block of 32 (GGUF's Q8_0), else one per row (per channel).
+template <bool PER_BLOCK>
+static inline float ae_q8_dot(const int8_t* qn, const float* sn, const int8_t* xq,
+                              const int8_t* xr, const float* xa, int64_t blocks) {
+#ifdef AE_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i c256 = _mm256_set1_epi16(256), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(qn + 32 * b));
+        const __m256i aw = _mm256_sign_epi8(w, w);
+        const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(xq + 32 * b)), w);
+        const __m256i rv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(xr + 32 * b)), w);
+        const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), c256),
+                                           _mm256_madd_epi16(_mm256_maddubs_epi16(aw, rv), ones));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t),
+                              _mm256_set1_ps(sn[PER_BLOCK ? b : 0] * xa[2 * b]), acc);
+    }
+    return ae_hsum8(acc);
+#else
+    float acc = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) {
+        int32_t t = 0;
+        for (int j = 0; j < 32; ++j)
+            t += (int32_t)qn[32 * b + j] * (256 * xq[32 * b + j] + xr[32 * b + j]);
+        acc += (float)t * sn[PER_BLOCK ? b : 0] * xa[2 * b];
+    }
+    return acc;
+#endif
+}
+
 // x: float [M, K]; q: int8 [N, K]; scales: float [N, K/group]; out: float [M, N].
-// Each weight row is dequantized into L1 and multiplied in float32; from 4 input rows on, two
+// Fewer than 8 input rows (decode, bound by reading the weights), a scale per block of 32 or
+// per row: byte dot products against the rounded activations, as in int4.cpp. Otherwise each
+// weight row is dequantized into L1 and multiplied in float32; from 4 input rows on, two
 // weight rows at a time share each input load.
 extern "C" void kernel(const float* x, const int8_t* q, const float* scales, float* out,
                        int64_t M, int64_t N, int64_t K, int64_t group) {
     const int64_t groups = K / group;
+    if (M < 8 && (group == 32 || group == K) && K % 32 == 0) {
+        const int64_t blocks = K / 32;
+        static thread_local std::vector<int8_t> xq_buf;
+        static thread_local std::vector<float> xf_buf;
+        if ((int64_t)xq_buf.size() < 2 * M * K) xq_buf.resize(2 * M * K);
+        if ((int64_t)xf_buf.size() < 4 * M * blocks) xf_buf.resize(4 * M * blocks);
+        int8_t* xq = xq_buf.data();
+        int8_t* xr = xq + M * K;
+        float* xa = xf_buf.data();
+        ae_quantize_rows(x, xq, xr, xa, xa + 2 * M * blocks, M, K);
+        #pragma omp parallel for schedule(static)
+        for (int64_t n = 0; n < N; ++n) {
+            const int8_t* qn = q + n * K;
+#ifdef AE_AVX2
+            if (n + 4 < N) {  // a few rows ahead into the cache
+                const char* p = (const char*)(qn + 4 * K);
+                for (int64_t o = 0; o < K; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+            }
+#endif
+            for (int64_t m = 0; m < M; ++m)
+                out[m * N + n] = group == 32
+                    ? ae_q8_dot<true>(qn, scales + n * groups, xq + m * K, xr + m * K,
+                                      xa + 2 * m * blocks, blocks)
+                    : ae_q8_dot<false>(qn, scales + n * groups, xq + m * K, xr + m * K,
+                                       xa + 2 * m * blocks, blocks);
+        }
+        return;
+    }
     const int64_t step = M >= 4 ? 2 : 1;
     #pragma omp parallel
     {
