@@ -113,7 +113,10 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
     const int64_t* const ib = item_bh.data();
     float* const pt = part.data();
 
-    #pragma omp parallel if (items > 1)
+    // A team costs more than it saves below a few thousand (position, head) scores.
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; ++b) work += lens[b] * H;
+    #pragma omp parallel if (items > 1 && work >= 8192)
     {
         static thread_local std::vector<float> scratch;
         if ((int64_t)scratch.size() < G * (2 * D + 2 + BS)) scratch.resize(G * (2 * D + 2 + BS));
