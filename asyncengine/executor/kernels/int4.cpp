@@ -32,6 +32,8 @@ static inline void ae_q4_row(const uint8_t* qn, const uint16_t* smn, const int8_
 #ifdef AE_AVX2
     for (; i + 8 <= B2; i += 8)
         _mm256_storeu_ps(smf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(smn + i))));
+    for (; i + 4 <= B2; i += 4)  // K = 576 leaves 2 blocks: one 128-bit step, not 4 scalars
+        _mm_storeu_ps(smf + i, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(smn + i))));
 #endif
     for (; i < B2; ++i) smf[i] = ae_half(smn[i]);
     for (int r = 0; r < MC; ++r) {
@@ -47,7 +49,14 @@ static inline void ae_q4_row(const uint8_t* qn, const uint16_t* smn, const int8_
             _mm256_storeu_ps(fr + i, _mm256_mul_ps(s, _mm256_loadu_ps(xar + i)));
             macc = _mm256_fmadd_ps(s, _mm256_loadu_ps(xbr + i), macc);
         }
-        mm = ae_hsum8(macc);
+        __m128 macc4 = _mm_add_ps(_mm256_castps256_ps128(macc), _mm256_extractf128_ps(macc, 1));
+        for (; i + 4 <= B2; i += 4) {
+            const __m128 s = _mm_loadu_ps(smf + i);
+            _mm_storeu_ps(fr + i, _mm_mul_ps(s, _mm_loadu_ps(xar + i)));
+            macc4 = _mm_fmadd_ps(s, _mm_loadu_ps(xbr + i), macc4);
+        }
+        macc4 = _mm_hadd_ps(macc4, macc4);
+        mm = _mm_cvtss_f32(_mm_hadd_ps(macc4, macc4));
 #endif
         for (; i < B2; ++i) { fr[i] = smf[i] * xar[i]; mm += smf[i] * xbr[i]; }
         mins[r] = mm;
