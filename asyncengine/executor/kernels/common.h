@@ -4,6 +4,7 @@
 #include <cstring>
 #include <algorithm>
 #include <cmath>
+#include <vector>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define AE_AVX2 1
@@ -246,4 +247,18 @@ static inline void ae_quantize_rows(const float* x, int8_t* xq, int8_t* xr, floa
         xa[2 * i] = d / 256.f; xa[2 * i + 1] = 0.f;
         xb[2 * i] = 0.f; xb[2 * i + 1] = s;
     }
+}
+
+// The rounded input rows of a byte-dot call (int4.cpp, int8.cpp), in scratch of the calling
+// thread kept between calls; the team reads them through these pointers.
+struct ae_rounded { int8_t* xq; int8_t* xr; float* xa; float* xb; };
+static inline ae_rounded ae_round_rows(const float* x, int64_t M, int64_t K) {
+    static thread_local std::vector<int8_t> q;
+    static thread_local std::vector<float> f;
+    const int64_t blocks = K / 32;
+    if ((int64_t)q.size() < 2 * M * K) q.resize(2 * M * K);
+    if ((int64_t)f.size() < 4 * M * blocks) f.resize(4 * M * blocks);
+    ae_rounded r{q.data(), q.data() + M * K, f.data(), f.data() + 2 * M * blocks};
+    ae_quantize_rows(x, r.xq, r.xr, r.xa, r.xb, M, K);
+    return r;
 }

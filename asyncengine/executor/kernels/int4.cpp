@@ -161,16 +161,11 @@ extern "C" void kernel(const float* x, const uint8_t* q, const uint16_t* sm, flo
         }
         return;
     }
-    // The rounded activations: scratch of the calling thread, kept between calls.
-    static thread_local std::vector<int8_t> xq_buf;
-    static thread_local std::vector<float> xf_buf;
-    if ((int64_t)xq_buf.size() < 2 * M * K) xq_buf.resize(2 * M * K);
-    if ((int64_t)xf_buf.size() < 4 * M * blocks) xf_buf.resize(4 * M * blocks);
-    int8_t* xq = xq_buf.data();
-    int8_t* xr = xq + M * K;
-    float* xa = xf_buf.data();
-    float* xb = xa + 2 * M * blocks;
-    ae_quantize_rows(x, xq, xr, xa, xb, M, K);
+    const ae_rounded rounded = ae_round_rows(x, M, K);
+    const int8_t* xq = rounded.xq;
+    const int8_t* xr = rounded.xr;
+    const float* xa = rounded.xa;
+    const float* xb = rounded.xb;
     #pragma omp parallel
     {
         std::vector<float> smf(2 * blocks * 3);

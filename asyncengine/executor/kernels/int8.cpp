@@ -63,14 +63,10 @@ extern "C" void kernel(const float* x, const int8_t* q, const float* scales, flo
     const int64_t groups = K / group;
     if (M < 8 && (group == 32 || group == K) && K % 32 == 0) {
         const int64_t blocks = K / 32;
-        static thread_local std::vector<int8_t> xq_buf;
-        static thread_local std::vector<float> xf_buf;
-        if ((int64_t)xq_buf.size() < 2 * M * K) xq_buf.resize(2 * M * K);
-        if ((int64_t)xf_buf.size() < 4 * M * blocks) xf_buf.resize(4 * M * blocks);
-        int8_t* xq = xq_buf.data();
-        int8_t* xr = xq + M * K;
-        float* xa = xf_buf.data();
-        ae_quantize_rows(x, xq, xr, xa, xa + 2 * M * blocks, M, K);
+        const ae_rounded rows = ae_round_rows(x, M, K);
+        const int8_t* xq = rows.xq;
+        const int8_t* xr = rows.xr;
+        const float* xa = rows.xa;
         #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; ++n) {
             const int8_t* qn = q + n * K;
