@@ -102,6 +102,19 @@ class TorchPagedBackend(AttentionBackend):
         # on the device's thread.
         metadata.extra = None
 
+    def decode_plan(self, metadata: AttentionMetadata, x: torch.Tensor,
+                    kv_heads: int) -> _CppDecode | None:
+        """The step's in-place decode attention, when every token of the step is a decode that
+        ``decode_attention.cpp`` attends (rows 0 .. T-1 in order, K/V written by ``kv_write``);
+        else None. ``x``: any of the step's activations (its dtype and device decide). For
+        callers that run the layers' kernels themselves (``models/decode_stack.py``)."""
+        plan: _Plan | None = metadata.extra
+        if plan is None:
+            plan = metadata.extra = _make_plan(metadata, x, kv_heads)
+        if plan.cpp and plan.identity and isinstance(plan.groups[0], _CppDecode):
+            return plan.groups[0]
+        return None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         plan: _Plan | None = metadata.extra

@@ -1,19 +1,20 @@
 """Building the C++ kernels of this folder, at first use, with inductor's C++ toolchain.
 
-Each ``<name>.cpp`` defines one ``extern "C" void kernel(...)``; ``load`` inlines
-``common.h`` (ISA detection, float16 / bfloat16 conversion, a vectorized exp), optionally
-fixes the element type (``AE_DTYPE``), and compiles it through
-``CppPythonBindingsCodeCache``, the code cache ``--compile`` already uses: the compiler
-flags are inductor's for this CPU (AVX2 / AVX-512 where present), the build takes a few
-seconds once, and the shared object is cached on disk across restarts. The returned
-function takes tensors for pointer arguments (their data pointers, no checks) and Python
-ints / floats for the rest.
+Each ``<name>.cpp`` defines one ``extern "C" void kernel(...)``; ``load`` inlines the files
+of this folder it includes, ``common.h`` at least (ISA detection, float16 / bfloat16
+conversion, a vectorized exp), optionally fixes the element type (``AE_DTYPE``), and compiles
+it through ``CppPythonBindingsCodeCache``, the code cache ``--compile`` already uses: the
+compiler flags are inductor's for this CPU (AVX2 / AVX-512 where present), the build takes a
+few seconds once, and the shared object is cached on disk across restarts. The returned
+function takes tensors for pointer arguments (their data pointers, no checks) and Python ints
+/ floats for the rest.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,10 +28,28 @@ _DIR = Path(__file__).parent
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+_LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.M)
+
+
+def _inline(name: str, seen: set[str]) -> str:
+    """The text of ``name`` with its ``#include "..."`` of this folder inlined, each file
+    once (a file included again, like ``common.h`` by every kernel, is left out)."""
+
+    def include(match: re.Match[str]) -> str:
+        inc = match.group(1)
+        if inc in seen:
+            return ""
+        seen.add(inc)
+        return _inline(inc, seen)
+
+    return _LOCAL_INCLUDE.sub(include, (_DIR / name).read_text())
+
+
 def source(name: str, dtype_code: int | None = None) -> str:
-    """The self-contained C++ source of kernel ``name``."""
-    text = (_DIR / f"{name}.cpp").read_text()
-    text = text.replace('#include "common.h"', (_DIR / "common.h").read_text(), 1)
+    """The self-contained C++ source of kernel ``name``: ``<name>.cpp`` with the files it
+    includes from this folder inlined (a kernel may include another one's ``.cpp`` under a
+    renamed ``kernel``: ``decode_stack.cpp`` does)."""
+    text = _inline(f"{name}.cpp", {f"{name}.cpp"})
     if dtype_code is not None:
         text = f"#define AE_DTYPE {dtype_code}\n{text}"
     return text

@@ -30,10 +30,13 @@ from torch import nn
 
 from asyncengine.executor.attention.base import AttentionBackend, AttentionMetadata
 from asyncengine.executor.kernels import layer_ops
+from asyncengine.executor.models.decode_stack import DecodeStack
 from asyncengine.executor.models.rope import RotaryEmbedding, apply_rope
 from asyncengine.executor.models.small_matmul import small_matmuls
 
 logger = logging.getLogger(__name__)
+
+_UNSET = object()
 
 # checkpoint projection -> (our fused projection, shard)
 FUSED_SHARDS = {
@@ -218,6 +221,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, self.head_dim)
         self.lm_head = None if self.tie_word_embeddings else \
             Linear(self.hidden_size, self.vocab_size)
+        self._stack: DecodeStack | None | object = _UNSET
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
@@ -225,6 +229,13 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, h.dtype)  # [T, 1, 2, head_dim / 2] each
+        if h.device.type == "cpu" and not torch.compiler.is_compiling():
+            if self._stack is _UNSET:  # built at the first step: the weights are final then
+                self._stack = DecodeStack.for_model(self)
+            if self._stack is not None:  # every layer in one C++ call (decode_stack.py)
+                out = self._stack.run(h, cos, sin, kv_caches, attn_metadata, attn_backend)
+                if out is not None:
+                    return out
         residual = None
         with small_matmuls(h):
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):

@@ -1,0 +1,101 @@
+#include "common.h"
+#include <Python.h>
+
+// A Llama-family decode step through every decoder layer in one call: the layer kernels of
+// this folder, called in sequence from C++ instead of ~15 Python / PyTorch calls per layer.
+// Each is the same kernel the per-op path calls (included here under its own name), with the
+// same arguments, so the result is the per-op path's to the bit. Float32 activations, int4
+// weights (int4.cpp's layout), T decode tokens (one per request, rows 0 .. T-1 in order).
+#define kernel ae_int4_mm
+#include "int4.cpp"
+#undef kernel
+#define kernel ae_rms_norm
+#include "rms_norm.cpp"
+#undef kernel
+#define kernel ae_rope
+#include "rope.cpp"
+#undef kernel
+#define kernel ae_silu_mul
+#include "silu_mul.cpp"
+#undef kernel
+#define kernel ae_kv_write
+#include "kv_write.cpp"
+#undef kernel
+#define kernel ae_decode_attention
+#include "decode_attention.cpp"
+#undef kernel
+
+// Per layer, AE_STACK_PTRS addresses (int64) in `layers` [L, AE_STACK_PTRS]:
+enum {
+    AE_IN_NORM,      // input_layernorm weight [HD]
+    AE_QKV_Q,        // qkv_proj int4 [(H + 2 KVH) D, HD / 2] and (scale, min) float16
+    AE_QKV_SM,
+    AE_O_Q,          // o_proj [HD, H D / 2]
+    AE_O_SM,
+    AE_POST_NORM,    // post_attention_layernorm weight [HD]
+    AE_GU_Q,         // gate_up_proj [2 I, HD / 2]
+    AE_GU_SM,
+    AE_DOWN_Q,       // down_proj [HD, I / 2]
+    AE_DOWN_SM,
+    AE_KV,           // the layer's KV cache [2, blocks, BS, KVH, D]; V at + v_off elements
+    AE_STACK_PTRS
+};
+
+// The Python thread state is released for the whole call (milliseconds): the event loop's
+// thread runs meanwhile (emission, HTTP) instead of waiting for this thread to return.
+struct AeWithoutGil {
+    PyThreadState* state;
+    AeWithoutGil() : state(PyEval_SaveThread()) {}
+    ~AeWithoutGil() { PyEval_RestoreThread(state); }
+};
+
+template <typename P>
+static inline P* ae_ptr(const int64_t* layer, int i) { return reinterpret_cast<P*>(layer[i]); }
+
+// h: [T, HD] the token embeddings; out: [T, HD] the final normed hidden states (final_norm).
+// cos, sin: [T, D] (RotaryEmbedding's); slots: int64 [T] cache slots of the new tokens;
+// tables, lens, rows, split: decode_attention.cpp's (lens include the new token).
+extern "C" void kernel(const float* h, float* out, const int64_t* layers, const float* final_norm,
+                       const float* cos, const float* sin, const int64_t* slots,
+                       const int64_t* tables, const int64_t* lens, const int64_t* rows,
+                       int64_t L, int64_t T, int64_t HD, int64_t H, int64_t KVH, int64_t D,
+                       int64_t I, int64_t BS, int64_t table_stride, int64_t split,
+                       int64_t v_off, float scale, float eps) {
+    const AeWithoutGil released;
+    const int64_t QKV = (H + 2 * KVH) * D;
+    static thread_local std::vector<float> buf;
+    const int64_t need = T * (3 * HD + QKV + H * D + 3 * I);
+    if ((int64_t)buf.size() < need) buf.resize(need);
+    float* residual = buf.data();
+    float* x = residual + T * HD;       // a norm's output, the next matmul's input
+    float* hs = x + T * HD;             // a sublayer's output
+    float* qkv = hs + T * HD;
+    float* att = qkv + T * QKV;
+    float* gu = att + T * H * D;
+    float* act = gu + T * 2 * I;
+    std::memcpy(residual, h, T * HD * sizeof(float));
+    for (int64_t l = 0; l < L; ++l) {
+        const int64_t* w = layers + l * AE_STACK_PTRS;
+        float* kv = ae_ptr<float>(w, AE_KV);
+        if (l == 0)
+            ae_rms_norm(h, residual, ae_ptr<const float>(w, AE_IN_NORM), x, T, HD, HD, 0, eps);
+        else  // residual += h; x = norm(residual)
+            ae_rms_norm(hs, residual, ae_ptr<const float>(w, AE_IN_NORM), x, T, HD, HD, 1,
+                        eps);
+        ae_int4_mm(x, ae_ptr<const uint8_t>(w, AE_QKV_Q), ae_ptr<const uint16_t>(w, AE_QKV_SM),
+                   qkv, T, QKV, HD);
+        ae_rope(qkv, cos, sin, T, H + KVH, D, QKV);  // q and k heads, in place
+        ae_kv_write(qkv + H * D, qkv + (H + KVH) * D, kv, slots, T, KVH * D, QKV, QKV, v_off);
+        ae_decode_attention(qkv, kv, tables, lens, rows, att, T, H, KVH, D, BS, table_stride,
+                            QKV, split, scale, v_off);
+        ae_int4_mm(att, ae_ptr<const uint8_t>(w, AE_O_Q), ae_ptr<const uint16_t>(w, AE_O_SM),
+                   hs, T, HD, H * D);
+        ae_rms_norm(hs, residual, ae_ptr<const float>(w, AE_POST_NORM), x, T, HD, HD, 1, eps);
+        ae_int4_mm(x, ae_ptr<const uint8_t>(w, AE_GU_Q), ae_ptr<const uint16_t>(w, AE_GU_SM),
+                   gu, T, 2 * I, HD);
+        ae_silu_mul(gu, act, T, I);
+        ae_int4_mm(act, ae_ptr<const uint8_t>(w, AE_DOWN_Q),
+                   ae_ptr<const uint16_t>(w, AE_DOWN_SM), hs, T, HD, I);
+    }
+    ae_rms_norm(hs, residual, final_norm, out, T, HD, HD, 1, eps);
+}

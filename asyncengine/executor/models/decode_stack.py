@@ -1,0 +1,112 @@
+"""A decode step's decoder layers in one C++ call (CPU, eager, float32, int4 weights).
+
+At one decode token a SmolLM2-135M step is 30 layers of ~15 calls each (4 int4 matmuls, the
+norms, RoPE, the K/V write, attention, SiLU * up) with the module calls, views and
+allocations around them: measured on a 2-core AVX2 machine, ~6 ms of a ~15 ms step was
+Python and PyTorch between the kernels, and each small kernel cost 6-15 us per call, mostly
+not its arithmetic. ``kernels/decode_stack.cpp`` calls the same kernels in the same order
+from C++, for every layer: the step's hidden states go in after the embedding and come out
+after the final norm, to the bit what the per-op path computes.
+
+It runs when a step is all decodes that ``torch_paged`` attends with its in-place kernel
+(``TorchPagedBackend.decode_plan``), with fewer than ``DEQUANT_ROWS`` tokens (the int4
+kernel's own range), for a Llama-family model whose projections are all int4 without bias
+and without Qwen3's per-head norms: the default for the embedded Q4_1 GGUF and for
+``--quantization int4``. Anything else takes the per-layer path. ``ASYNCENGINE_CPU_KERNELS=0``
+turns it off with the other own kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from asyncengine.executor.kernels import layer_ops
+from asyncengine.executor.kernels.build import load
+from asyncengine.executor.models.int4 import DEQUANT_ROWS, Int4Linear
+
+_ARGS = ("const float*", "float*", "const int64_t*", "const float*", "const float*",
+         "const float*", "const int64_t*", "const int64_t*", "const int64_t*", "const int64_t*",
+         "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
+         "int64_t", "int64_t", "int64_t", "float", "float")
+# Addresses per layer, in decode_stack.cpp's order (its AE_STACK_PTRS); the KV cache's last.
+_PTRS = 11
+
+
+class DecodeStack:
+    """The model's layers as one table of addresses, for ``decode_stack.cpp``."""
+
+    def __init__(self, model: Any, fn: Any) -> None:
+        self.fn = fn
+        self.num_layers = model.num_layers
+        self.num_heads, self.num_kv_heads = model.num_heads, model.num_kv_heads
+        self.head_dim, self.hidden = model.head_dim, model.hidden_size
+        self.intermediate = model.config.intermediate_size
+        self.final_norm = model.model.norm.weight
+        self.eps = float(model.model.norm.eps)
+        self.scale = float(model.model.layers[0].self_attn.scale)
+        rows = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            rows.append([layer.input_layernorm.weight.data_ptr(),
+                         *_int4_ptrs(attn.qkv_proj), *_int4_ptrs(attn.o_proj),
+                         layer.post_attention_layernorm.weight.data_ptr(),
+                         *_int4_ptrs(mlp.gate_up_proj), *_int4_ptrs(mlp.down_proj), 0])
+        self.table = torch.tensor(rows, dtype=torch.int64)  # [L, _PTRS]
+        self._caches: tuple[int, ...] = ()
+
+    @classmethod
+    def for_model(cls, model: Any) -> DecodeStack | None:
+        """The stack for ``model``, or None where it does not apply (see the module doc)."""
+        if not layer_ops.ENABLED or model.config.model_type == "qwen3":
+            return None
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
+                if not (isinstance(lin, Int4Linear) and lin._direct):
+                    return None
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms):
+                return None
+        if model.model.norm.weight.dtype != torch.float32:
+            return None
+        fn = load("decode_stack", _ARGS, 0)
+        return None if fn is None else cls(model, fn)
+
+    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            kv_caches: list[torch.Tensor], meta: Any, backend: Any) -> torch.Tensor | None:
+        """h: the step's embeddings [T, hidden] -> the final normed hidden states, or None
+        when this step is not one the stack runs (the caller takes the per-layer path)."""
+        T = h.shape[0]
+        if T >= DEQUANT_ROWS or h.dtype != torch.float32 or not layer_ops.usable(h):
+            return None
+        plan_of = getattr(backend, "decode_plan", None)
+        plan = plan_of(meta, h, self.num_kv_heads) if plan_of is not None else None
+        if plan is None:
+            return None
+        kv = kv_caches[0]
+        if kv.dtype != torch.float32 or kv.stride(0) != kv_caches[-1].stride(0):
+            return None
+        self._point_at(kv_caches)
+        out = torch.empty(T, self.hidden, dtype=torch.float32)
+        self.fn(h.contiguous(), out, self.table, self.final_norm, cos, sin, meta.slot_mapping,
+                plan.tables, plan.lens, plan.rows, self.num_layers, T, self.hidden,
+                self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
+                meta.block_size, plan.tables.stride(0), plan.split, kv.stride(0), self.scale,
+                self.eps)
+        return out
+
+    def _point_at(self, kv_caches: list[torch.Tensor]) -> None:
+        """The table's last column: each layer's KV cache (re-read if the caches moved)."""
+        ptrs = tuple(c.data_ptr() for c in kv_caches)
+        if ptrs != self._caches:
+            if len(ptrs) != self.num_layers or any(c.dtype != torch.float32 or
+                                                   not c.is_contiguous() for c in kv_caches):
+                raise ValueError("the KV caches do not match the model's layers")
+            self.table[:, _PTRS - 1] = torch.tensor(ptrs, dtype=torch.int64)
+            self._caches = ptrs
+
+
+def _int4_ptrs(lin: Int4Linear) -> tuple[int, int]:
+    return lin.packed.data_ptr(), lin.scale_min.data_ptr()

@@ -1,0 +1,97 @@
+"""The decode step's layers in one C++ call (``models/decode_stack.py``): the very numbers of
+the per-layer path, and only where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncengine.executor.kernels import layer_ops
+from asyncengine.executor.kernels import packed as packed_kernels
+from asyncengine.executor.models import load_model
+from asyncengine.executor.models.decode_stack import DecodeStack
+from asyncengine.executor.models.loader import resolve_model
+from tests.test_models import PagedRunner
+
+pytestmark = pytest.mark.skipif(not packed_kernels.available("int4"),
+                                reason="the packed CPU kernel does not build here")
+
+
+def _run(model, stack: DecodeStack | None, prompts: dict[str, torch.Tensor],
+         decodes: list[list[str]]) -> list[dict[str, torch.Tensor]]:
+    """Prefill ``prompts``, then one decode step per entry of ``decodes`` (the requests in
+    it each feed their last greedy token). Returns every step's logits."""
+    model._stack = stack
+    runner = PagedRunner(model, num_blocks=160, block_size=4)
+    out = [runner.step(prompts)]
+    last = {r: int(out[0][r][-1].argmax()) for r in prompts}
+    for reqs in decodes:
+        logits = runner.step({r: torch.tensor([last[r]]) for r in reqs})
+        last.update({r: int(logits[r][-1].argmax()) for r in reqs})
+        out.append(logits)
+    return out
+
+
+def _count_runs(stack: DecodeStack, monkeypatch) -> list[int]:
+    """Patch ``stack.run`` to record the token count of each step it ran itself."""
+    ran: list[int] = []
+    run = stack.run
+
+    def counting(h, *args):
+        result = run(h, *args)
+        if result is not None:
+            ran.append(h.shape[0])
+        return result
+
+    monkeypatch.setattr(stack, "run", counting)
+    return ran
+
+
+@pytest.mark.parametrize("source", ["embedded-gguf", "tiny-int4"])
+def test_stack_equals_the_per_layer_path_bit_for_bit(source, tiny_models, monkeypatch):
+    if source == "embedded-gguf":  # the default: the file's Q4_1 blocks, packed
+        model = load_model(resolve_model(None), "auto", torch.float32, "cpu",
+                           quantization="auto")
+    else:
+        model = load_model(resolve_model(tiny_models["llama"]), "auto", torch.float32, "cpu",
+                           quantization="int4")
+    stack = DecodeStack.for_model(model)
+    assert stack is not None
+    gen = torch.Generator().manual_seed(3)
+    # Ten requests; "long" reaches past two attention splits of 128 positions when it
+    # decodes alone (the split results are merged), the others are short.
+    prompts = {f"r{i}": torch.randint(0, 49152, (3 + 5 * i,), generator=gen) for i in range(9)}
+    prompts["long"] = torch.randint(0, 49152, (300,), generator=gen)
+    everyone = list(prompts)
+    decodes = [["long"], ["long"], everyone[:3], everyone, everyone, ["r4", "long"]]
+    ran = _count_runs(stack, monkeypatch)
+    fused = _run(model, stack, prompts, decodes)
+    assert ran == [len(d) for d in decodes]  # every decode step ran fused, no prefill did
+    per_layer = _run(model, None, prompts, decodes)
+    for got, want in zip(fused, per_layer, strict=True):
+        for r in want:
+            assert torch.equal(got[r], want[r]), r
+
+
+def test_stack_only_where_it_applies(tiny_models, monkeypatch):
+    # float weights, a model with per-head norms, or the own kernels turned off: no stack
+    path = tiny_models["llama"]
+    assert DecodeStack.for_model(load_model(resolve_model(path), "auto", torch.float32,
+                                            "cpu")) is None
+    qwen3 = load_model(resolve_model(tiny_models["qwen3"]), "auto", torch.float32, "cpu",
+                       quantization="int4")
+    assert DecodeStack.for_model(qwen3) is None
+    model = load_model(resolve_model(path), "auto", torch.float32, "cpu", quantization="int4")
+    monkeypatch.setattr(layer_ops, "ENABLED", False)
+    assert DecodeStack.for_model(model) is None
+    monkeypatch.undo()
+    stack = DecodeStack.for_model(model)
+    ran = _count_runs(stack, monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    a, b = (torch.randint(0, 49152, (n,), generator=gen) for n in (7, 5))
+    model._stack = stack
+    runner = PagedRunner(model, block_size=4)
+    runner.step({"a": a})
+    runner.step({"a": a[:1], "b": b})  # a decode next to a prefill: the per-layer path
+    runner.step({"a": a[:1], "b": b[:1]})
+    assert ran == [2]
