@@ -1,5 +1,6 @@
 // Shared by the CPU kernels of this folder: ISA detection, float16, float dot products.
 #pragma once
+#include <Python.h>  // first, as Python asks; for AeWithoutGil
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
@@ -9,6 +10,18 @@
 #include <immintrin.h>
 #define AE_AVX2 1
 #endif
+
+// The GIL released for a long call (a millisecond or more), when `release` and the calling
+// thread holds it (a kernel called from another kernel's call has it released already): the
+// event loop's thread runs Python meanwhile instead of waiting for this call to return.
+struct AeWithoutGil {
+    PyThreadState* state;
+    explicit AeWithoutGil(bool release = true)
+        : state(release && PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+    ~AeWithoutGil() { if (state) PyEval_RestoreThread(state); }
+};
+// Weights of at least this many elements make a matmul long enough to release the GIL.
+#define AE_RELEASE_GIL_ELEMENTS (1 << 22)
 
 static inline float ae_half(uint16_t h) {
 #ifdef AE_AVX2

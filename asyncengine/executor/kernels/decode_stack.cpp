@@ -1,5 +1,4 @@
 #include "common.h"
-#include <Python.h>
 
 // A Llama-family decode step through every decoder layer in one call: the layer kernels of
 // this folder, called in sequence from C++ instead of ~15 Python / PyTorch calls per layer.
@@ -41,14 +40,6 @@ enum {
     AE_STACK_PTRS
 };
 
-// The Python thread state is released for the whole call (milliseconds): the event loop's
-// thread runs meanwhile (emission, HTTP) instead of waiting for this thread to return.
-struct AeWithoutGil {
-    PyThreadState* state;
-    AeWithoutGil() : state(PyEval_SaveThread()) {}
-    ~AeWithoutGil() { PyEval_RestoreThread(state); }
-};
-
 template <typename P>
 static inline P* ae_ptr(const int64_t* layer, int i) { return reinterpret_cast<P*>(layer[i]); }
 
@@ -61,7 +52,7 @@ extern "C" void kernel(const float* h, float* out, const int64_t* layers, const 
                        int64_t L, int64_t T, int64_t HD, int64_t H, int64_t KVH, int64_t D,
                        int64_t I, int64_t BS, int64_t table_stride, int64_t split,
                        int64_t v_off, float scale, float eps) {
-    const AeWithoutGil released;
+    const AeWithoutGil released;  // milliseconds of work: the event loop runs meanwhile
     const int64_t QKV = (H + 2 * KVH) * D;
     static thread_local std::vector<float> buf;
     const int64_t need = T * (3 * HD + QKV + H * D + 3 * I);

@@ -141,6 +141,7 @@ static inline void ae_dequant_q4(const uint8_t* qn, const uint16_t* smn, float* 
 
 extern "C" void kernel(const float* x, const uint8_t* q, const uint16_t* sm, float* out,
                        int64_t M, int64_t N, int64_t K) {
+    const AeWithoutGil released(N * K >= AE_RELEASE_GIL_ELEMENTS);  // e.g. a logits head
     const int64_t blocks = K / 32;
     if (M >= AE_FLOAT_ROWS) {  // two weight rows at a time, dequantized into L1
         #pragma omp parallel

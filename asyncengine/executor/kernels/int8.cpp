@@ -60,6 +60,7 @@ static inline float ae_q8_dot(const int8_t* qn, const float* sn, const int8_t* x
 // weight rows at a time share each input load.
 extern "C" void kernel(const float* x, const int8_t* q, const float* scales, float* out,
                        int64_t M, int64_t N, int64_t K, int64_t group) {
+    const AeWithoutGil released(N * K >= AE_RELEASE_GIL_ELEMENTS);  // e.g. a logits head
     const int64_t groups = K / group;
     if (M < 8 && (group == 32 || group == K) && K % 32 == 0) {
         const int64_t blocks = K / 32;
