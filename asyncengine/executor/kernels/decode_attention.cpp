@@ -114,9 +114,12 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
     float* const pt = part.data();
 
     // A team costs more than it saves below a few thousand (position, head) scores.
+#ifndef AE_ATTN_TEAM_MIN
+#define AE_ATTN_TEAM_MIN 8192
+#endif
     int64_t work = 0;
     for (int64_t b = 0; b < B; ++b) work += lens[b] * H;
-    #pragma omp parallel if (items > 1 && work >= 8192)
+    #pragma omp parallel if (items > 1 && work >= AE_ATTN_TEAM_MIN)
     {
         static thread_local std::vector<float> scratch;
         if ((int64_t)scratch.size() < G * (2 * D + 2 + BS)) scratch.resize(G * (2 * D + 2 + BS));

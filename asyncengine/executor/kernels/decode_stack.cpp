@@ -20,6 +20,10 @@
 #define kernel ae_kv_write
 #include "kv_write.cpp"
 #undef kernel
+// Between the stack's kernels the OpenMP threads are still spinning from the matmul before,
+// so a team costs ~1 us here: even a few hundred positions are split over the threads
+// (decode_step.py --batch 1 --prompt-len 300: best 9.2-9.8 ms a step, 12.4-13.1 without).
+#define AE_ATTN_TEAM_MIN 0
 #define kernel ae_decode_attention
 #include "decode_attention.cpp"
 #undef kernel
