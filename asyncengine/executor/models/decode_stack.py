@@ -46,15 +46,17 @@ class DecodeStack:
         self.final_norm = model.model.norm.weight
         self.eps = float(model.model.norm.eps)
         self.scale = float(model.model.layers[0].self_attn.scale)
-        rows = []
+        rows, self._pointed = [], []  # the tensors the table points at, kept alive with it
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            rows.append([layer.input_layernorm.weight.data_ptr(),
-                         *_int4_ptrs(attn.qkv_proj), *_int4_ptrs(attn.o_proj),
-                         layer.post_attention_layernorm.weight.data_ptr(),
-                         *_int4_ptrs(mlp.gate_up_proj), *_int4_ptrs(mlp.down_proj), 0])
+            tensors = [layer.input_layernorm.weight, *_int4(attn.qkv_proj), *_int4(attn.o_proj),
+                       layer.post_attention_layernorm.weight, *_int4(mlp.gate_up_proj),
+                       *_int4(mlp.down_proj)]
+            rows.append([t.data_ptr() for t in tensors] + [0])
+            self._pointed += tensors
         self.table = torch.tensor(rows, dtype=torch.int64)  # [L, _PTRS]
         self._caches: tuple[int, ...] = ()
+        self._cache_tensors: list[torch.Tensor] = []
 
     @classmethod
     def for_model(cls, model: Any) -> DecodeStack | None:
@@ -64,7 +66,8 @@ class DecodeStack:
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
             for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
-                if not (isinstance(lin, Int4Linear) and lin._direct):
+                if not (isinstance(lin, Int4Linear) and lin._direct
+                        and lin.packed.is_contiguous() and lin.scale_min.is_contiguous()):
                     return None
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms):
@@ -105,8 +108,8 @@ class DecodeStack:
                                                    not c.is_contiguous() for c in kv_caches):
                 raise ValueError("the KV caches do not match the model's layers")
             self.table[:, _PTRS - 1] = torch.tensor(ptrs, dtype=torch.int64)
-            self._caches = ptrs
+            self._caches, self._cache_tensors = ptrs, list(kv_caches)
 
 
-def _int4_ptrs(lin: Int4Linear) -> tuple[int, int]:
-    return lin.packed.data_ptr(), lin.scale_min.data_ptr()
+def _int4(lin: Int4Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    return lin.packed, lin.scale_min
