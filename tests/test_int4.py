@@ -48,12 +48,12 @@ def test_int4_weights_round_trip():
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 17, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 17, 70, 100])
 def test_int4_kernel_agrees_with_the_dequantized_weights(rows):
     # Below 8 rows the kernel rounds activations to int8 twice per block of 32 (the value,
     # then its rounding error): stated tolerance, relative error of the output < 2e-4
     # (measured ~2e-5). From 8 rows on it multiplies dequantized rows in float32 (~3e-7), from
-    # 64 rows on the layer hands the dequantized weights to F.linear.
+    # 96 rows on the layer hands the dequantized weights to F.linear.
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(96, 128, generator=gen) * 0.05
     bias = torch.randn(96, generator=gen) * 0.1
@@ -63,6 +63,18 @@ def test_int4_kernel_agrees_with_the_dequantized_weights(rows):
     x[0, 5] = 40.0  # an outlier in one block
     got, want = layer(x), x @ layer.dequantized().T + bias
     assert ((got - want).norm() / want.norm()).item() < 2e-4
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(96, 128), (7, 576), (33, 1536)])
+def test_dequantized_weights_from_the_kernel_equal_pytorch(shape):
+    # The one-pass C++ dequantization (prefill chunks) against the PyTorch ops: q * scale is
+    # exact in float32 (a 4-bit integer times a float16), so both round once, identically.
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(5)) * 0.05
+    layer = Int4Linear(w)
+    q = packed_kernels.unpack_int4(layer.packed)
+    want = dequantize_int4(q, layer.scale_min[..., 0], layer.scale_min[..., 1])
+    assert torch.equal(layer.dequantized(), want)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])

@@ -54,6 +54,7 @@ _ARGS = {
              "int64_t"),
     "int8": ("const float*", "const int8_t*", "const float*", "float*", "int64_t", "int64_t",
              "int64_t", "int64_t"),
+    "int4_dequant": ("const uint8_t*", "const uint16_t*", "float*", "int64_t", "int64_t"),
 }
 
 
@@ -61,7 +62,7 @@ _LOADED: dict[str, Callable[..., None] | None] = {}
 
 
 def _load(name: str) -> Callable[..., None] | None:
-    """The compiled kernel ``name`` (int4, int8: ``int4.cpp``, ``int8.cpp``), or None."""
+    """The compiled kernel ``name`` (int4, int8, int4_dequant: ``<name>.cpp``), or None."""
     fn = _LOADED.get(name)
     if fn is None and name not in _LOADED:
         fn = _LOADED[name] = build.load(name, _ARGS[name])
@@ -84,6 +85,14 @@ def int4_mm(x: torch.Tensor, q: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
     out = torch.empty(m, q.shape[0], dtype=torch.float32)
     _load("int4")(x, q, sm, out, m, q.shape[0], k)
     return out
+
+
+def int4_dequant(q: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    """The float32 weights ``[N, K]`` of ``q, sm`` (int4 layout above), in one pass."""
+    n, k = q.shape[0], q.shape[1] * 2
+    w = torch.empty(n, k, dtype=torch.float32)
+    _load("int4_dequant")(q.contiguous(), sm.contiguous(), w, n, k)
+    return w
 
 
 def int8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
