@@ -1,12 +1,13 @@
-"""The sliced greedy head equals argmax over the full logits: ties to the lowest id, rows
-with NaN or infinite logits get NO_TOKEN, and the runner uses it only for plain greedy steps."""
+"""The greedy head (its C++ kernel and its slices) equals argmax over the full logits: ties
+to the lowest id, rows with NaN or infinite logits get NO_TOKEN, and the runner uses it only
+for plain greedy steps."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from asyncengine.executor.sampler import NO_TOKEN
+from asyncengine.executor.sampler import NO_TOKEN, greedy_head
 from asyncengine.executor.sampler.greedy_head import greedy_from_hidden
 from asyncengine.executor.sampler.sampler import _greedy
 
@@ -16,9 +17,16 @@ def reference(hidden, weight, bias=None):
 
 
 @pytest.mark.parametrize("rows,vocab,slice_size", [(1, 10, 4), (17, 1000, 128), (64, 5000, 4096),
-                                                   (33, 4096, 4096), (5, 300, 7)])
+                                                   (33, 4096, 4096), (5, 300, 7),
+                                                   (200, 3001, 1024)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_equals_argmax_of_full_logits(rows, vocab, slice_size, dtype):
+@pytest.mark.parametrize("kernel", [True, False])
+def test_equals_argmax_of_full_logits(rows, vocab, slice_size, dtype, kernel, monkeypatch):
+    # kernel: float32 below KERNEL_ROWS rows goes through greedy_head.cpp; else the slices
+    if not kernel:
+        monkeypatch.setattr(greedy_head, "KERNEL_ROWS", 0)
+    elif dtype != torch.float32:
+        pytest.skip("the kernel is float32 only")
     g = torch.Generator().manual_seed(rows * vocab)
     hidden = torch.randn(rows, 32, generator=g).to(dtype)
     weight = torch.randn(vocab, 32, generator=g).to(dtype)
