@@ -4,6 +4,7 @@ seen from outside through /metrics and /health."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 
@@ -39,8 +40,13 @@ def wait_idle(server: ServerProcess, aborts: float, timeout: float = 10) -> dict
         time.sleep(0.05)
 
 
+def open_fds(server: ServerProcess) -> int:
+    return len(os.listdir(f"/proc/{server.proc.pid}/fd"))
+
+
 def test_dropped_streams_are_aborted_and_the_rest_complete(server):
     before = aborted(server)
+    fds = open_fds(server)
 
     async def one(session: aiohttp.ClientSession, i: int, drop: bool):
         body = {"prompt": f"Request number {i} says", "max_tokens": MAX_TOKENS,
@@ -78,6 +84,11 @@ def test_dropped_streams_are_aborted_and_the_rest_complete(server):
     assert health["num_free_blocks"] == health["num_total_blocks"]
     assert server.metric("asyncengine:kv_cache_free_blocks") == health["num_total_blocks"]
     assert server.metric("asyncengine:num_requests_running") == 0
+    # Every socket, and every descriptor the batch sender duplicated, was closed.
+    deadline = time.monotonic() + 10
+    while open_fds(server) > fds and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert open_fds(server) <= fds
 
 
 def test_dropped_non_streaming_request_is_aborted(server):

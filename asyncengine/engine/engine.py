@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from itertools import islice
 from typing import Any
 
@@ -70,6 +70,8 @@ class AsyncEngine:
                                        self.config.cache.block_size)
                             if parts.kv_connector is not None else None)
         self.outputs = OutputProcessor(self.tokenizer)
+        # Called after each step's emission: a server flushes the stream writes it batched.
+        self.emit_listeners: list[Callable[[], None]] = []
         self.metrics = metrics
         self._wake = anyio.Event()
         self._accepting = False
@@ -334,6 +336,8 @@ class AsyncEngine:
     def emit(self, requests: list[Request]) -> None:
         """Deliver the requests' new outputs; finish the ones emission ended."""
         done: Emitted = self.outputs.emit(requests)
+        for listener in self.emit_listeners:  # e.g. the HTTP layer flushes the writes it batched
+            listener()
         if done.stopped:
             self.scheduler.finish_requests(done.stopped, RequestStatus.FINISHED_STOPPED)
         if done.failed:

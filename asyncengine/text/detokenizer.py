@@ -47,6 +47,9 @@ class IncrementalDetokenizer:
         # because they do not form a complete character yet. Else a DecodeStream.
         pieces = getattr(tokenizer, "byte_pieces", None)
         self._pieces: list[bytes] | None = pieces(skip_special_tokens) if pieces else None
+        # The same, decoded (None: not whole characters), for update's one-token fast path.
+        texts = getattr(tokenizer, "byte_texts", None) if self._pieces is not None else None
+        self._texts: list[str | None] | None = texts(skip_special_tokens) if texts else None
         self._held = b""
         # The last decoded tokens (context for flush) and the tokens the stream holds because
         # they do not yet form complete characters (DecodeStream only).
@@ -88,6 +91,18 @@ class IncrementalDetokenizer:
             return ""
         if stop_terminated and not self._include_stop:
             new_token_ids = new_token_ids[:-1]
+        texts = self._texts
+        if texts is not None and len(new_token_ids) == 1 and not self._held and \
+                not self._stops:
+            # The usual step: one token of whole characters, no stop strings to watch.
+            token_id = new_token_ids[0]
+            text = texts[token_id] if 0 <= token_id < len(texts) else ""
+            if text:
+                self._chunks.append(text)
+                self._text = None
+                return text
+            if text is not None:
+                return ""  # a token with no text (a skipped special token)
         step = self._step_bytes if self._pieces is not None else self._step
         parts = []
         for token_id in new_token_ids:

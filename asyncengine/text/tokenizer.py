@@ -41,6 +41,7 @@ class Tokenizer:
         self.vocab_size: int = len(hf)
         self._token_texts: dict[int, str] = {}
         self._byte_pieces: dict[bool, list[bytes] | None] = {}
+        self._byte_texts: dict[bool, list[str | None] | None] = {}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
@@ -83,6 +84,21 @@ class Tokenizer:
             self._byte_pieces[skip_special_tokens] = build_byte_pieces(
                 self.backend, skip_special_tokens)
         return self._byte_pieces[skip_special_tokens]
+
+    def byte_texts(self, skip_special_tokens: bool = True) -> list[str | None] | None:
+        """``byte_pieces`` decoded: each token's text when its bytes are whole UTF-8 characters,
+        None where they are not (part of a character; the detokenizer then holds the bytes).
+        The common token of a step is one table lookup. Built once per tokenizer."""
+        if skip_special_tokens not in self._byte_texts:
+            pieces = self.byte_pieces(skip_special_tokens)
+            texts = None
+            if pieces is not None:
+                texts = []
+                for piece in pieces:
+                    text = piece.decode("utf-8", "replace")
+                    texts.append(None if text.endswith("\ufffd") else text)
+            self._byte_texts[skip_special_tokens] = texts
+        return self._byte_texts[skip_special_tokens]
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.hf.name_or_path!r}, vocab_size={self.vocab_size})"

@@ -67,7 +67,7 @@ class KVLoad:
     first_token: int
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request in a step: compute tokens ``[start, start + num_new_tokens)`` of the
     request's sequence, with its KV in ``block_ids``.

@@ -106,8 +106,9 @@ async def _serve_engine(args: argparse.Namespace) -> None:
 
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({
-            "loop_cpu_s": time.thread_time(), "wall_s": time.perf_counter(),
-            "steps": engine.loop.num_steps, "stream_steps": engine.loop.num_stream_steps,
+            "loop_cpu_s": time.thread_time(), "process_cpu_s": time.process_time(),
+            "wall_s": time.perf_counter(), "steps": engine.loop.num_steps,
+            "stream_steps": engine.loop.num_stream_steps,
             "step_cpu_s": engine.loop.step_cpu_s, "device_busy_s": engine.device.busy_s})
 
     async with engine:
@@ -142,6 +143,7 @@ async def _serve_bare(args: argparse.Namespace) -> None:
 
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({"loop_cpu_s": time.thread_time(),
+                                  "process_cpu_s": time.process_time(),
                                   "wall_s": time.perf_counter(), "steps": 0,
                                   "stream_steps": 0, "step_cpu_s": 0.0,
                                   "device_busy_s": 0.0})
@@ -243,6 +245,8 @@ async def measure(kind: str, model_dir: str, streams: int, tokens: int) -> dict[
     if stream_steps:
         server_wall = after["wall_s"] - before["wall_s"]
         result["loop_us_per_stream_step"] = cpu / stream_steps * 1e6
+        result["process_us_per_stream_step"] = \
+            (after["process_cpu_s"] - before["process_cpu_s"]) / stream_steps * 1e6
         result["step_path_us_per_stream_step"] = \
             (after["step_cpu_s"] - before["step_cpu_s"]) / stream_steps * 1e6
         result["steps"] = after["steps"] - before["steps"]
@@ -280,7 +284,8 @@ def _format(r: dict[str, Any], bare: dict[str, Any]) -> str:
     return (f"{r['server']:>4} runner, {r['streams']:>5} streams x {r['tokens']} tokens: "
             f"{r['tokens_per_s']:>8.0f} tok/s = {r['ratio_to_bare']:.2f}x bare "
             f"({bare['tokens_per_s']:.0f} tok/s); loop {r['loop_us_per_stream_step']:.1f} "
-            f"us/stream/step (step path {r['step_path_us_per_stream_step']:.1f}; bare server "
+            f"us/stream/step (step path {r['step_path_us_per_stream_step']:.1f}; whole process "
+            f"{r['process_us_per_stream_step']:.1f}; bare server "
             f"{bare['loop_us_per_chunk']:.1f} us/chunk) over {r['steps']} steps; device waiting "
             f"{100 * r['device_wait_frac']:.0f}% of the run")
 

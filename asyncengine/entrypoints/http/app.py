@@ -43,6 +43,7 @@ from asyncengine.entrypoints.http.responses_api_protocol import (
     ResponsesRequest,
     ResponseStreamEvent,
 )
+from asyncengine.entrypoints.http.sender import BatchSender
 from asyncengine.entrypoints.http.serving import REQUEST_ID_HEADER, to_api_error
 from asyncengine.entrypoints.http.state import STATE, ServerSettings, ServerState
 
@@ -137,7 +138,26 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None,
         _mirror_under(app, settings.root_path)
     app.on_response_prepare.append(_echo_request_id)  # before CORS lists the headers to expose
     _enable_cors(app, settings)
+    app.cleanup_ctx.append(_batch_sender)
     return app
+
+
+async def _batch_sender(app: web.Application):
+    """The thread that sends pushed SSE frames (sender.py), for the life of the app; the
+    engine flushes it after each step's emission."""
+    state = app[STATE]
+    listeners = getattr(state.engine, "emit_listeners", None)
+    sender = BatchSender.start() if listeners is not None else None
+    if sender is not None:
+        state.sender = sender
+        listeners.append(sender.flush)
+    try:
+        yield
+    finally:
+        if sender is not None:
+            state.sender = None
+            listeners.remove(sender.flush)
+            sender.close()
 
 
 def _mirror_under(app: web.Application, prefix: str) -> None:

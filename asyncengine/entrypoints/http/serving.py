@@ -39,8 +39,9 @@ from asyncengine.entrypoints.http.errors import (
 )
 from asyncengine.entrypoints.http.params import KNOWN_PARAMS
 from asyncengine.entrypoints.http.protocol import Body, unsupported
+from asyncengine.entrypoints.http.sender import KEY_SIZE
 from asyncengine.entrypoints.http.sse import ClientGone, SSEStream, encode_json
-from asyncengine.entrypoints.http.state import served_model_names
+from asyncengine.entrypoints.http.state import STATE, served_model_names
 
 B = TypeVar("B", bound=Body)
 
@@ -221,7 +222,9 @@ async def run_sse(request: web.Request, streams: list[RequestStream],
     ``RequestOutput`` altogether. It is used only after the stream's first output, which goes
     through ``render`` (a chat stream's role chunk, a completion's echo)."""
     try:
-        sse = await SSEStream.open(request, done_marker)
+        state = request.app.get(STATE)
+        sse = await SSEStream.open(request, done_marker,
+                                   state.sender if state is not None else None)
     except BaseException:
         for s in streams:
             s.close()
@@ -247,6 +250,8 @@ async def run_sse(request: web.Request, streams: list[RequestStream],
             await sse.error(to_api_error(e))
         except ClientGone:
             pass
+    finally:
+        sse.release()
     return sse.response
 
 
@@ -262,6 +267,21 @@ class _Pusher:
 
     def __call__(self, stream: RequestStream) -> bool:
         sse = self.sse
+        conn = sse.conn
+        if conn is not None and conn.inflight and not conn.broken and self.started and \
+                self.render_text is not None:
+            # The usual step of a busy stream, inlined (can_write_now, then write_now): its
+            # frames are with the sending thread, so this one follows them there.
+            text = stream.take_text()
+            if text is not None:
+                if text and not sse.transport.is_closing():
+                    data = self.render_text(text)
+                    record = b"%s%x\r\n%s\r\n" % (conn.key, len(data), data)
+                    w = sse.writer
+                    w.buffer_size += len(record) - KEY_SIZE
+                    w.output_size += len(record) - KEY_SIZE
+                    sse.sender.add(conn, record)
+                return True
         if not sse.can_write_now():
             return False  # the handler writes, and waits for the client
         if self.started and self.render_text is not None:

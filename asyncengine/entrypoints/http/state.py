@@ -12,6 +12,7 @@ from asyncengine.entrypoints.http.logprobs import TokenTexts
 
 if TYPE_CHECKING:
     from asyncengine.engine.engine import AsyncEngine
+    from asyncengine.entrypoints.http.sender import BatchSender
     from asyncengine.metrics import EngineMetrics
 
 DEFAULT_MAX_REQUEST_BODY = 16 * 2**20
@@ -51,6 +52,9 @@ class ServerState:
     # Set on SIGINT/SIGTERM: new requests get 503 while the in-flight ones finish.
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    # Sends pushed SSE frames off the loop (sender.py); None until started, or where it
+    # cannot run.
+    sender: BatchSender | None = None
 
     @property
     def token_texts(self) -> TokenTexts:

@@ -31,7 +31,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.M)
 
 
-def _inline(name: str, seen: set[str]) -> str:
+def _inline(name: str, seen: set[str], directory: Path = _DIR) -> str:
     """The text of ``name`` with its ``#include "..."`` of this folder inlined, each file
     once (a file included again, like ``common.h`` by every kernel, is left out)."""
 
@@ -40,31 +40,32 @@ def _inline(name: str, seen: set[str]) -> str:
         if inc in seen:
             return ""
         seen.add(inc)
-        return _inline(inc, seen)
+        return _inline(inc, seen, directory)
 
-    return _LOCAL_INCLUDE.sub(include, (_DIR / name).read_text())
+    return _LOCAL_INCLUDE.sub(include, (directory / name).read_text())
 
 
-def source(name: str, dtype_code: int | None = None) -> str:
+def source(name: str, dtype_code: int | None = None, directory: Path = _DIR) -> str:
     """The self-contained C++ source of kernel ``name``: ``<name>.cpp`` with the files it
     includes from this folder inlined (a kernel may include another one's ``.cpp`` under a
     renamed ``kernel``: ``decode_stack.cpp`` does)."""
-    text = _inline(f"{name}.cpp", {f"{name}.cpp"})
+    text = _inline(f"{name}.cpp", {f"{name}.cpp"}, directory)
     if dtype_code is not None:
         text = f"#define AE_DTYPE {dtype_code}\n{text}"
     return text
 
 
 @functools.cache
-def load(name: str, argtypes: tuple[str, ...],
-         dtype_code: int | None = None) -> Callable[..., None] | None:
+def load(name: str, argtypes: tuple[str, ...], dtype_code: int | None = None,
+         directory: Path = _DIR) -> Callable[..., None] | None:
     """The compiled kernel ``name`` (for ``dtype_code``), or None where it cannot be built
-    here (no compiler, an unsupported platform); callers then take their PyTorch path."""
+    here (no compiler, an unsupported platform); callers then take their PyTorch path.
+    ``directory``: where ``<name>.cpp`` is, when it is not a kernel of this folder."""
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
         return CppPythonBindingsCodeCache.load_pybinding(list(argtypes),
-                                                         source(name, dtype_code))
+                                                         source(name, dtype_code, directory))
     except Exception as exc:
         logger.warning("the %s CPU kernel could not be built (%s: %s); its PyTorch path runs "
                        "instead", name, type(exc).__name__, exc)

@@ -59,6 +59,12 @@ static inline void ae_accumulate(float* acc, const float* w, const ae_t* vb, int
         _mm256_storeu_ps(acc + d, a0); _mm256_storeu_ps(acc + d + 8, a1);
         _mm256_storeu_ps(acc + d + 16, a2); _mm256_storeu_ps(acc + d + 24, a3);
     }
+    for (; d + 8 <= D; d += 8) {  // small heads (D = 8, 16, 24) and the rest of others
+        __m256 a0 = _mm256_loadu_ps(acc + d);
+        for (int64_t j = 0; j < n; ++j)
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), ae_load8(vb + j * kv_row + d), a0);
+        _mm256_storeu_ps(acc + d, a0);
+    }
 #endif
     for (; d < D; ++d) {
         float a = acc[d];
@@ -146,12 +152,38 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
                 for (int64_t g = 0; g < G; ++g) {
                     float* sg = s + g * BS;
                     float mx = m[g];
-                    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+                    int64_t j0 = 0;
+#ifdef AE_AVX2
+                    if (n >= 8) {  // eight lanes at a time (a small head makes these count)
+                        __m256 vm = _mm256_loadu_ps(sg);
+                        for (j0 = 8; j0 + 8 <= n; j0 += 8)
+                            vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + j0));
+                        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm),
+                                              _mm256_extractf128_ps(vm, 1));
+                        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+                        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+                        mx = std::max(mx, _mm_cvtss_f32(h));
+                    }
+#endif
+                    for (int64_t j = j0; j < n; ++j) mx = std::max(mx, sg[j]);
                     const float corr = std::exp(m[g] - mx);  // 0 on the first block
-                    for (int64_t j = 0; j < n; ++j) sg[j] -= mx;
-                    ae_exp_n(sg, n);
+                    int64_t j1 = 0;
                     float sum = 0.f;
-                    for (int64_t j = 0; j < n; ++j) sum += sg[j];
+#ifdef AE_AVX2
+                    {
+                        const __m256 vmx = _mm256_set1_ps(mx);
+                        __m256 vs = _mm256_setzero_ps();
+                        for (; j1 + 8 <= n; j1 += 8) {
+                            const __m256 e = ae_exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j1), vmx));
+                            _mm256_storeu_ps(sg + j1, e);
+                            vs = _mm256_add_ps(vs, e);
+                        }
+                        sum = ae_hsum8(vs);
+                    }
+#endif
+                    for (int64_t j = j1; j < n; ++j) sg[j] -= mx;
+                    ae_exp_n(sg + j1, n - j1);
+                    for (int64_t j = j1; j < n; ++j) sum += sg[j];
                     l[g] = l[g] * corr + sum;
                     m[g] = mx;
                     if (corr != 1.f) {
