@@ -344,3 +344,34 @@ def test_the_loop_does_not_spin_when_idle(engine, monkeypatch):
 
     busy, after = anyio.run(main)
     assert busy >= 3 and after == busy
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_BATCH"), reason="Linux only")
+def test_on_the_cpu_the_loop_thread_does_not_preempt_the_compute_on_wakeup(engine):
+    """The loop's thread runs as SCHED_BATCH inside ``async with`` (thread_policy.py), the
+    device's worker as SCHED_OTHER, and the loop's policy is restored afterwards."""
+    import os
+    import threading
+
+    policies = {}
+
+    def record(inputs, real=engine.runner.execute):
+        policies["worker"] = os.sched_getscheduler(0)
+        return real(inputs)
+
+    before = os.sched_getscheduler(0)
+
+    async def main():
+        engine.runner.execute = record
+        try:
+            async with engine:
+                policies["loop"] = os.sched_getscheduler(0)
+                policies["loop_thread"] = threading.get_ident()
+                [o async for o in engine.generate("wake up", SamplingParams(max_tokens=2))]
+        finally:
+            del engine.runner.execute
+
+    anyio.run(main)
+    assert before == os.SCHED_OTHER
+    assert policies["loop"] == os.SCHED_BATCH and policies["worker"] == os.SCHED_OTHER
+    assert os.sched_getscheduler(0) == before

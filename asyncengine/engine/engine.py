@@ -40,6 +40,7 @@ from asyncengine.engine.prompts import check_length, tokenize_prompt
 from asyncengine.engine.step_loop import StepLoop
 from asyncengine.engine.streams import RequestStream
 from asyncengine.executor.build import build
+from asyncengine.executor.thread_policy import BatchScheduled
 from asyncengine.ext.kv_connector.transfer import KVTransfer
 
 logger = logging.getLogger("asyncengine")
@@ -89,6 +90,8 @@ class AsyncEngine:
         self._abort_backlog: dict[str, None] = {}
         self._reap = anyio.Event()
         self._loop_scope: anyio.CancelScope | None = None
+        # On the CPU device, the loop's thread does not preempt the compute on wakeup.
+        self._sched = BatchScheduled()
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncEngine:
@@ -98,6 +101,8 @@ class AsyncEngine:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._accepting = True
+        if self.device.type == "cpu" and self.parts.parallel is None:
+            self._sched.__enter__()  # see thread_policy.py
         self._tg.start_soon(self._run_step_loop, self._tg)
         self._tg.start_soon(self._reap_aborts)
         if self.parts.parallel is not None:
@@ -120,6 +125,7 @@ class AsyncEngine:
                 if self.parts.parallel is not None and self._dead is not None:
                     await self.parts.parallel.abandon(self.device)  # a worker died
                 await self.device.aclose()
+            self._sched.__exit__(None, None, None)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit). After the engine's

@@ -30,6 +30,7 @@ import anyio
 import anyio.to_thread
 
 from asyncengine.executor.cuda_await import EventAwaiter, make_event_awaiter
+from asyncengine.executor.thread_policy import as_compute_thread
 
 #: Where eager (not graph-replayed) CUDA steps are enqueued from: loop (default) or thread.
 EAGER_LAUNCH_ENV = "ASYNCENGINE_CUDA_EAGER_LAUNCH"
@@ -113,6 +114,7 @@ class Device:
                 self._thread.start()
 
     def _work(self) -> None:
+        as_compute_thread()
         self._on_worker_start()
         while True:
             item = self._queue.get()
