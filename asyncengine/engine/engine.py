@@ -121,11 +121,13 @@ class AsyncEngine:
             return await self._tg.__aexit__(*exc_info)
         finally:
             self._tg = None
-            with anyio.CancelScope(shield=True):
-                if self.parts.parallel is not None and self._dead is not None:
-                    await self.parts.parallel.abandon(self.device)  # a worker died
-                await self.device.aclose()
-            self._sched.__exit__(None, None, None)
+            try:
+                with anyio.CancelScope(shield=True):
+                    if self.parts.parallel is not None and self._dead is not None:
+                        await self.parts.parallel.abandon(self.device)  # a worker died
+                    await self.device.aclose()
+            finally:
+                self._sched.__exit__(None, None, None)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at exit). After the engine's
