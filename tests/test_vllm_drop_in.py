@@ -121,6 +121,13 @@ def test_a_vllm_command_line_serves_over_tls(vllm_style):
     greedy = client.chat.completions.create(model="m1", max_tokens=5, temperature=0,
                                             messages=[{"role": "user", "content": "Hello"}])
     assert greedy.choices[0].message.content == outs[0].choices[0].message.content
+    # Streamed over TLS: the pushed events stay on the TLS transport (the batch sender writes
+    # plain sockets only), and add up to the same text.
+    streamed = client.chat.completions.create(model="m1", max_tokens=5, temperature=0,
+                                              stream=True,
+                                              messages=[{"role": "user", "content": "Hello"}])
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == greedy.choices[0].message.content
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=vllm_style.url("/v1"), api_key="wrong", max_retries=0,
                       http_client=http_client).models.list()
