@@ -39,7 +39,6 @@ from asyncengine.entrypoints.http.errors import (
 )
 from asyncengine.entrypoints.http.params import KNOWN_PARAMS
 from asyncengine.entrypoints.http.protocol import Body, unsupported
-from asyncengine.entrypoints.http.sender import KEY_SIZE
 from asyncengine.entrypoints.http.sse import ClientGone, SSEStream, encode_json
 from asyncengine.entrypoints.http.state import STATE, served_model_names
 
@@ -270,17 +269,12 @@ class _Pusher:
         conn = sse.conn
         if conn is not None and conn.inflight and not conn.broken and self.started and \
                 self.render_text is not None:
-            # The usual step of a busy stream, inlined (can_write_now, then write_now): its
-            # frames are with the sending thread, so this one follows them there.
+            # The usual step of a busy stream, can_write_now inlined: its frames are with the
+            # sending thread, so this one follows them there.
             text = stream.take_text()
             if text is not None:
                 if text and not sse.transport.is_closing():
-                    data = self.render_text(text)
-                    record = b"%s%x\r\n%s\r\n" % (conn.key, len(data), data)
-                    w = sse.writer
-                    w.buffer_size += len(record) - KEY_SIZE
-                    w.output_size += len(record) - KEY_SIZE
-                    sse.sender.add(conn, record)
+                    sse.write_now(self.render_text(text), checked=True)
                 return True
         if not sse.can_write_now():
             return False  # the handler writes, and waits for the client
