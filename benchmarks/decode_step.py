@@ -25,7 +25,8 @@ def main(args: argparse.Namespace) -> int:
     from asyncengine.core.sampling_params import SamplingParams
     from asyncengine.executor.build import build
 
-    options = {"model": args.model, "dtype": args.dtype, "load_format": args.load_format}
+    options = {"model": args.model, "dtype": args.dtype, "load_format": args.load_format,
+               "max_num_seqs": max(args.batch, 1)}
     if args.quantization != "none":
         options["quantization"] = args.quantization
     if args.num_threads:
@@ -40,12 +41,20 @@ def main(args: argparse.Namespace) -> int:
         scheduler.add_request(Request(f"r{i}", [100 + i] * args.prompt_len, params,
                                       max_model_len=parts.max_model_len))
 
-    def step() -> None:
+    def step() -> int:
         out = scheduler.schedule()
+        if not out.total_num_scheduled_tokens:
+            raise SystemExit("nothing could be scheduled: is the KV cache too small?")
         inputs = parts.runner.prepare(out)
-        scheduler.update_from_output(out, parts.runner.execute(inputs))
+        result = parts.runner.execute(inputs)
+        scheduler.update_from_output(out, result)
+        return len(result.sampled_token_ids)
 
-    for _ in range(4):  # the prefill, then warm-up decodes
+    # The prefills (several steps at large batches: --max-num-batched-tokens caps a step),
+    # until every request samples, then warm-up decodes.
+    while step() < args.batch:
+        pass
+    for _ in range(3):
         step()
     times = []
     for _ in range(args.steps):
