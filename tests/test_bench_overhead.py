@@ -17,8 +17,10 @@ def test_overhead_benchmark_runs_and_reports_every_figure(tmp_path, capsys):
     assert overhead.main(args) == 0
     bare, null = json.loads(out.read_text())
     assert bare["server"] == "bare" and bare["tokens_per_s"] > 0 and bare["loop_us_per_chunk"] > 0
+    assert bare["client_us_per_chunk"] > 0
     assert null["server"] == "null" and null["tokens_per_s"] > 0 and null["steps"] >= 8
     assert 0 < null["step_path_us_per_stream_step"] < null["loop_us_per_stream_step"]
     assert 0 <= null["device_wait_frac"] <= 1
     printed = capsys.readouterr().out
     assert "null runner,     4 streams x 8 tokens" in printed and "x bare" in printed
+    assert "its client" in printed

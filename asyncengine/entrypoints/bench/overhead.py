@@ -13,8 +13,9 @@ For each, it prints output tokens/s and the ratio to the bare server; the loop t
 time per stream per step (``time.thread_time`` of the loop's thread, over the steps' total
 request count), with the part spent in the step path proper (schedule, prepare, launch,
 update, emission including the pushed SSE writes; the rest is HTTP: requests, handlers,
-connections) and, for scale, the bare server's own loop CPU per chunk; and the fraction of
-the run the device sat waiting for the host.
+connections) and, for scale, the bare server's own loop CPU per chunk and this client's CPU
+per chunk against it (on a small machine the client is what holds the bare server back:
+it shares the cores); and the fraction of the run the device sat waiting for the host.
 
 The servers run in subprocesses (this process is the client), one at a time.
 """
@@ -228,16 +229,18 @@ async def measure(kind: str, model_dir: str, streams: int, tokens: int) -> dict[
             await _stream_one(session, server.url, 4)  # warm-up
             async with session.get(server.url + "/bench/stats") as r:
                 before = await r.json()
-            start = time.perf_counter()
+            start, client_cpu = time.perf_counter(), time.process_time()
             done = await asyncio.gather(*[_stream_one(session, server.url, tokens)
                                           for _ in range(streams)])
             wall = time.perf_counter() - start
+            client_cpu = time.process_time() - client_cpu
             async with session.get(server.url + "/bench/stats") as r:
                 after = await r.json()
     finally:
         server.stop()
     result: dict[str, Any] = {"server": kind, "streams": streams, "tokens": tokens,
-                              "tokens_per_s": sum(done) / wall, "wall_s": wall}
+                              "tokens_per_s": sum(done) / wall, "wall_s": wall,
+                              "client_us_per_chunk": client_cpu / sum(done) * 1e6}
     stream_steps = after["stream_steps"] - before["stream_steps"]
     cpu = after["loop_cpu_s"] - before["loop_cpu_s"]
     if kind == "bare":  # its loop's CPU per chunk sent: the HTTP floor of this machine
@@ -286,7 +289,8 @@ def _format(r: dict[str, Any], bare: dict[str, Any]) -> str:
             f"({bare['tokens_per_s']:.0f} tok/s); loop {r['loop_us_per_stream_step']:.1f} "
             f"us/stream/step (step path {r['step_path_us_per_stream_step']:.1f}; whole process "
             f"{r['process_us_per_stream_step']:.1f}; bare server "
-            f"{bare['loop_us_per_chunk']:.1f} us/chunk) over {r['steps']} steps; device waiting "
+            f"{bare['loop_us_per_chunk']:.1f} us/chunk, its client "
+            f"{bare['client_us_per_chunk']:.1f}) over {r['steps']} steps; device waiting "
             f"{100 * r['device_wait_frac']:.0f}% of the run")
 
 
