@@ -43,6 +43,11 @@ limit. With a busy Python thread on one core, 256 rows at hidden 64 took 21-23 m
 kernel 55-61; the slices, which take the GIL between ops, 0.7-1 s). Its sums run in another
 order than MKL's, so a near tie (logits within float32 rounding) may go the other way.
 ``ASYNCENGINE_CPU_KERNELS=0`` turns it off with the other own kernels.
+
+Before it, on AVX-512 VNNI CPUs, the int8 screen (``greedy_head_int8.py``) settles most rows
+with the exact argmax; measured on 2 Zen 4 cores (AVX-512), vocabulary 49,152, hidden 64, ms,
+best / median of 10, float kernel vs screen: 16 rows 0.57 / 0.59 vs 0.22 / 0.22; 64 rows
+1.94 / 2.01 vs 0.79 / 0.82; 256 rows 7.87 / 7.96 vs 3.20 / 3.30.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import torch.nn.functional as F
 
 from asyncengine.executor.kernels import layer_ops
 from asyncengine.executor.kernels.build import load
+from asyncengine.executor.sampler.greedy_head_int8 import greedy_int8
 
 #: Vocabulary slice per matmul: [rows, SLICE] float32 stays within a core's L2 for 64 rows.
 SLICE = 4096
@@ -67,7 +73,7 @@ _KERNEL_ARGS = ("const float*", "const float*", "const float*", "int64_t*", "int
 
 def greedy_from_hidden(hidden: torch.Tensor, weight: torch.Tensor,
                        bias: torch.Tensor | None = None, *, slice_size: int = SLICE,
-                       no_token: int = -1) -> torch.Tensor:
+                       no_token: int = -1, screen: bool = True) -> torch.Tensor:
     """``argmax(hidden @ weight.T + bias, dim=-1)`` for hidden ``[N, H]``, weight ``[V, H]``:
     int64 ``[N]``, ``no_token`` for rows whose best logit is not finite.
 
@@ -76,6 +82,14 @@ def greedy_from_hidden(hidden: torch.Tensor, weight: torch.Tensor,
     their best so far look for its index, in the same buffer, so every value compared is the
     one the full matmul would give."""
     n, vocab = hidden.shape[0], weight.shape[0]
+    screened = greedy_int8(hidden, weight, bias, no_token) if screen and KERNEL else None
+    if screened is not None:  # the int8 screen (greedy_head_int8.py)
+        ids, flagged = screened
+        rows = flagged.nonzero().squeeze(1)
+        if len(rows):
+            ids[rows] = greedy_from_hidden(hidden[rows], weight, bias, slice_size=slice_size,
+                                           no_token=no_token, screen=False)
+        return ids
     if (KERNEL and layer_ops.ENABLED and hidden.dtype == weight.dtype == torch.float32
             and hidden.device.type == "cpu" and (bias is None or bias.dtype == torch.float32)
             and (fn := load("greedy_head", _KERNEL_ARGS)) is not None):
