@@ -8,6 +8,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `--dtype auto` on the CPU is bfloat16 where the CPU has bfloat16 dot products, else float32.
+# The suite's references (transformers' float32 outputs, greedy texts, tolerances) hold for
+# float32, so every machine runs it so (subprocesses inherit this); the bfloat16 paths have
+# their own tests with an explicit --dtype.
+os.environ.setdefault("ASYNCENGINE_CPU_BF16", "0")
 
 
 @pytest.fixture(scope="session")

@@ -276,3 +276,22 @@ def test_pick_dtype():
     assert pick_dtype("auto", "cpu") in (CPU_AUTO_DTYPE, torch.float32)
     with pytest.raises(ValueError, match="--dtype"):
         pick_dtype("int8", "cpu")
+
+
+def test_auto_cpu_dtype_follows_the_cpu(monkeypatch):
+    """bfloat16 where the CPU has bfloat16 dot products, else float32;
+    ``ASYNCENGINE_CPU_BF16=0`` (as the suite runs) means float32 everywhere."""
+    from asyncengine.executor.models import loader
+
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    monkeypatch.delenv("ASYNCENGINE_CPU_BF16", raising=False)
+    loader._cpu_has_bf16.cache_clear()
+    try:
+        assert pick_dtype("auto", "cpu") == (CPU_AUTO_DTYPE if native else torch.float32)
+        monkeypatch.setenv("ASYNCENGINE_CPU_BF16", "0")
+        loader._cpu_has_bf16.cache_clear()
+        assert pick_dtype("auto", "cpu") == torch.float32
+    finally:
+        loader._cpu_has_bf16.cache_clear()

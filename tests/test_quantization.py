@@ -37,6 +37,23 @@ def test_int8_weights_round_trip():
     assert ((back - w).norm() / w.norm()).item() < 0.01
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+def test_the_int8_logits_head_gives_float32_logits_from_bfloat16_rows(kernel):
+    """A bfloat16 model's int8 head keeps its float32 sums: logits rounded to bfloat16 tie
+    where float32 tells them apart, and greedy then takes the lower id."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(300, 64, generator=gen) * 0.05
+    head = Int8Linear(w, torch.randn(300, generator=gen) * 0.01, float32_out=True)
+    head.use_kernel = kernel and head.use_kernel
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    got = head(x)
+    assert got.dtype == torch.float32
+    want = x.float() @ head.dequantized().t() + head.bias.float()
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    assert len(set(got[0].tolist())) > len(set(got[0].to(torch.bfloat16).tolist()))
+    assert Int8Linear(w.to(torch.bfloat16))(x).dtype == torch.bfloat16  # other linears: as given
+
+
 @pytest.mark.skipif(not packed_kernels.available("int8"), reason="no packed CPU kernel here")
 def test_int8_kernel_agrees_with_the_dequantized_weights():
     # From 8 rows on: float32 activations times the int8 weights, the dequantized matmul up to

@@ -185,6 +185,10 @@ def pick_dtype(dtype_flag: str, device: str) -> torch.dtype:
 
 @functools.lru_cache(maxsize=1)
 def _cpu_has_bf16() -> bool:
+    """Whether the CPU has bfloat16 dot products; ``ASYNCENGINE_CPU_BF16=0`` says no (``auto``
+    then means float32 on any CPU, as the test suite runs)."""
+    if os.environ.get("ASYNCENGINE_CPU_BF16") == "0":
+        return False
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "").split()

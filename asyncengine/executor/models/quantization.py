@@ -53,11 +53,15 @@ class Int8Linear(nn.Module):
     """``y = x @ (q * scales).T + bias`` from int8 weights (``packed_kernels.int8_mm``).
 
     ``grid``: (q int8 [out, in], scales float32 [out, in / 32]) as a GGUF file's Q8_0 stores
-    them; else per-channel scales from ``weight``."""
+    them; else per-channel scales from ``weight``. ``float32_out``: the output stays float32
+    whatever the input's dtype (the logits head: its kernel sums in float32 anyway, and
+    rounding logits to bfloat16 makes near ids tie, so that greedy picks the lower id)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 grid: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                 float32_out: bool = False) -> None:
         super().__init__()
+        self.float32_out = float32_out
         if grid is None:
             q, scales = quantize_int8(weight)
             scales = scales[:, None]
@@ -77,12 +81,13 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        dtype = torch.float32 if self.float32_out else x.dtype
         if self.use_kernel:
-            y = packed_kernels.int8_linear(x2.float(), self.qweight, self.scales).to(x.dtype)
+            y = packed_kernels.int8_linear(x2.float(), self.qweight, self.scales).to(dtype)
         else:
-            y = F.linear(x2, self.dequantized(x.dtype))
+            y = F.linear(x2.to(dtype), self.dequantized(dtype))
         if self.bias is not None:
-            y = y + self.bias
+            y = y + self.bias.to(dtype)
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -168,7 +173,7 @@ def _quantize_head(model: nn.Module, grids: dict[str, Any]) -> None:
         weight, bias, name = head.weight, getattr(head, "bias", None), "lm_head.weight"
     else:
         return
-    model.lm_head = Int8Linear(weight.data, bias, _q8_grid(grids, [name]))
+    model.lm_head = Int8Linear(weight.data, bias, _q8_grid(grids, [name]), float32_out=True)
 
 
 def _quantize_int4(model: nn.Module, grids: dict[str, Any]) -> None:
