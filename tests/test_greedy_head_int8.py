@@ -89,6 +89,19 @@ def test_a_head_it_cannot_screen_is_left_to_the_float_kernel():
     assert g8.greedy_int8(torch.randn(16, 8), flat, None, -1, force=True) is None
 
 
+def test_wide_hidden_sizes_are_not_screened_and_heads_are_prepared_in_slices(monkeypatch):
+    wide = g8.MAX_HIDDEN + 4
+    assert g8.greedy_int8(torch.randn(2, wide), torch.randn(50, wide), None, -1,
+                          force=True) is None
+    monkeypatch.setattr(g8, "PREPARE_ROWS", 7)  # slices that end mid-block, and a ragged end
+    w, h = torch.randn(101, 12), torch.randn(9, 12)
+    ids, flagged = g8.greedy_int8(h, w, None, -1, force=True)
+    settled = flagged == 0
+    assert settled.any() and torch.equal(ids[settled], exact_argmax(h, w, None)[settled])
+    head = g8._cache[0]
+    assert head.packed.shape == (7, 3, 16, 4) and torch.equal(head.scale[101:], torch.zeros(11))
+
+
 def test_a_changed_weight_is_prepared_again():
     w = torch.randn(200, 32)
     h = torch.randn(5, 32)

@@ -12,11 +12,11 @@ The weight is quantized once per head (per vocabulary row: a scale, the int8 row
 VNNI, its sum and the L1 norm of the float row), kept while the weight tensor is unchanged.
 Used where the VNNI loop is compiled in (AVX-512 VNNI CPUs); elsewhere, for a weight that is
 not finite, and for rows the screen flags (a non-finite input, more near-ties than it keeps),
-the float32 kernel runs. The bound grows with the hidden size faster than the logits' spread
-does for random weights (at hidden 576 nearly every random row is flagged): a head whose
-rows are flagged more than 1 in 5 times over its first 64 rows is no longer screened (and
-its int8 copy is dropped). SmolLM2-135M's own head (hidden 576) is such a head: its rows'
-largest elements set a quantization step too coarse for the gaps between its top logits.
+the float32 kernel runs. The bound grows with the hidden size faster than the gaps between
+the top logits do: at hidden 576 nearly every row is flagged, random heads and SmolLM2-135M's
+own alike (its rows' largest elements set a quantization step too coarse for its logits), so
+hidden sizes above 256 are not screened. A head whose rows are flagged more than 1 in 5 times
+over its first 64 rows is no longer screened either, and its int8 copy is dropped.
 Figures: sampler/greedy_head.py.
 """
 
@@ -68,16 +68,24 @@ class Int8Head:
         self.finite = bool(torch.isfinite(weight).all()) and (
             bias is None or bool(torch.isfinite(bias).all()))
         Vp = (V + 15) // 16 * 16
-        w = torch.zeros(Vp, K, dtype=torch.float32)
-        w[:V] = weight
-        scale = w.abs().amax(dim=1) / 127
-        q = torch.where(scale[:, None] > 0, w / scale.clamp(min=1e-38)[:, None],
-                        torch.zeros(())).round().clamp(-127, 127).to(torch.int8)
-        self.scale = scale.contiguous()
-        self.sum_q = q.sum(dim=1, dtype=torch.int32).contiguous()
-        self.l1 = w.double().abs().sum(dim=1).float().contiguous()
+        # A slice of rows at a time: no float copy of the whole head, even transiently.
+        self.scale = torch.zeros(Vp, dtype=torch.float32)
+        self.sum_q = torch.zeros(Vp, dtype=torch.int32)
+        self.l1 = torch.zeros(Vp, dtype=torch.float32)
+        q = torch.zeros(Vp, K, dtype=torch.int8)
+        for start in range(0, V, PREPARE_ROWS):
+            w = weight[start:start + PREPARE_ROWS].float()
+            scale = w.abs().amax(dim=1) / 127
+            qs = torch.where(scale[:, None] > 0, w / scale.clamp(min=1e-38)[:, None],
+                             torch.zeros(())).round().clamp(-127, 127).to(torch.int8)
+            end = start + len(w)
+            q[start:end] = qs
+            self.scale[start:end] = scale
+            self.sum_q[start:end] = qs.sum(dim=1, dtype=torch.int32)
+            self.l1[start:end] = w.double().abs().sum(dim=1).float()
         # [Vp, K] -> [Vp/16, K/4, 16, 4]: per block and 4 hidden elements, 16 rows' 4 bytes.
         self.packed = q.view(Vp // 16, 16, K // 4, 4).permute(0, 2, 1, 3).contiguous()
+        del q
         # Rows seen and rows flagged: a head whose rows mostly fall back (a bound too loose
         # for its logits' spread) stops being screened.
         self.rows = self.flagged = 0
@@ -98,6 +106,12 @@ class Int8Head:
         return w is weight and wv == weight._version and b is bias and (
             bias is None or bv == bias._version)
 
+
+#: Vocabulary rows quantized at a time when a head is prepared.
+PREPARE_ROWS = 8192
+#: The largest hidden size screened: the bound grows with it faster than the gaps between the
+#: top logits do (at 576, random and real heads alike get nearly every row flagged).
+MAX_HIDDEN = 256
 
 #: Rows screened before a head's fallback rate decides whether it stays screened (above 1
 #: in 5 it does not).
@@ -122,6 +136,7 @@ def greedy_int8(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     the screen does not apply. ``force``: run even without VNNI (its portable loop; tests)."""
     if not (ENABLED and (force or fast()) and hidden.dtype == weight.dtype == torch.float32
             and hidden.device.type == "cpu" and weight.shape[1] % 4 == 0
+            and weight.shape[1] <= MAX_HIDDEN
             and (bias is None or bias.dtype == torch.float32)):
         return None
     fn = _kernel()
