@@ -15,18 +15,17 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
-from itertools import islice
 from typing import Any
 
 import anyio
 import anyio.abc
-import anyio.lowlevel
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.limits import SamplingLimits
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.core.sched.interface import SchedulerStats
+from asyncengine.engine.aborts import Aborts
 from asyncengine.engine.embedding import embed
 from asyncengine.engine.errors import (
     EngineDeadError,
@@ -50,9 +49,6 @@ __all__ = ["AsyncEngine", "EngineDeadError", "EngineOverloaded", "EngineShutting
 
 #: Seconds the engine waits, when it stops, for KV-connector saves still in flight.
 KV_SAVE_DRAIN_TIMEOUT = 30.0
-#: Aborts of waiting requests finished per loop iteration (see ``_abort_now``).
-ABORT_BATCH = 256
-_WAITING = RequestStatus.WAITING
 
 
 class AsyncEngine:
@@ -86,9 +82,7 @@ class AsyncEngine:
             max_n=sc.max_n, max_logprobs=self.config.model.max_logprobs,
             vocab_size=self.vocab_size)
         self.max_queued_requests = sc.queued_request_limit
-        # Request ids whose consumer left while they were waiting, finished by _reap_aborts.
-        self._abort_backlog: dict[str, None] = {}
-        self._reap = anyio.Event()
+        self.aborts = Aborts(self)  # requests whose consumer left (aborts.py)
         self._loop_scope: anyio.CancelScope | None = None
         # On the CPU device, the loop's thread does not preempt the compute on wakeup.
         self._sched = BatchScheduled()
@@ -97,21 +91,21 @@ class AsyncEngine:
     async def __aenter__(self) -> AsyncEngine:
         self._wake = anyio.Event()  # events belong to the loop that runs the engine
         self._failed = anyio.Event()
-        self._reap = anyio.Event()
+        self.aborts.reset()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._accepting = True
         if self.device.type == "cpu" and self.parts.parallel is None:
             self._sched.__enter__()  # see thread_policy.py
         self._tg.start_soon(self._run_step_loop, self._tg)
-        self._tg.start_soon(self._reap_aborts)
+        self._tg.start_soon(self.aborts.reap)
         if self.parts.parallel is not None:
             self._tg.start_soon(self._watch_workers)
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
         self._accepting = False
-        self._abort_all()
+        self.aborts.all()
         assert self._tg is not None
         if self.kv_transfer is not None and exc_info[0] is None:
             with anyio.CancelScope(shield=True):
@@ -141,7 +135,7 @@ class AsyncEngine:
         with anyio.move_on_after(timeout):
             while self.outputs.streams and self._dead is None:
                 await anyio.sleep(0.02)
-        self._abort_all()
+        self.aborts.all()
 
     # -- requests -------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -183,7 +177,7 @@ class AsyncEngine:
             if sp.prompt_logprobs is not None:
                 req.prompt_logprobs = [None]
             samples.append(self.outputs.make_sample(req, sp))
-        stream = RequestStream(request_id, text, token_ids, samples, self._abort_now,
+        stream = RequestStream(request_id, text, token_ids, samples, self.aborts.now,
                                deltas_only=deltas_only)
         if not self._accepting:  # drain began while the grammar compiled
             raise EngineShuttingDown("the engine is not accepting requests")
@@ -215,48 +209,7 @@ class AsyncEngine:
         return await embed(self, prompts, **kwargs)
 
     async def abort(self, request_id: str) -> None:
-        self._abort_now(request_id)
-
-    def _abort_now(self, request_id: str) -> None:
-        """Abort a request whose consumer left. One still waiting holds no KV blocks: it is
-        finished a moment later, by ``_reap_aborts`` in batches, so that a storm of aborts
-        over a deep queue (10,000 clients timing out together) never stalls the loop."""
-        stream = self.outputs.streams.get(request_id)
-        if stream is None:
-            return
-        if self._tg is not None and self._dead is None:
-            for s in stream.samples:
-                if s.request.status is not _WAITING:
-                    break
-            else:
-                self._abort_backlog[request_id] = None
-                if len(self._abort_backlog) == 1:
-                    self._reap.set()
-                return
-        self._abort_at_once(request_id)
-
-    async def _reap_aborts(self) -> None:
-        while True:
-            await self._reap.wait()
-            self._reap = anyio.Event()
-            while self._abort_backlog:
-                for rid in list(islice(self._abort_backlog, ABORT_BATCH)):
-                    del self._abort_backlog[rid]
-                    self._abort_at_once(rid)
-                await anyio.lowlevel.checkpoint()
-
-    def _abort_at_once(self, request_id: str) -> None:
-        stream = self.outputs.streams.get(request_id)
-        if stream is None:
-            return
-        ids = self.outputs.unfinished_ids(request_id)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-        self.emit([s.request for s in stream.samples if s.finish_reason is None])
-
-    def _abort_all(self) -> None:
-        self._abort_backlog.clear()
-        for rid in list(self.outputs.streams):
-            self._abort_at_once(rid)
+        self.aborts.now(request_id)
 
     def check_queue(self) -> None:
         """Admission control: EngineOverloaded while ``--max-queued-requests`` requests wait
@@ -289,6 +242,11 @@ class AsyncEngine:
         """Free KV-cache blocks (cached-but-unused ones count as free), from the scheduler's
         stats: part of the scheduler contract, so every scheduler reports it."""
         return self.stats().num_free_blocks
+
+    @property
+    def running(self) -> bool:
+        """Inside ``async with engine``: the step loop's task group is up."""
+        return self._tg is not None
 
     @property
     def error(self) -> BaseException | None:
