@@ -10,25 +10,38 @@ timing out together) never stalls the loop.
 from __future__ import annotations
 
 from itertools import islice
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
 
-from asyncengine.core.request import RequestStatus
-
-if TYPE_CHECKING:
-    from asyncengine.engine.engine import AsyncEngine
+from asyncengine.core.request import Request, RequestStatus
+from asyncengine.engine.output_processor import OutputProcessor
 
 #: Aborts of waiting requests finished per loop iteration.
 ABORT_BATCH = 256
 _WAITING = RequestStatus.WAITING
 
 
+class _Engine(Protocol):
+    """What aborts use of the engine (``AsyncEngine``, which imports this module)."""
+
+    outputs: OutputProcessor
+    scheduler: Any
+
+    @property
+    def running(self) -> bool: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+    def emit(self, requests: list[Request]) -> None: ...
+
+
 class Aborts:
     """The engine's aborts: at once for running requests, batched for waiting ones."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: _Engine) -> None:
         self.engine = engine
         self._backlog: dict[str, None] = {}  # waiting requests to finish, in order
         self._reap = anyio.Event()
