@@ -11,6 +11,33 @@
 #define AE_AVX2 1
 #endif
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+// OpenMP, or one thread without it: the calls a kernel's parallel region makes.
+static inline int64_t ae_max_threads() {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+static inline int64_t ae_thread_num() {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+static inline int64_t ae_team_size() {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
 // The GIL released for a long call (a millisecond or more), when `release` and the calling
 // thread holds it (a kernel called from another kernel's call has it released already): the
 // event loop's thread runs Python meanwhile instead of waiting for this call to return.

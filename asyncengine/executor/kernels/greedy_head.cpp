@@ -1,7 +1,4 @@
 #include "common.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 // Greedy tokens straight from the hidden states: ids[r] = argmax_v (x[r] . w[v] + bias[v]),
 // with the logits never written to memory. x: float [N, K]; w: float [V, K] (the head's own
@@ -324,11 +321,7 @@ extern "C" void kernel(const float* x, const float* w, const float* bias, int64_
                        int64_t N, int64_t K, int64_t V, int64_t has_bias, int64_t no_token) {
     const AeWithoutGil released(N * K * V >= AE_RELEASE_GIL_ELEMENTS);
     const float* b = has_bias ? bias : nullptr;
-#ifdef _OPENMP
-    const int64_t max_threads = omp_get_max_threads();
-#else
-    const int64_t max_threads = 1;
-#endif
+    const int64_t max_threads = ae_max_threads();
     const int mode = ae_head_mode(N, K, V);
     [[maybe_unused]] const int64_t groups = (N + 15) / 16;  // of the rows-in-lanes loop
     // Per thread, the bests so far (per row an ae_best or ae_lanes, per group an ae_rows16),
@@ -356,13 +349,9 @@ extern "C" void kernel(const float* x, const float* w, const float* bias, int64_
     int64_t threads = 1;
     #pragma omp parallel
     {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num();
+        const int64_t t = ae_thread_num();
         #pragma omp single nowait
-        threads = omp_get_num_threads();
-#else
-        const int64_t t = 0;
-#endif
+        threads = ae_team_size();
         char* const mine = base + t * thread_bytes;
         if (mode == AE_HEAD_DOTS) {
             ae_best* best = (ae_best*)mine;

@@ -1,7 +1,4 @@
 #include "common.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 // Greedy tokens through an int8 screen and an exact check: ids[r] = argmax_v (x[r] . w[v] +
 // bias[v]) for x float [N, K], with the vocabulary screened in int8 and only the few ids that
@@ -98,24 +95,16 @@ extern "C" void kernel(const float* x, const float* w, const float* bias, const 
         s_r[r] = s;
         l1x[r] = s * (float)l1;
     }
-#ifdef _OPENMP
-    const int64_t max_threads = omp_get_max_threads();
-#else
-    const int64_t max_threads = 1;
-#endif
+    const int64_t max_threads = ae_max_threads();
     std::vector<ae_i8_row> state((size_t)(max_threads * N));
     for (auto& st : state) { st.L = -INFINITY; st.n = 0; st.overflow = 0; }
     const int64_t chunk = std::max<int64_t>(1, blocks / (32 * max_threads));
     int64_t threads = 1;
     #pragma omp parallel
     {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num();
+        const int64_t t = ae_thread_num();
         #pragma omp single nowait
-        threads = omp_get_num_threads();
-#else
-        const int64_t t = 0;
-#endif
+        threads = ae_team_size();
         ae_i8_row* mine = state.data() + t * N;
         alignas(64) float hi[16], lo[16];
         #pragma omp for schedule(monotonic: dynamic, chunk) nowait
