@@ -27,6 +27,24 @@ import numpy as np
 import torch
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """A layer's attention variant (Gemma, Mistral, Qwen2 with a window; the default is plain
+    causal attention over the whole context).
+
+    ``window``: the query at position ``p`` sees only keys at positions ``> p - window`` (itself
+    and the ``window - 1`` before it: transformers' ``sliding_window``; FlashInfer's
+    ``window_left`` is ``window - 1``). ``soft_cap``: scores become ``cap * tanh(score / cap)``
+    after scaling, before the softmax (Gemma 2's ``attn_logit_softcapping``).
+    """
+
+    window: int | None = None
+    soft_cap: float | None = None
+
+
+PLAIN = AttentionOptions()
+
+
 @dataclass
 class AttentionMetadata:
     """Everything attention needs for one step, built once and shared by all layers."""
@@ -86,6 +104,11 @@ class AttentionBackend(ABC):
         shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
+    def configure_layers(self, options: list[AttentionOptions]) -> None:  # noqa: B027
+        """Once, after the model is built: each layer's options, in layer order (the same
+        object is passed to that layer's ``forward``). Backends that plan per step for each
+        distinct variant (FlashInfer) note them here."""
+
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:  # noqa: B027 (optional)
         """The engine's own cache, once allocated (not the temporary caches of profiling or
         embeddings): backends that keep blocks for themselves note where they are."""
@@ -114,5 +137,7 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        options: AttentionOptions = PLAIN,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write k/v into ``kv_cache`` at ``metadata.slot_mapping``, then attend causally."""
+        """Write k/v into ``kv_cache`` at ``metadata.slot_mapping``, then attend causally
+        (within ``options.window``, with ``options.soft_cap``)."""
