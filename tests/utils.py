@@ -22,6 +22,34 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, head_dim=16,
                                       sliding_window=None)),
+    # Families beyond Llama's layout, each with what makes it differ (``family.py``).
+    "mistral_sw": ("MistralConfig", dict(tie_word_embeddings=False, head_dim=16,
+                                         sliding_window=8)),
+    "qwen2_sw": ("Qwen2Config", dict(tie_word_embeddings=True, num_hidden_layers=3,
+                                     use_sliding_window=True, sliding_window=8,
+                                     max_window_layers=1)),
+    "gemma2": ("Gemma2Config", dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=8,
+                                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                    num_hidden_layers=3)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=256, query_pre_attn_scalar=256,
+                                        sliding_window=8, num_hidden_layers=3,
+                                        layer_types=["sliding_attention", "full_attention",
+                                                     "sliding_attention"],
+                                        rope_parameters={
+                                            "sliding_attention": {"rope_type": "default",
+                                                                  "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "linear",
+                                                               "factor": 8.0,
+                                                               "rope_theta": 1000000.0}})),
+    "phi3": ("Phi3Config", dict(tie_word_embeddings=False, sliding_window=None)),
+    # Phi-4-mini's shape: partial rotary (3/4 of each head), LongRoPE factors.
+    "phi4mini": ("Phi3Config", dict(tie_word_embeddings=True, sliding_window=None,
+                                    max_position_embeddings=4096, rope_parameters={
+                                        "rope_type": "longrope", "rope_theta": 10000.0,
+                                        "partial_rotary_factor": 0.75,
+                                        "original_max_position_embeddings": 64,
+                                        "short_factor": [1.0 + i / 8 for i in range(6)],
+                                        "long_factor": [2.0 + i for i in range(6)]})),
 }
 
 
@@ -62,7 +90,8 @@ def tiny_config(family: str = "llama", **config_overrides: Any) -> Any:
     cls_name, extra = FAMILIES[family]
     values = {**TINY, **extra, **config_overrides}
     config = getattr(transformers, cls_name)(**values)
-    config.architectures = [cls_name.replace("Config", "ForCausalLM")]
+    config.architectures = [cls_name.replace("TextConfig", "Config").replace(
+        "Config", "ForCausalLM")]
     return config
 
 
@@ -98,17 +127,30 @@ _GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
+# Where llama.cpp's names differ by architecture.
+_GGUF_ARCH_NAMES = {
+    "gemma2": {"post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+}
+_GGUF_ARCH_NAMES["gemma3"] = _GGUF_ARCH_NAMES["gemma2"]
+
+
 def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[str]) -> str:
     """Convert a tiny safetensors model (``make_tiny_model``) to an F32 GGUF file, the way
     llama.cpp's converter does: llama's q/k rows permuted for its RoPE, Llama 3 RoPE scaling as
-    a ``rope_freqs`` tensor. No tokenizer inside. Returns the file's path."""
+    a ``rope_freqs`` tensor; Gemma's norms stored as ``1 + w`` with its soft-caps and window;
+    Phi-3's partial rotary and LongRoPE factor tensors. No tokenizer inside. Returns the
+    file's path."""
     import gguf
     import numpy as np
     import torch
 
     ref = hf_reference_model(model_dir)
     c = ref.config
-    arch = c.model_type
+    arch = {"gemma3_text": "gemma3"}.get(c.model_type, c.model_type)
+    names = {**_GGUF_NAMES, **_GGUF_ARCH_NAMES.get(arch, {})}
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -120,7 +162,28 @@ def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[st
     w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    if getattr(c, "sliding_window", None) and arch != "qwen2":
+        w.add_sliding_window(c.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+    if arch == "gemma3":
+        types = c.layer_types
+        w.add_uint32("gemma3.attention.sliding_window_pattern",
+                     types.index("full_attention") + 1)
+        if rope.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["factor"])
+    if arch == "phi3":
+        rot = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        w.add_rope_dimension_count(rot)
+        if rope.get("rope_type") == "longrope":
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+            w.add_tensor("rope_factors_short.weight",
+                         np.array(rope["short_factor"], np.float32))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     w.add_bos_token_id(c.bos_token_id)
@@ -145,11 +208,15 @@ def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[st
                 x = permute(x, heads)
             elif arch == "llama" and module == "self_attn.k_proj":
                 x = permute(x, kv_heads)
-            gguf_name = f"blk.{i}.{_GGUF_NAMES[module]}.{kind}"
+            gguf_name = f"blk.{i}.{names[module]}.{kind}"
+            if arch.startswith("gemma") and module.endswith("norm"):
+                x = x + 1.0  # llama.cpp stores Gemma's (1 + w)
         else:
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
                          "model.norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[name]
+            if arch.startswith("gemma") and name == "model.norm.weight":
+                x = x + 1.0
         w.add_tensor(gguf_name, np.ascontiguousarray(x))
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -126,6 +126,7 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
         from asyncengine.executor.parallel.loader import load_tp_model
         from asyncengine.executor.parallel.sharding import make_plan
 
+        _check_family_supports(source.hf_config, "tensor_parallel", "--tensor-parallel-size")
         make_plan(source.hf_config, 0, tp_size)  # an unsplittable model fails before spawning
         if device.type == "cuda":  # the NCCL path: written, not run in this repository
             if _auto_kv_size(config):
@@ -154,6 +155,10 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
         num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, block_size=block_size,
         dtype=dtype, max_pages_per_seq=-(-max_model_len // block_size) + 1)
     attn_backend = get_attention_backend(config.device.attention_backend, device.type, shape)
+    if hasattr(model, "attention_options"):
+        attn_backend.configure_layers(model.attention_options())
+    if hasattr(model, "configure_context"):
+        model.configure_context(max_model_len)
     num_blocks = _num_blocks(config, model, attn_backend, dtype, device, max_model_len,
                              at_start)
     kv_caches = _off_the_loop_thread(device, lambda: attn_backend.allocate_kv_cache(
@@ -224,6 +229,10 @@ def _compile_model(config: EngineConfig, model: torch.nn.Module,
         return model
     from asyncengine.executor.models.compiled import CompiledModel
 
+    spec = getattr(model, "spec", None)
+    if spec is not None and "compile" in spec.lacks():
+        logger.warning("--compile: %s; the model runs eagerly", spec.lacks()["compile"])
+        return model
     max_tokens = min(config.device.compile_max_tokens, config.scheduler.max_num_batched_tokens)
     compiled = CompiledModel(model, max_tokens)
     _off_the_loop_thread(device, compiled.warm_up)
@@ -249,12 +258,11 @@ def _resolve_kv_connector(config: EngineConfig, scheduler_cls: type,
 
 
 def _max_model_len(config: EngineConfig, hf_config: Any, model: torch.nn.Module) -> int:
-    native = getattr(hf_config, "max_position_embeddings", None) or 2048
-    # Attention here is full, never windowed: a sliding-window model is exact only within
-    # its window.
-    window = getattr(model, "sliding_window", None)
-    if window:
-        native = min(native, window)
+    # A sliding window bounds what attention sees, not the context: the context is the
+    # model's position limit (or --max-model-len).
+    from asyncengine.executor.models.family import text_config
+
+    native = getattr(text_config(hf_config), "max_position_embeddings", None) or 2048
     wanted = config.model.max_model_len
     if wanted is None:
         return min(native, 8192)
@@ -262,6 +270,18 @@ def _max_model_len(config: EngineConfig, hf_config: Any, model: torch.nn.Module)
         raise ValueError(f"--max-model-len {wanted} exceeds the model's context length "
                          f"({native})")
     return wanted
+
+
+def _check_family_supports(hf_config: Any, path: str, flag: str) -> None:
+    """ValueError naming ``flag`` when the model's family lacks ``path`` (``family.py``)."""
+    from asyncengine.executor.models.family import describe
+
+    try:
+        lacks = describe(hf_config).lacks()
+    except ValueError:
+        return  # not a built-in family: the plugin model decides
+    if path in lacks:
+        raise ValueError(f"{flag}: {lacks[path]}")
 
 
 def _auto_kv_size(config: EngineConfig) -> bool:

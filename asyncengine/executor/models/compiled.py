@@ -102,7 +102,7 @@ class _OpBackend:
     layer's index, and the call becomes the custom op."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: int,
-                meta: Any, scale: float) -> torch.Tensor:
+                meta: Any, scale: float, options: Any = None) -> torch.Tensor:
         return torch.ops.asyncengine.paged_attention(q, k, v, kv_cache, scale)
 
 
@@ -112,6 +112,9 @@ _OP_BACKEND = _OpBackend()
 def supports_compile(model: nn.Module) -> bool:
     """The Llama-family layout this path traces (``LlamaForCausalLM``)."""
     inner = getattr(model, "model", None)
+    spec = getattr(model, "spec", None)
+    if spec is not None and "compile" in spec.lacks():
+        return False
     return all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")) and hasattr(
         model, "rotary")
 

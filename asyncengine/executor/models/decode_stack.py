@@ -10,8 +10,8 @@ after the final norm, to the bit what the per-op path computes.
 
 It runs when a step is all decodes that ``torch_paged`` attends with its in-place kernel
 (``TorchPagedBackend.decode_plan``), with fewer than ``DEQUANT_ROWS`` tokens (the int4
-kernel's own range), for a Llama-family model whose projections are all int4 without bias
-and without Qwen3's per-head norms: the default for the embedded Q4_1 GGUF and for
+kernel's own range), for a model of the plain Llama layout (``ModelSpec.lacks``) whose
+projections are all int4 without bias: the default for the embedded Q4_1 GGUF and for
 ``--quantization int4``. Anything else takes the per-layer path. ``ASYNCENGINE_CPU_KERNELS=0``
 turns it off with the other own kernels.
 """
@@ -61,7 +61,8 @@ class DecodeStack:
     @classmethod
     def for_model(cls, model: Any) -> DecodeStack | None:
         """The stack for ``model``, or None where it does not apply (see the module doc)."""
-        if not layer_ops.ENABLED or model.config.model_type == "qwen3":
+        spec = getattr(model, "spec", None)
+        if not layer_ops.ENABLED or spec is None or "decode_stack" in spec.lacks():
             return None
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp

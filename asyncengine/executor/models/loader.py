@@ -225,6 +225,8 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
     grids: dict[str, Any] | None = None
     if fmt == "dummy":
         _fill_dummy(model, seed, getattr(config, "initializer_range", 0.02))
+        if hasattr(model, "finish_loading"):
+            model.finish_loading()
     elif fmt == "gguf":
         from asyncengine.executor.models.gguf import iter_gguf_tensors
 

@@ -1,16 +1,26 @@
-"""The built-in model architectures, by the names found in ``config.json`` ``architectures``."""
+"""The built-in model architectures, by the names found in ``config.json`` ``architectures``.
+
+All of them are the one decoder (``decoder.py``) reading a family description
+(``family.py``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from asyncengine.executor.models.llama import LlamaForCausalLM
+from asyncengine.executor.models.decoder import CausalLM
 
 BUILTIN_MODELS: dict[str, type] = {
-    "LlamaForCausalLM": LlamaForCausalLM,  # Llama 2/3, SmolLM/SmolLM2
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,  # Qwen2, Qwen2.5
-    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "LlamaForCausalLM": CausalLM,  # Llama 2/3, SmolLM/SmolLM2
+    "MistralForCausalLM": CausalLM,
+    "Qwen2ForCausalLM": CausalLM,  # Qwen2, Qwen2.5
+    "Qwen3ForCausalLM": CausalLM,
+    "Gemma2ForCausalLM": CausalLM,
+    "Gemma3ForCausalLM": CausalLM,  # Gemma 3 1B (text only)
+    "Gemma3ForConditionalGeneration": CausalLM,  # Gemma 3 4B+: the language model only
+    "Phi3ForCausalLM": CausalLM,  # Phi-3, Phi-3.5, Phi-4-mini
+    "MixtralForCausalLM": CausalLM,
+    "Qwen2MoeForCausalLM": CausalLM,
+    "Qwen3MoeForCausalLM": CausalLM,
 }
 
 # Configs converted from GGUF carry a model_type but no architectures list.
@@ -19,6 +29,13 @@ _ARCH_OF_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 

@@ -2,7 +2,14 @@
 
 Reads both config styles: transformers 5 ``rope_parameters`` ({rope_type, rope_theta, factor,
 ...}) and the older ``rope_theta`` + ``rope_scaling``. Own code for ``default``, ``linear`` and
-``llama3``; other static types (``yarn``) come from transformers' own initializers.
+``llama3``; other static types (``yarn``, Phi-3's ``longrope``) come from transformers' own
+initializers. Partial rotary (Phi-4-mini: ``partial_rotary_factor``) rotates the first
+``rotary_dim`` of each head and leaves the rest.
+
+LongRoPE has two sets of factors, short and long. transformers switches per forward pass at
+``original_max_position_embeddings``; a paged cache cannot re-rotate keys already written, so
+here the choice is made once for the whole context, as llama.cpp does: long factors when the
+served context (``--max-model-len``) exceeds the original one, else short.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import torch
 from torch import nn
 
 _OWN_TYPES = ("default", "linear", "llama3")
-_BORROWED_TYPES = ("yarn",)
+_BORROWED_TYPES = ("yarn", "longrope")
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -45,17 +52,23 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin for a step's positions, computed once per forward and shared by all layers."""
 
-    def __init__(self, config: Any, head_dim: int) -> None:
+    def __init__(self, config: Any, head_dim: int, params: dict[str, Any] | None = None,
+                 rotary_dim: int | None = None, *, layer_type: str | None = None,
+                 long_context: bool = False) -> None:
+        """``params``: this table's RoPE parameters (default: the config's); ``rotary_dim``:
+        how many of each head's dims rotate (default: all); ``layer_type``: the key of
+        ``params`` in a per-layer-type ``rope_parameters`` (Gemma 3); ``long_context``:
+        LongRoPE's long factors."""
         super().__init__()
-        p = rope_parameters(config)
-        rope_type = p["rope_type"]
-        if p.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial_rotary_factor != 1 is not supported by the Llama model")
+        p = params if params is not None else rope_parameters(config)
+        rope_type = p.get("rope_type") or p.get("type") or "default"
+        dim = rotary_dim or head_dim
         self.rope_type = rope_type
+        self.rotary_dim = dim
         self.attention_scaling = 1.0
         if rope_type in _OWN_TYPES:
-            exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float()
-            inv_freq = 1.0 / (p["rope_theta"] ** (exponents / head_dim))  # [head_dim / 2]
+            exponents = torch.arange(0, dim, 2, dtype=torch.int64).float()
+            inv_freq = 1.0 / (p["rope_theta"] ** (exponents / dim))  # [rotary_dim / 2]
             if rope_type == "linear":
                 inv_freq = inv_freq / p["factor"]
             elif rope_type == "llama3":
@@ -63,7 +76,11 @@ class RotaryEmbedding(nn.Module):
         elif rope_type in _BORROWED_TYPES:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+            kw: dict[str, Any] = {"layer_type": layer_type} if layer_type else {}
+            if rope_type == "longrope" and long_context:
+                kw["seq_len"] = p["original_max_position_embeddings"] + 1
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None,
+                                                                              **kw)
         else:
             raise ValueError(f"RoPE type {rope_type!r} is not supported (supported: "
                              f"{', '.join(_OWN_TYPES + _BORROWED_TYPES)})")
@@ -78,7 +95,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for ``apply_rope``, both [T, 1, 2, head_dim / 2] in ``dtype``: cos for both
+        """cos, sin for ``apply_rope``, both [T, 1, 2, rotary_dim / 2] in ``dtype``: cos for both
         halves of a head; sin negated for the first half, as the rotation needs it."""
         inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * inv_freq[None, :]  # [T, head_dim / 2]
@@ -95,5 +112,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     same way op by op, in four kernels (the halves swapped by ``flip``).
     """
     T, heads, head_dim = x.shape
+    rot = 2 * cos.shape[-1]
+    if rot != head_dim:  # partial rotary: the first ``rot`` dims turn, the rest pass
+        x[..., :rot] = apply_rope(x[..., :rot].contiguous(), cos, sin)
+        return x
     halves = x.view(T, heads, 2, head_dim // 2)
     return (halves * cos + halves.flip(2) * sin).view(T, heads, head_dim)
