@@ -12,6 +12,11 @@ attended by ONE SDPA call shared by all layers' index tensors and masks:
 - prefill chunks are packed into padded groups while padding at most doubles the work
   (one fresh prompt alone attends its own k/v with ``is_causal``, no gather).
 
+Layer variants (``AttentionOptions``): a sliding window narrows the masks (the in-place decode
+kernel starts each request's keys at ``len - window``); a soft cap (Gemma 2) takes the explicit
+``softmax(cap * tanh(q k^T / cap))`` in place of SDPA, which has no soft cap. Models with such
+layers never take the chunked decode path.
+
 GQA without copying K/V: the ``group = heads / kv_heads`` query heads sharing a KV head are
 folded into the query-row axis, so SDPA sees ``[G, kv_heads, Q * group, head_dim]`` queries
 against ``[G, kv_heads, L, head_dim]`` keys.
@@ -30,7 +35,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from asyncengine.executor.attention.base import AttentionBackend, AttentionMetadata
+from asyncengine.executor.attention.base import (
+    PLAIN,
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionOptions,
+)
 from asyncengine.executor.attention.decode_chunks import (
     DECODE_CHUNK_TOKENS,
     ChunkedDecode,
@@ -52,23 +62,32 @@ class _Group:
     token_rows: torch.Tensor | None = None  # [G, Q] rows of q (padding repeats a real row)
     blocks: torch.Tensor | None = None  # [G, max_blocks] block ids (padding: block 0)
     mask: torch.Tensor | None = None  # [G, 1, Q, L] True = attend; None = attend all
+    last_key: torch.Tensor | None = None  # [G, Q] the last key position each row attends
     valid: torch.Tensor | None = None  # rows of the flat [G * Q] output that are real
     dest_rows: torch.Tensor | None = None  # [n_valid] rows of the step output they fill
     fresh: tuple[int, int] | None = None  # (start, end): one prompt with no cached context
     ordered: bool = False  # no padding, and the rows are consecutive step rows
     first_row: int = 0
     num_rows: int = 0
+    block_size: int = 0
     _masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
-    def mask_for(self, group: int, dtype: torch.dtype) -> torch.Tensor | None:
+    def mask_for(self, group: int, dtype: torch.dtype,
+                 window: int | None = None) -> torch.Tensor | None:
         """The mask with each query row repeated ``group`` times (rows are (t, head) pairs), made
         additive in ``dtype`` (0 / -inf: what SDPA turns a boolean mask into, once per layer
-        otherwise), once per step."""
-        if self.mask is None:
+        otherwise), once per step; ``window`` narrows it to the last ``window`` keys."""
+        if self.mask is None and window is None:
             return None
-        key = (group, dtype)
+        key = (group, dtype, window)
         if key not in self._masks:
-            mask = self.mask if self.max_q == 1 else self.mask.repeat_interleave(group, dim=2)
+            mask = self.mask
+            if window is not None:
+                L = self.blocks.shape[1] * self.block_size
+                keys = torch.arange(L, device=self.last_key.device)[None, None, :]
+                inside = keys > (self.last_key[:, :, None] - window)  # [G, Q, L]
+                mask = inside[:, None] if mask is None else mask & inside[:, None]
+            mask = mask if self.max_q == 1 else mask.repeat_interleave(group, dim=2)
             self._masks[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device
                                            ).masked_fill_(~mask, float("-inf"))
         return self._masks[key]
@@ -93,6 +112,11 @@ class _Plan:
 
 class TorchPagedBackend(AttentionBackend):
     name = "torch_paged"
+    #: Some layer has a window or a soft cap: no chunked decode (it knows neither).
+    variants: bool = False
+
+    def configure_layers(self, options: list[AttentionOptions]) -> None:
+        self.variants = any(o != PLAIN for o in options)
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         # prepare() runs on the event loop's thread. The plan's tensors (a prefill's mask is
@@ -110,16 +134,18 @@ class TorchPagedBackend(AttentionBackend):
         callers that run the layers' kernels themselves (``models/decode_stack.py``)."""
         plan: _Plan | None = metadata.extra
         if plan is None:
-            plan = metadata.extra = _make_plan(metadata, x, kv_heads)
+            plan = metadata.extra = _make_plan(metadata, x, kv_heads, self.variants)
         if plan.cpp and plan.identity and isinstance(plan.groups[0], _CppDecode):
             return plan.groups[0]
         return None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                metadata: AttentionMetadata, scale: float,
+                options: AttentionOptions = PLAIN) -> torch.Tensor:
         plan: _Plan | None = metadata.extra
         if plan is None:
-            plan = metadata.extra = _make_plan(metadata, q, kv_cache.shape[3])
+            plan = metadata.extra = _make_plan(metadata, q, kv_cache.shape[3], self.variants)
+        window, cap = options.window, options.soft_cap
         T, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads
@@ -133,7 +159,7 @@ class TorchPagedBackend(AttentionBackend):
         for g in plan.groups:
             if isinstance(g, _CppDecode):
                 o = layer_ops.decode_attention(q, kv_cache, g.tables, g.lens, g.rows, g.split,
-                                               scale)
+                                               scale, window, cap)
                 if out is None:
                     return o
                 out[g.rows] = o
@@ -146,9 +172,13 @@ class TorchPagedBackend(AttentionBackend):
                 continue
             if g.fresh is not None:
                 s, e = g.fresh
-                o = F.scaled_dot_product_attention(
-                    q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
-                    is_causal=True, scale=scale, enable_gqa=True)  # [heads, L, dim]
+                qf, kf, vf = q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
+                if options == PLAIN:
+                    o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale,
+                                                       enable_gqa=True)  # [heads, L, dim]
+                else:
+                    kf, vf = kf.repeat_interleave(group, 0), vf.repeat_interleave(group, 0)
+                    o = _attend(qf, kf, vf, _fresh_mask(e - s, window, q), scale, cap)
                 o = o.transpose(0, 1)
                 if out is None:
                     return o
@@ -162,8 +192,12 @@ class TorchPagedBackend(AttentionBackend):
             qg = qg.view(G, Q, num_kv_heads, group, head_dim).transpose(1, 2)
             qg = qg.reshape(G, num_kv_heads, Q * group, head_dim)
             kg, vg = _gather(kv_cache, g.blocks)  # [G, kv_heads, L, dim] each
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask_for(group, q.dtype),
-                                               scale=scale)  # [G, kv_heads, Q * group, dim]
+            mask = g.mask_for(group, q.dtype, window)
+            if cap is None:
+                o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask,
+                                                   scale=scale)  # [G, kv_heads, Q * group, dim]
+            else:
+                o = _attend(qg, kg, vg, mask, scale, cap)
             o = o.view(G, num_kv_heads, Q, group, head_dim).transpose(1, 2)
             o = o.reshape(G * Q, num_heads, head_dim)
             if out is None:
@@ -177,7 +211,30 @@ class TorchPagedBackend(AttentionBackend):
         return out
 
 
-def _make_plan(metadata: AttentionMetadata, q: torch.Tensor, kv_heads: int) -> _Plan:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float, cap: float | None) -> torch.Tensor:
+    """``softmax(cap * tanh(q k^T * scale / cap) + mask) v`` in float32 (SDPA has no soft
+    cap). q: [..., Q, D], k, v: [..., L, D] with the same heads; mask additive [..., Q, L]."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if cap is not None:
+        s = torch.tanh(s / cap) * cap
+    if mask is not None:
+        s = s + mask
+    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+
+
+def _fresh_mask(n: int, window: int | None, like: torch.Tensor) -> torch.Tensor:
+    """The additive causal mask of one fresh prompt of ``n`` tokens, within ``window``."""
+    i = torch.arange(n, device=like.device)
+    keep = i[None, :] <= i[:, None]
+    if window is not None:
+        keep &= i[None, :] > i[:, None] - window
+    return torch.zeros(n, n, dtype=torch.float32, device=like.device).masked_fill_(
+        ~keep, float("-inf"))
+
+
+def _make_plan(metadata: AttentionMetadata, q: torch.Tensor, kv_heads: int,
+               variants: bool = False) -> _Plan:
     device = metadata.slot_mapping.device
     q_lens, seq_lens = metadata.query_lens, metadata.seq_lens
     decodes = [i for i, n in enumerate(q_lens) if n == 1]
@@ -188,7 +245,7 @@ def _make_plan(metadata: AttentionMetadata, q: torch.Tensor, kv_heads: int) -> _
         groups.append(_cpp_decode(decodes, metadata, kv_heads))
     elif decodes:
         longest = max(seq_lens[i] for i in decodes)
-        if longest > DECODE_CHUNK_TOKENS and device.type == "cpu":  # a CPU kernel
+        if longest > DECODE_CHUNK_TOKENS and device.type == "cpu" and not variants:
             groups.append(make_chunked_decode(decodes, metadata, device))
         else:
             groups.append(_padded_group(decodes, metadata, device))
@@ -277,7 +334,8 @@ def _padded_group(members: list[int], meta: AttentionMetadata, device: torch.dev
         blocks = tables[:, :max_blocks]
     else:
         blocks = tables[torch.tensor(members, device=tables.device), :max_blocks]
-    group = _Group(max_q=Q, token_rows=token_rows.to(device), blocks=blocks.to(device))
+    group = _Group(max_q=Q, token_rows=token_rows.to(device), blocks=blocks.to(device),
+                   last_key=last_key.to(device), block_size=bs)
     if not bool(mask.all()):
         group.mask = mask[:, None].to(device)
     flat_rows = token_rows.flatten()

@@ -90,11 +90,13 @@ static inline void ae_accumulate(float* acc, const float* w, const ae_t* vb, int
 // q: rows of [H, D], row r of request b is rows[b], row stride q_stride (elements);
 // kc: the K cache [num_blocks, BS, KVH, D], the V cache at kc + v_off; tables: int64
 // [B, table_stride]; lens: int64 [B], the keys of each request (its new token's included);
-// out: [B, H, D].
+// out: [B, H, D]. window > 0: only the last `window` keys of each request are attended
+// (sliding-window attention); soft_cap > 0: scores become soft_cap * tanh(score / soft_cap).
 extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
                        const int64_t* lens, const int64_t* rows, ae_t* out, int64_t B,
                        int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t table_stride,
-                       int64_t q_stride, int64_t split, float scale, int64_t v_off) {
+                       int64_t q_stride, int64_t split, float scale, int64_t v_off,
+                       int64_t window, float soft_cap) {
     const ae_t* vc = kc + v_off;
     const int64_t G = H / KVH, kv_row = KVH * D;
     // Items, in (b, kv head, split) order, so a request's splits are consecutive.
@@ -105,7 +107,9 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
     int64_t items = 0;
     for (int64_t bh = 0; bh < B * KVH; ++bh) {
         first_item[bh] = items;
-        items += std::max<int64_t>(1, (lens[bh / KVH] + split - 1) / split);
+        const int64_t len = lens[bh / KVH];
+        const int64_t keys = window > 0 ? std::min(len, window) : len;
+        items += std::max<int64_t>(1, (keys + split - 1) / split);
     }
     first_item[B * KVH] = items;
     item_bh.resize(items);
@@ -124,7 +128,7 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
 #define AE_ATTN_TEAM_MIN 8192
 #endif
     int64_t work = 0;
-    for (int64_t b = 0; b < B; ++b) work += lens[b] * H;
+    for (int64_t b = 0; b < B; ++b) work += (window > 0 ? std::min(lens[b], window) : lens[b]) * H;
     #pragma omp parallel if (items > 1 && work >= AE_ATTN_TEAM_MIN)
     {
         static thread_local std::vector<float> scratch;
@@ -137,18 +141,28 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
         #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
             const int64_t bh = ib[it], b = bh / KVH, kh = bh % KVH;
-            const int64_t start = (it - fi[bh]) * split;
+            // Keys [lo, lens[b]): lo > 0 under a window, not block-aligned in general.
+            const int64_t lo = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+            const int64_t start = lo + (it - fi[bh]) * split;
             const int64_t end = std::min(lens[b], start + split);
             const int64_t* table = tables + b * table_stride;
             const ae_t* qrow = q + rows[b] * q_stride + kh * G * D;
             for (int64_t i = 0; i < G * D; ++i) { qv[i] = ae_get(qrow + i) * scale; acc[i] = 0.f; }
             for (int64_t g = 0; g < G; ++g) { m[g] = -INFINITY; l[g] = 0.f; }
-            for (int64_t p0 = start; p0 < end; p0 += BS) {
-                const int64_t n = std::min(BS, end - p0);
-                const int64_t base = (table[p0 / BS] * BS) * kv_row + kh * D;
+            for (int64_t p0 = start; p0 < end;) {
+                const int64_t off = p0 % BS;  // 0 except at a window's first block
+                const int64_t n = std::min(BS - off, end - p0);
+                const int64_t base = (table[p0 / BS] * BS + off) * kv_row + kh * D;
+                p0 += n;
                 const ae_t* kb = kc + base;
                 const ae_t* vb = vc + base;
                 ae_scores(qv, kb, s, G, D, n, BS, kv_row);
+                if (soft_cap > 0.f) {
+                    const float inv = 1.f / soft_cap;
+                    for (int64_t g = 0; g < G; ++g)
+                        for (int64_t j = 0; j < n; ++j)
+                            s[g * BS + j] = soft_cap * std::tanh(s[g * BS + j] * inv);
+                }
                 for (int64_t g = 0; g < G; ++g) {
                     float* sg = s + g * BS;
                     float mx = m[g];

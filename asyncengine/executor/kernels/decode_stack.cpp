@@ -82,7 +82,7 @@ extern "C" void kernel(const float* h, float* out, const int64_t* layers, const 
         ae_rope(qkv, cos, sin, T, H + KVH, D, QKV);  // q and k heads, in place
         ae_kv_write(qkv + H * D, qkv + (H + KVH) * D, kv, slots, T, KVH * D, QKV, QKV, v_off);
         ae_decode_attention(qkv, kv, tables, lens, rows, att, T, H, KVH, D, BS, table_stride,
-                            QKV, split, scale, v_off);
+                            QKV, split, scale, v_off, 0, 0.f);
         ae_int4_mm(att, ae_ptr<const uint8_t>(w, AE_O_Q), ae_ptr<const uint16_t>(w, AE_O_SM),
                    hs, T, HD, H * D);
         ae_rms_norm(hs, residual, ae_ptr<const float>(w, AE_POST_NORM), x, T, HD, HD, 1, eps);

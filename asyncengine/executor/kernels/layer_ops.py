@@ -40,7 +40,8 @@ _ARGS: dict[str, tuple[str, ...]] = {
                  "int64_t", "int64_t", "int64_t"),
     "decode_attention": ("const ae_t*", "const ae_t*", "const int64_t*", "const int64_t*",
                          "const int64_t*", "ae_t*", "int64_t", "int64_t", "int64_t", "int64_t",
-                         "int64_t", "int64_t", "int64_t", "int64_t", "float", "int64_t"),
+                         "int64_t", "int64_t", "int64_t", "int64_t", "float", "int64_t",
+                         "int64_t", "float"),
 }
 
 # dtype -> {name: kernel}, for the dtypes whose kernels all built.
@@ -105,21 +106,24 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
                      lens: torch.Tensor, rows: torch.Tensor, split: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, window: int | None = None,
+                     soft_cap: float | None = None) -> torch.Tensor:
     """Attention of one query token per request over the paged cache, read in place.
 
     q: [T, heads, D] (a step's queries; heads contiguous); kv_cache: [2, blocks, block_size,
     kv_heads, D]; tables: int64 [B, n] block tables (contiguous); lens: int64 [B] keys per
     request (its new token's included, already written); rows: int64 [B], the row of ``q``
-    of each request; split: positions per work item (a multiple of block_size). Returns
-    [B, heads, D]."""
+    of each request; split: positions per work item (a multiple of block_size); window: only
+    each request's last ``window`` keys; soft_cap: scores capped by ``cap * tanh(s / cap)``.
+    Returns [B, heads, D]."""
     _, heads, D = q.shape
     _, _, block_size, kv_heads, _ = kv_cache.shape
     B = rows.shape[0]
     out = torch.empty(B, heads, D, dtype=q.dtype)
     _kernels(q.dtype)["decode_attention"](
         q, kv_cache, tables, lens, rows, out, B, heads, kv_heads, D, block_size,
-        tables.stride(0), q.stride(0), split, float(scale), kv_cache.stride(0))
+        tables.stride(0), q.stride(0), split, float(scale), kv_cache.stride(0), window or 0,
+        float(soft_cap or 0.0))
     return out
 
 
