@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from asyncengine.executor.models import gguf_arch
+
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -65,6 +67,7 @@ class StringArray:
 class GGUFHeader:
     metadata: dict[str, Any]
     tensors: list[TensorInfo]
+    path: str = ""
 
 
 def read_header(path: str) -> GGUFHeader:
@@ -130,13 +133,13 @@ def _parse_header(path: str, buf: mmap.mmap) -> GGUFHeader:
     align = int(metadata.get("general.alignment", 32))
     data_start = (pos + align - 1) // align * align
     tensors = [TensorInfo(n, d, t, data_start + o) for n, d, t, o in infos]
-    return GGUFHeader(metadata, tensors)
+    return GGUFHeader(metadata, tensors, path)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None if unknown."""
     if m := _LAYER_RE.match(gguf_name):
-        part = _LAYER_NAMES.get(m.group(2))
+        part = gguf_arch.layer_name(arch, m.group(2)) or _LAYER_NAMES.get(m.group(2))
         return f"model.layers.{m.group(1)}.{part}.{m.group(3)}" if part else None
     if m := _GLOBAL_RE.match(gguf_name):
         part = _GLOBAL_NAMES.get(m.group(1))
@@ -150,7 +153,7 @@ def config_from_header(header: GGUFHeader) -> Any | None:
 
     md = header.metadata
     arch = md.get("general.architecture")
-    if arch not in CONFIG_ARCHS:
+    if arch not in CONFIG_ARCHS and arch not in gguf_arch.LAYER_NAMES:
         return None
 
     def get(key: str, default: Any = None) -> Any:
@@ -174,6 +177,8 @@ def config_from_header(header: GGUFHeader) -> Any | None:
         eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=md.get("tokenizer.ggml.padding_token_id"),
     )
+    if arch in gguf_arch.LAYER_NAMES:  # Gemma, Phi: their own config classes
+        return gguf_arch.config(arch, md, kw, lambda name: _small_tensor(header, name))
     rope: dict[str, Any] = {"rope_type": "default",
                             "rope_theta": float(get("rope.freq_base", 10000.0))}
     scaling = get("rope.scaling.type")
@@ -182,7 +187,20 @@ def config_from_header(header: GGUFHeader) -> Any | None:
         if scaling == "yarn":
             rope["original_max_position_embeddings"] = get("rope.scaling.original_context_length")
     kw["rope_parameters"] = rope
+    if arch == "mistral" and get("attention.sliding_window"):
+        kw["sliding_window"] = get("attention.sliding_window")
     return AutoConfig.for_model(CONFIG_ARCHS[arch], **kw)
+
+
+def _small_tensor(header: GGUFHeader, name: str) -> np.ndarray | None:
+    """An F32 tensor of the file (a few values: RoPE factors), None if absent."""
+    for t in header.tensors:
+        if t.name == name:
+            if t.ggml_type != 0:
+                raise ValueError(f"{header.path}: GGUF tensor {name} is not F32")
+            count = int(np.prod(t.dims, dtype=np.int64))
+            return np.fromfile(header.path, dtype="<f4", count=count, offset=t.offset)
+    return None
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -252,7 +270,9 @@ def iter_gguf_tensors(path: str, config: Any, grids: dict[str, QuantGrid] | None
         if t.name == ROPE_FREQS:
             yield ROPE_FREQS, torch.from_numpy(np.array(w, dtype=np.float32))  # a copy
             continue
-        name = hf_name(t.name)
+        if t.name in gguf_arch.CONFIG_TENSORS:
+            continue
+        name = hf_name(t.name, arch)
         if name is None:
             raise ValueError(f"{path}: GGUF tensor {t.name!r} has no counterpart in the model")
         heads = num_heads if ".q_proj." in name else num_kv_heads if ".k_proj." in name else 0
@@ -263,5 +283,6 @@ def iter_gguf_tensors(path: str, config: Any, grids: dict[str, QuantGrid] | None
                                  unpermute_rope_rows(grid.other, heads))
         if grid is not None:
             grids[name] = grid
+        w = gguf_arch.fix_tensor(arch, name, w)
         w = np.asarray(w, dtype=np.float32)
         yield name, torch.from_numpy(w if w.flags.writeable else w.copy())

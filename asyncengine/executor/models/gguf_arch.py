@@ -1,0 +1,95 @@
+"""What differs between GGUF architectures as llama.cpp writes them: tensor names, the config
+keys, and the tensors llama.cpp's converter changed on the way in.
+
+- **gemma2 / gemma3**: ``ffn_norm`` is the norm *before* the MLP and ``post_attention_norm``
+  / ``post_ffw_norm`` the norms after attention and the MLP; every norm weight is stored as
+  ``1 + w`` (the converter added Gemma's offset), so 1 is taken off again here. The query scale
+  is ``1 / sqrt(head_dim)`` except on the 27B models (``hidden / heads``), as llama.cpp does.
+  Gemma 3's local layers rotate with base 10000 and every sixth layer is global.
+- **phi3**: q, k, v come fused as ``attn_qkv`` and gate, up as ``ffn_up``; LongRoPE's factors
+  are the tensors ``rope_factors_long`` / ``rope_factors_short`` (read into the config, not
+  loaded as weights); partial rotary is ``rope.dimension_count < head_dim``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+# GGUF block part -> our module name, where an architecture differs from Llama's table.
+LAYER_NAMES: dict[str, dict[str, str]] = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+LAYER_NAMES["gemma3"] = LAYER_NAMES["gemma2"]
+
+# Tensors that configure rather than weigh (read by ``config``; skipped by the loader).
+CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def layer_name(arch: str, part: str) -> str | None:
+    return LAYER_NAMES.get(arch, {}).get(part)
+
+
+def fix_tensor(arch: str, name: str, w: np.ndarray) -> np.ndarray:
+    """Undo what llama.cpp's converter did to a tensor of ``arch`` (``name``: ours)."""
+    if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+        return np.asarray(w, dtype=np.float32) - 1.0
+    return w
+
+
+def config(arch: str, md: dict[str, Any], base: dict[str, Any],
+           read: Any) -> Any | None:
+    """A transformers config for ``arch`` (None when not one of these); ``base`` holds the
+    keys every architecture shares (``gguf.config_from_header``), ``read(name)`` a small
+    tensor of the file as float32."""
+    import transformers
+
+    def get(key: str, default: Any = None) -> Any:
+        return md.get(f"{arch}.{key}", default)
+
+    kw = dict(base)
+    theta = float(get("rope.freq_base", 10000.0))
+    if arch in ("gemma2", "gemma3"):
+        head_dim = kw["head_dim"]
+        big = kw["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+        kw.update(query_pre_attn_scalar=kw["hidden_size"] // kw["num_attention_heads"]
+                  if big else head_dim, sliding_window=get("attention.sliding_window"),
+                  hidden_activation="gelu_pytorch_tanh")
+        if arch == "gemma2":
+            kw.update(attn_logit_softcapping=get("attn_logit_softcapping"),
+                      final_logit_softcapping=get("final_logit_softcapping"), rope_theta=theta)
+            return transformers.Gemma2Config(**kw)
+        pattern = get("attention.sliding_window_pattern", 6)  # a period, or a flag per layer
+        n = kw["num_hidden_layers"]
+        sliding = [bool(f) for f in pattern] if isinstance(pattern, (list, np.ndarray)) else [
+            (i + 1) % int(pattern) != 0 for i in range(n)]
+        kw["layer_types"] = ["sliding_attention" if f else "full_attention" for f in sliding]
+        full: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+        if get("rope.scaling.type") == "linear":
+            full.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
+        kw["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+            "rope_type": "default", "rope_theta": 10000.0}}
+        return transformers.Gemma3TextConfig(**kw)
+    if arch == "phi3":
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+        rot = get("rope.dimension_count")
+        if rot and rot != kw["head_dim"]:
+            rope["partial_rotary_factor"] = rot / kw["head_dim"]
+        if read("rope_factors_long.weight") is not None:
+            rope.update(rope_type="longrope",
+                        long_factor=read("rope_factors_long.weight").tolist(),
+                        short_factor=read("rope_factors_short.weight").tolist(),
+                        original_max_position_embeddings=get(
+                            "rope.scaling.original_context_length"))
+            if get("rope.scaling.attn_factor") is not None:
+                rope["attention_factor"] = float(get("rope.scaling.attn_factor"))
+        kw.update(rope_parameters=rope, sliding_window=get("attention.sliding_window"))
+        kw.pop("head_dim")
+        return transformers.Phi3Config(**kw)
+    return None
