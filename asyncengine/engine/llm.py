@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,9 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.engine.engine import AsyncEngine
 from asyncengine.engine.outputs import RequestOutput
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
 
 Prompt = str | list[int]
 
@@ -43,7 +47,10 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         prios = list(priority) if priority is not None else [0] * len(prompts)
-        return anyio.run(self._run, prompts, params, prios)
+        try:
+            return anyio.run(self._run, prompts, params, prios)
+        except BaseExceptionGroup as group:  # the task groups wrap what a request raised
+            raise _first_leaf(group) from None
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
@@ -69,3 +76,12 @@ class LLM:
                 for i in range(len(streams)):
                     tg.start_soon(collect, i)
         return results  # type: ignore[return-value]
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    """The exception a caller should see: the first one inside nested groups (a request's
+    ValueError, say), not the task groups' wrapper."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
