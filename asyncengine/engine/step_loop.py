@@ -116,6 +116,7 @@ class StepLoop:
         cpu = time.thread_time()
         out = self.scheduler.schedule()
         if out.is_empty:
+            self.runner.release(out)  # its leavers' rows, though nothing runs
             self.step_cpu_s += time.thread_time() - cpu
             return None
         engine = self.engine

@@ -91,12 +91,20 @@ class ModelRunner:
         self.penalty_state = PenaltyState(self.vocab_size, device)
 
     # -- on the loop -----------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput, *, with_bitmask: bool = False) -> StepInputs:
+    def release(self, out: SchedulerOutput) -> None:
+        """Drop the rows of the requests that finished or were preempted since the last step.
+        ``prepare`` does it first; the loop calls it alone for a step that scheduled nothing,
+        whose leavers must not keep their rows (a re-admitted request would find its old
+        block table)."""
         ib = self.batch
         for rid in out.finished_req_ids:
             ib.remove(rid)
         for rid in out.preempted_req_ids:
             ib.remove(rid)
+
+    def prepare(self, out: SchedulerOutput, *, with_bitmask: bool = False) -> StepInputs:
+        ib = self.batch
+        self.release(out)
         num_reqs = len(out.scheduled)
         rows_l: list[int] = []
         starts_l: list[int] = []
