@@ -34,7 +34,6 @@ import os
 import struct
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -56,7 +55,7 @@ def enabled() -> bool:
 def _native() -> Callable[..., None] | None:
     from asyncengine.executor.kernels.build import load
 
-    return load("batch_send", _ARGS, directory=Path(__file__).parent)
+    return load("batch_send", _ARGS)
 
 
 class Connection:

@@ -1,4 +1,5 @@
-"""Own C++ kernels for the CPU, compiled at first use (``build.py``).
+"""Own C++ kernels for the CPU, compiled at first use (``build.py``); their sources are in
+the top-level ``kernels/`` folder (``kernels/README.md``).
 
 - ``packed.py``: matmuls that read packed int4 / int8 weights in place (GGUF Q4 / Q8_0).
 - ``layer_ops.py``: the decoder layer's small ops fused one call each: RMSNorm with its

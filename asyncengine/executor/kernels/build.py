@@ -1,7 +1,9 @@
-"""Building the C++ kernels of this folder, at first use, with inductor's C++ toolchain.
+"""Building the C++ kernels, at first use, with inductor's C++ toolchain.
 
-Each ``<name>.cpp`` defines one ``extern "C" void kernel(...)``; ``load`` inlines the files
-of this folder it includes, ``common.h`` at least (ISA detection, float16 / bfloat16
+The sources are data, not Python: they live in the repository's top-level ``kernels/``
+folder, and a wheel carries them as ``asyncengine/_kernels/`` (``setup.py`` copies them in).
+:func:`kernel_dir` finds them either way. Each ``<name>.cpp`` defines one
+``extern "C" void kernel(...)``; ``load`` inlines the files of that folder it includes, ``common.h`` at least (ISA detection, float16 / bfloat16
 conversion, a vectorized exp), optionally fixes the element type (``AE_DTYPE``), and compiles
 it through ``CppPythonBindingsCodeCache``, the code cache ``--compile`` already uses: the
 compiler flags are inductor's for this CPU (AVX2 / AVX-512 where present), the build takes a
@@ -22,7 +24,20 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_DIR = Path(__file__).parent
+_PACKAGE = Path(__file__).resolve().parents[2]  # .../asyncengine
+
+
+def kernel_dir() -> Path:
+    """The folder of the C++ sources: ``asyncengine/_kernels`` in an installed wheel, else
+    the ``kernels/`` beside the package in a checkout (an editable install)."""
+    for candidate in (_PACKAGE / "_kernels", _PACKAGE.parent / "kernels"):
+        if (candidate / "common.h").is_file():
+            return candidate
+    raise FileNotFoundError(f"the C++ kernel sources are neither in {_PACKAGE / '_kernels'} "
+                            f"nor in {_PACKAGE.parent / 'kernels'}")
+
+
+_DIR = kernel_dir()
 
 # AE_DTYPE codes of the element types the layer kernels are built for.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -32,7 +47,7 @@ _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.M)
 
 
 def _inline(name: str, seen: set[str], directory: Path = _DIR) -> str:
-    """The text of ``name`` with its ``#include "..."`` of this folder inlined, each file
+    """The text of ``name`` with its ``#include "..."`` of ``directory`` inlined, each file
     once (a file included again, like ``common.h`` by every kernel, is left out)."""
 
     def include(match: re.Match[str]) -> str:
@@ -47,7 +62,7 @@ def _inline(name: str, seen: set[str], directory: Path = _DIR) -> str:
 
 def source(name: str, dtype_code: int | None = None, directory: Path = _DIR) -> str:
     """The self-contained C++ source of kernel ``name``: ``<name>.cpp`` with the files it
-    includes from this folder inlined (a kernel may include another one's ``.cpp`` under a
+    includes from that folder inlined (a kernel may include another one's ``.cpp`` under a
     renamed ``kernel``: ``decode_stack.cpp`` does)."""
     text = _inline(f"{name}.cpp", {f"{name}.cpp"}, directory)
     if dtype_code is not None:
@@ -60,7 +75,7 @@ def load(name: str, argtypes: tuple[str, ...], dtype_code: int | None = None,
          directory: Path = _DIR) -> Callable[..., None] | None:
     """The compiled kernel ``name`` (for ``dtype_code``), or None where it cannot be built
     here (no compiler, an unsupported platform); callers then take their PyTorch path.
-    ``directory``: where ``<name>.cpp`` is, when it is not a kernel of this folder."""
+    ``directory``: where ``<name>.cpp`` is, when it is not one of ``kernel_dir()``."""
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
