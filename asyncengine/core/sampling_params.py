@@ -178,6 +178,11 @@ class SamplingParams:
         self._validate_logit_bias(limits)
         if any(not _is_int(t) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be integers")
+        vocab = limits.vocab_size if limits is not None else None
+        for t in self.stop_token_ids:
+            if t < 0 or (vocab is not None and t >= vocab):
+                top = f"0..{vocab - 1}" if vocab is not None else "non-negative"
+                raise bad("stop_token_ids", f"must be token ids ({top}), got {show(t)}")
 
     def _validate_seed(self) -> None:
         if self.seed is None:

@@ -21,7 +21,7 @@ import anyio
 import anyio.abc
 
 from asyncengine.config import EngineConfig
-from asyncengine.core.limits import SamplingLimits
+from asyncengine.core.limits import INT64_MAX, INT64_MIN, SamplingLimits, show
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.core.sched.interface import SchedulerStats
@@ -143,14 +143,50 @@ class AsyncEngine:
                           deltas_only: bool = False) -> RequestStream:
         """Validate and queue a request; return its output stream. Raises ValueError for
         invalid input, EngineShuttingDown when draining, EngineDeadError after a failure."""
+        self._check_open()
+        self.check_queue()
+        prepared = await self._prepare(prompt, params or SamplingParams(),
+                                       request_id or uuid.uuid4().hex, priority, deltas_only)
+        return self._submit(prepared)
+
+    async def add_requests(self, prompts: list[str | list[int]], params: SamplingParams, *,
+                           request_id: str, priority: int = 0,
+                           deltas_only: bool = False) -> list[RequestStream]:
+        """The engine requests of one API call (one per prompt, ids ``request_id-i`` when there
+        are several), all or none: every prompt is tokenized and checked, and every grammar
+        compiled, before the first one is queued, so a call refused for any of its prompts
+        starts no work at all."""
+        self._check_open()
+        self.check_queue()
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
+                                                        for i in range(len(prompts))]
+        prepared = [await self._prepare(p, params if i == 0 else params.clone(), rid, priority,
+                                        deltas_only)
+                    for i, (p, rid) in enumerate(zip(prompts, ids, strict=True))]
+        streams: list[RequestStream] = []
+        try:
+            for p in prepared:
+                streams.append(self._submit(p))
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        return streams
+
+    def _check_open(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self._dead}")
         if not self._accepting:
             raise EngineShuttingDown("the engine is not accepting requests")
-        self.check_queue()
-        params = params or SamplingParams()
+
+    async def _prepare(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       priority: int, deltas_only: bool) -> RequestStream:
+        """A request checked and ready to queue, as its (not yet registered) stream: nothing
+        of the engine's state changes here."""
         params.validate(self.sampling_limits)
-        request_id = request_id or uuid.uuid4().hex
+        if not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
+            raise ValueError(f"priority must be an integer in [{INT64_MIN}, {INT64_MAX}], got "
+                             f"{show(priority)}")
         if request_id in self.outputs.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = await tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
@@ -177,13 +213,18 @@ class AsyncEngine:
             if sp.prompt_logprobs is not None:
                 req.prompt_logprobs = [None]
             samples.append(self.outputs.make_sample(req, sp))
-        stream = RequestStream(request_id, text, token_ids, samples, self.aborts.now,
-                               deltas_only=deltas_only)
+        return RequestStream(request_id, text, token_ids, samples, self.aborts.now,
+                             deltas_only=deltas_only)
+
+    def _submit(self, stream: RequestStream) -> RequestStream:
+        """Queue a prepared request's samples and register its stream."""
         if not self._accepting:  # drain began while the grammar compiled
             raise EngineShuttingDown("the engine is not accepting requests")
+        if stream.request_id in self.outputs.streams:
+            raise ValueError(f"request id {stream.request_id!r} is already in use")
         added: list[str] = []
         try:
-            for s in samples:
+            for s in stream.samples:
                 self.scheduler.add_request(s.request)  # may refuse: ValueError
                 added.append(s.request.request_id)
         except Exception:

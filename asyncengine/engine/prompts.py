@@ -6,6 +6,7 @@ from __future__ import annotations
 import anyio
 import anyio.to_thread
 
+from asyncengine.core.limits import show
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.text.tokenizer import Tokenizer
 
@@ -35,7 +36,14 @@ async def tokenize_prompt(tokenizer: Tokenizer, prompt: str | list[int],
 
 
 def check_length(ids: list[int], params: SamplingParams, limit: int) -> None:
-    """ValueError, naming both numbers, when the prompt (and max_tokens) exceed the context."""
+    """ValueError, naming both numbers, when the prompt (and max_tokens) exceed the context,
+    or when ``min_tokens`` could not fit in it with any prompt."""
+    for name in ("max_tokens", "min_tokens"):
+        value = getattr(params, name)
+        if value is not None and value > limit - 1:
+            raise ValueError(f"{name} must be at most {limit - 1} (this model's maximum context "
+                             f"length is {limit} tokens, one at least for the prompt), got "
+                             f"{show(value)}")
     if len(ids) >= limit:
         raise ValueError(
             f"This model's maximum context length is {limit} tokens. However, your prompt "

@@ -20,7 +20,7 @@ from asyncengine.engine.embedding import embedding_size
 from asyncengine.engine.errors import EngineDeadError
 from asyncengine.entrypoints.http.completions import completion_prompts
 from asyncengine.entrypoints.http.errors import APIError, bad_request
-from asyncengine.entrypoints.http.protocol import Body
+from asyncengine.entrypoints.http.protocol import Body, PositiveCount, Prompt
 from asyncengine.entrypoints.http.responses import Usage
 from asyncengine.entrypoints.http.serving import (
     check_model,
@@ -33,13 +33,13 @@ from asyncengine.entrypoints.http.state import state_of
 
 
 class EmbeddingRequest(Body, kw_only=True):
-    input: str | list[str | int | list[int]]
+    input: Prompt
     model: str | None = None
     encoding_format: Literal["float", "base64"] | None = None
-    dimensions: int | None = None
+    dimensions: PositiveCount | None = None
     user: str | None = None
     # vLLM's extensions
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: PositiveCount | None = None
     normalize: bool | None = None
 
 

@@ -33,8 +33,9 @@ SHUTDOWN_RETRY_AFTER_S = 5
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | int | None = None, type: str | None = None,
-                 retry_after: int | None = None) -> None:
+                 retry_after: int | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers or {}
         self.status = status
         self.message = message
         self.param = param
@@ -48,7 +49,9 @@ class APIError(Exception):
         return ErrorResponse(ErrorInfo(self.message, self.type, self.param, self.code))
 
     def response(self) -> web.Response:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        headers = dict(self.headers)
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
         return web.Response(status=self.status, body=msgspec.json.encode(self.body()),
                             content_type="application/json", headers=headers)
 
@@ -59,6 +62,10 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 _AT = re.compile(r"at `\$\.?([^`]*)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
+# msgspec's messages for the ranges the request types carry (``protocol.Int64`` and others).
+_BOUND = re.compile(r"Expected `(int|float)` (>=|<=|>|<) (-?[0-9.e+]+)")
+_BOUND_WORDS = {">=": "at least", "<=": "at most", ">": "greater than", "<": "less than"}
+_NOT_EMPTY = re.compile(r"Expected `(str|array|object)` of length >= 1")
 
 
 def from_decode_error(error: msgspec.DecodeError) -> APIError:
@@ -73,6 +80,13 @@ def from_decode_error(error: msgspec.DecodeError) -> APIError:
         name = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
         return bad_request(f"Unsupported parameter: '{name}' is not supported by this server.",
                            param=name)
+    bound = _BOUND.match(text)
+    if bound and path:
+        return bad_request(f"{path} must be {_BOUND_WORDS[bound.group(2)]} {bound.group(3)}"
+                           + (" (it must fit in 64 bits)" if len(bound.group(3)) >= 19 else ""),
+                           param=path)
+    if _NOT_EMPTY.match(text) and path:
+        return bad_request(f"{path} must not be empty", param=path)
     return bad_request(f"Invalid request: {text}", param=path or None)
 
 
@@ -91,17 +105,19 @@ def from_value_error(error: ValueError, known: set[str] | frozenset[str] = froze
 def from_http_exception(request: web.Request, exc: web.HTTPException) -> APIError:
     """aiohttp's own errors (routing, body size) in OpenAI's shape."""
     status = exc.status
+    headers = None
     if status == 404:
         message = f"Not found: {request.method} {request.path}"
     elif status == 405:
         allowed = exc.headers.get("Allow", "")
         message = f"Method {request.method} is not allowed for {request.path} (allowed: " \
                   f"{allowed})"
+        headers = {"Allow": allowed}  # RFC 9110: a 405 lists the allowed methods
     elif status == 413:
         message = f"The request body is too large: {exc.text}"
     else:
         message = exc.text or exc.reason
-    return APIError(status, message)
+    return APIError(status, message, headers=headers)
 
 
 @web.middleware

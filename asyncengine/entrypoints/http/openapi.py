@@ -19,7 +19,7 @@ from aiohttp import web
 
 from asyncengine.core.limits import SamplingLimits
 from asyncengine.entrypoints.http.auth import PUBLIC_PATHS
-from asyncengine.entrypoints.http.openapi_ranges import publish_bounds
+from asyncengine.entrypoints.http.openapi_ranges import Served, publish_bounds, publish_served
 from asyncengine.entrypoints.http.responses import ErrorResponse
 from asyncengine.entrypoints.http.routes import package_version
 from asyncengine.entrypoints.http.state import state_of
@@ -59,17 +59,22 @@ def _event_stream(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any
 
 
 def build_openapi(routes: list[Route], app: web.Application, *, version: str,
-                  secured: bool, limits: SamplingLimits | None = None) -> dict[str, Any]:
+                  secured: bool, limits: SamplingLimits | None = None,
+                  served: Served | None = None) -> dict[str, Any]:
     """The document for ``routes`` plus any other route found on ``app`` (added by plugins).
-    ``limits``: the served engine's (``--max-n``, ``--max-logprobs``)."""
+    ``limits``: the served engine's (``--max-n``, ``--max-logprobs``, its vocabulary);
+    ``served``: its model names and context length."""
     types: list[type] = [ErrorResponse]
     for r in routes:
         types += [t for t in (r.body, r.response, r.stream) if t is not None and t not in types]
     schemas, components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}")
     ref = dict(zip(types, schemas, strict=True))
-    for body in {r.body for r in routes if r.body is not None}:  # the bounded parameters
-        publish_bounds(components[ref[body]["$ref"].rsplit("/", 1)[1]], limits or SamplingLimits())
+    limits = limits or SamplingLimits()
+    for body in {r.body for r in routes if r.body is not None}:  # what the server enforces
+        schema = components[ref[body]["$ref"].rsplit("/", 1)[1]]
+        publish_bounds(schema, limits)
+        publish_served(body, schema, limits, served or Served(), components)
     error = {"description": "An error in OpenAI's shape",
              "content": {"application/json": {"schema": ref[ErrorResponse]}}}
     unavailable = {"description": "Overloaded (--max-queued-requests) or shutting down: retry "
@@ -101,7 +106,7 @@ def build_openapi(routes: list[Route], app: web.Application, *, version: str,
         if r.body is not None:
             op["requestBody"] = {"required": True,
                                  "content": {"application/json": {"schema": ref[r.body]}}}
-        params = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
+        params = [{"name": p, "in": "path", "required": True, "schema": _path_schema(p, served)}
                   for p in _PATH_PARAM.findall(r.path)]
         if params:
             op["parameters"] = params
@@ -131,9 +136,29 @@ def build_openapi(routes: list[Route], app: web.Application, *, version: str,
     return doc
 
 
+def _path_schema(name: str, served: Served | None) -> dict[str, Any]:
+    if name == "model" and served is not None and served.models:
+        return {"type": "string", "enum": list(served.models)}
+    return {"type": "string"}
+
+
+def _embedding_size(engine: Any) -> int | None:
+    try:
+        from asyncengine.engine.embedding import embedding_size
+
+        return embedding_size(engine)
+    except Exception:  # an engine that cannot embed (a test's fake)
+        return None
+
+
 async def openapi_json(request: web.Request) -> web.Response:
     state = state_of(request)
+    settings = state.settings
+    served = Served(tuple(state.served_model_names),
+                    getattr(state.engine, "max_model_len", None), _embedding_size(state.engine),
+                    auto_tool_choice=bool(getattr(settings, "enable_auto_tool_choice", False)
+                                          and getattr(settings, "tool_call_parser", None)))
     doc = build_openapi(request.app[ROUTES], request.app, version=package_version(),
                         secured=state.settings.api_key is not None,
-                        limits=getattr(state.engine, "sampling_limits", None))
+                        limits=getattr(state.engine, "sampling_limits", None), served=served)
     return web.json_response(doc)

@@ -7,6 +7,7 @@ exactly what the server refuses with a 400.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from asyncengine.core.limits import (
@@ -58,3 +59,158 @@ def _bound(prop: dict[str, Any], types: tuple[str, ...], keywords: dict[str, Any
     for option in _options(prop):
         if option.get("type") in types:
             option.update(keywords)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the document's bounds depend on besides the sampling limits: the names a request
+    may give as ``model`` and the context length (``--max-model-len``)."""
+
+    models: tuple[str, ...] = ()
+    max_model_len: int | None = None
+    embedding_size: int | None = None
+    auto_tool_choice: bool = False  # --enable-auto-tool-choice with a --tool-call-parser
+
+
+#: The fields that count generated tokens: at most the context less one prompt token.
+_OUTPUT_LENGTHS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens")
+#: Fields that hold lists of token ids.
+_TOKEN_LISTS = ("stop_token_ids", "tokens")
+#: Fields that hold a prompt in the four forms of ``protocol.Prompt``.
+_PROMPTS = {"CompletionRequest": "prompt", "EmbeddingRequest": "input"}
+
+
+def publish_served(body: type, schema: dict[str, Any], limits: SamplingLimits,
+                   served: Served, components: dict[str, Any]) -> None:
+    """Add what the served model and the server's flags bound to request body ``body``'s
+    schema (in place): the model names, the context, the vocabulary, the options accepted
+    only in their neutral value, the exclusive fields."""
+    from asyncengine.entrypoints.http.protocol import accepted_values
+
+    name = body.__name__
+    props = schema.get("properties", {})
+    props.update(accepted_values(body))
+    if served.models and "model" in props:
+        props["model"] = {"anyOf": [{"enum": list(served.models)}, {"type": "null"}],
+                          "description": "a served model (GET /v1/models)"}
+    if served.max_model_len is not None:
+        for field in _OUTPUT_LENGTHS:
+            if field in props:
+                _bound(props[field], ("integer",), {"maximum": served.max_model_len - 1})
+    token = _token_schema(limits)
+    for field in _TOKEN_LISTS:
+        if field in props:
+            for option in _options(props[field]):
+                if option.get("type") == "array":
+                    option["items"] = dict(token)
+    if name in _PROMPTS and _PROMPTS[name] in props:
+        props[_PROMPTS[name]] = prompt_schema(limits)
+    if "logit_bias" in props and limits.vocab_size:
+        for option in _options(props["logit_bias"]):
+            if option.get("type") == "object":
+                option["propertyNames"] = {"pattern": range_pattern(limits.vocab_size - 1)}
+    if name == "ResponsesRequest":
+        from asyncengine.entrypoints.http.responses_api_protocol import REFUSED_ACCEPTS
+
+        props.update({k: v for k, v in REFUSED_ACCEPTS.items() if k in props})
+        if "input" in props:
+            _items_of_input(props["input"], components)
+    if name == "EmbeddingRequest" and served.embedding_size and "dimensions" in props:
+        props["dimensions"] = {"anyOf": [{"const": served.embedding_size}, {"type": "null"}],
+                               "description": "only the model's own size (no shortening)"}
+    dependent = {k: v for k, v in _DEPENDENT.items() if k in props}
+    if dependent:
+        schema["dependentSchemas"] = dependent
+    if "tool_choice" in props and name == "ChatCompletionRequest" and not served.auto_tool_choice:
+        _drop_auto(props["tool_choice"], components)
+    if "TextFormat" in components:  # a json_schema format carries its schema
+        components["TextFormat"]["if"] = {"required": ["type"],
+                                          "properties": {"type": {"const": "json_schema"}}}
+        components["TextFormat"]["then"] = {"required": ["schema"],
+                                            "properties": {"schema": {"type": "object"}}}
+    if "ChatMessage" in components:  # tool calls are the assistant's
+        components["ChatMessage"]["if"] = {"properties": {"role": {"not": {"const":
+                                                                              "assistant"}}}}
+        components["ChatMessage"]["then"] = {"properties": {"tool_calls": {"type": "null"}}}
+    if name == "TokenizeRequest":  # exactly one of prompt and messages
+        schema["oneOf"] = [
+            {"required": ["prompt"], "properties": {"prompt": {"type": "string"},
+                                                    "messages": {"type": "null"}}},
+            {"required": ["messages"], "properties": {"messages": {"type": "array"},
+                                                      "prompt": {"type": "null"}}}]
+
+
+def _drop_auto(prop: dict[str, Any], components: dict[str, Any]) -> None:
+    """``tool_choice`` without ``"auto"``: the server answers it only with a tool parser."""
+    for option in _options(prop):
+        if "enum" in option:
+            option["enum"] = [v for v in option["enum"] if v != "auto"]
+
+
+def _unset(name: str, neutral: Any = None) -> dict[str, Any]:
+    """Schema: ``name`` is left out, null, or (when given) its neutral value."""
+    options: list[dict[str, Any]] = [{"type": "null"}]
+    if neutral is not None:
+        options.append({"const": neutral})
+    return {"properties": {name: {"anyOf": options}}}
+
+
+#: Fields that need another one (what the handlers check), as JSON Schema's dependentSchemas.
+_DEPENDENT: dict[str, dict[str, Any]] = {
+    "tool_choice": {"anyOf": [_unset("tool_choice"), {
+        "required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}]},
+    "top_logprobs": {"anyOf": [_unset("top_logprobs"), {
+        "required": ["logprobs"], "properties": {"logprobs": {"const": True}}}]},
+    "continue_final_message": {"anyOf": [_unset("continue_final_message", False), {
+        "required": ["add_generation_prompt"],
+        "properties": {"add_generation_prompt": {"const": False}}}]},
+}
+
+
+def _token_schema(limits: SamplingLimits) -> dict[str, Any]:
+    top = limits.vocab_size - 1 if limits.vocab_size else INT64_MAX
+    return {"type": "integer", "minimum": 0, "maximum": top}
+
+
+def prompt_schema(limits: SamplingLimits) -> dict[str, Any]:
+    """A prompt's four forms, none empty and no list mixed (``completion_prompts``)."""
+    token = _token_schema(limits)
+    text = {"type": "string", "minLength": 1}
+
+    def array(items: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "array", "minItems": 1, "items": items}
+
+    return {"anyOf": [text, array(text), array(token), array(array(token))]}
+
+
+def _items_of_input(prop: dict[str, Any], components: dict[str, Any]) -> None:
+    """The Responses API's input items, from the Structs ``chat_messages`` converts them to."""
+    import msgspec
+
+    from asyncengine.entrypoints.http.responses_api_protocol import INPUT_ITEMS
+
+    schemas, defs = msgspec.json.schema_components(
+        INPUT_ITEMS, ref_template="#/components/schemas/{name}")
+    components.update(defs)
+    for option in _options(prop):
+        if option.get("type") == "array":
+            option["items"] = {"anyOf": list(schemas)}
+
+
+def range_pattern(top: int) -> str:
+    """A regular expression of the decimal integers 0..``top`` (no leading zeros)."""
+    digits = str(top)
+    alternatives = ["0"] if top < 10 else ["[0-9]"]
+    for width in range(2, len(digits)):  # every shorter width in full
+        alternatives.append(f"[1-9][0-9]{{{width - 1}}}")
+    if len(digits) > 1:  # the numbers of top's width up to top, digit by digit
+        for i, d in enumerate(digits):
+            low = "1" if i == 0 else "0"
+            rest = len(digits) - i - 1
+            if int(d) > int(low):
+                tail = f"[0-9]{{{rest}}}" if rest else ""
+                alternatives.append(f"{digits[:i]}[{low}-{int(d) - 1}]{tail}")
+        alternatives.append(digits)
+    elif top >= 1:
+        alternatives = [f"[0-{top}]"]
+    return "^(" + "|".join(alternatives) + ")$"

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 from typing import Any
 
-from asyncengine.core.limits import SamplingLimits
+from asyncengine.core.limits import SamplingLimits, show
 from asyncengine.core.sampling_params import SamplingParams, StructuredOutputsParams
 from asyncengine.entrypoints.http.errors import bad_request, from_value_error
 from asyncengine.entrypoints.http.protocol import (
@@ -13,6 +14,8 @@ from asyncengine.entrypoints.http.protocol import (
     ResponseFormatJsonObject,
     ResponseFormatJsonSchema,
 )
+
+_DECIMAL = re.compile(r"0|[1-9][0-9]*")
 
 KNOWN_PARAMS = frozenset(f.name for f in fields(SamplingParams)) | {
     "max_completion_tokens", "top_logprobs", "prompt", "messages", "response_format"}
@@ -75,11 +78,10 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
         return None
     out: dict[int, float] = {}
     for key, value in bias.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
-                              "logit_bias") from None
+        if not _DECIMAL.fullmatch(key):  # as /openapi.json publishes: no sign, no padding
+            raise bad_request(f"logit_bias keys must be token ids (decimal digits), got "
+                              f"{show(key)}", "logit_bias")
+        token_id = int(key)
         if not 0 <= token_id < vocab_size:
             raise bad_request(f"logit_bias: token id {token_id} is out of vocabulary "
                               f"(0..{vocab_size - 1})", "logit_bias")
@@ -97,9 +99,6 @@ def structured_outputs_of(body: GenerationBody) -> StructuredOutputsParams | Non
     if isinstance(fmt, ResponseFormatJsonObject):
         spec = StructuredOutputsParams(json_object=True)
     elif isinstance(fmt, ResponseFormatJsonSchema):
-        if fmt.json_schema.schema_ is None:
-            raise bad_request("response_format.json_schema.schema is required",
-                              "response_format")
         try:
             spec = StructuredOutputsParams(json=fmt.json_schema.schema_)
         except ValueError as e:

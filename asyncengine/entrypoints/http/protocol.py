@@ -12,9 +12,27 @@ them); the defaults OpenAI and vLLM document are applied when the request is tur
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from msgspec import Struct, field
+from msgspec import Meta, Struct, field
+
+from asyncengine.core.limits import INT64_MAX, INT64_MIN
+
+# Integer fields carry their ranges in their types: msgspec refuses a value outside them while
+# decoding (a 400 naming the field) and writes them into /openapi.json, so the two cannot
+# drift. Bounds that depend on the served model or the server's flags (the vocabulary,
+# --max-n, --max-logprobs, the context length) are checked with the sampling parameters and
+# published by ``openapi_ranges.py``.
+Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+PositiveCount = Annotated[int, Meta(ge=1, le=INT64_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=INT64_MAX)]  # and below the vocabulary size
+NonEmptyStr = Annotated[str, Meta(min_length=1)]
+#: A completions prompt (an embeddings input): a string, a list of strings, a list of token
+#: ids or a list of token-id lists, none of them empty (and the lists not mixed: checked by
+#: ``completion_prompts``, published by ``openapi_ranges.prompt_schema``).
+Prompt = NonEmptyStr | Annotated[list[NonEmptyStr | TokenId | Annotated[
+    list[TokenId], Meta(min_length=1)]], Meta(min_length=1)]
 
 
 class Body(Struct, kw_only=True):
@@ -30,7 +48,7 @@ class StreamOptions(Body, kw_only=True):
 class JsonSchemaSpec(Body, kw_only=True):
     name: str
     description: str | None = None
-    schema_: dict[str, Any] | None = field(default=None, name="schema")
+    schema_: dict[str, Any] = field(name="schema")  # required: what constrains the output
     strict: bool | None = None
 
 
@@ -62,29 +80,29 @@ class StructuredOutputs(Body, kw_only=True):
 # -- the sampling parameters both endpoints share ---------------------------------------------
 class GenerationBody(Body, kw_only=True):
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: PositiveCount | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = None
+    n: PositiveCount | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM's extensions
-    top_k: int | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None  # past the vocabulary: all tokens
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    min_tokens: Count | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    priority: int | None = None
+    priority: Int64 | None = None
     structured_outputs: StructuredOutputs | None = None
     # vLLM's older names for structured outputs (mapped onto ``structured_outputs``)
     guided_json: dict[str, Any] | str | None = None
@@ -92,18 +110,18 @@ class GenerationBody(Body, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # Known, would change the result, not implemented: a 400 when set (see ``unsupported``).
-    best_of: int | None = None
+    best_of: PositiveCount | None = None
     use_beam_search: bool | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Count | None = None
 
 
 class CompletionRequest(GenerationBody, kw_only=True):
     """POST /v1/completions. ``prompt``: a string, a list of strings, a list of token ids or a
     list of token-id lists (one engine request per prompt)."""
 
-    prompt: str | list[str | int | list[int]]
+    prompt: Prompt
     echo: bool | None = None
-    logprobs: int | None = None
+    logprobs: Count | None = None
     suffix: str | None = None
 
 
@@ -163,14 +181,14 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 class ChatCompletionRequest(GenerationBody, kw_only=True):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PositiveCount | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Count | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ChatTool] | None = None
+    tools: Annotated[list[ChatTool], Meta(min_length=1)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # Known, not implemented (a 400 when set).
@@ -189,7 +207,7 @@ class TokenizeRequest(Body, kw_only=True):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
     tools: list[ChatTool] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
@@ -198,32 +216,46 @@ class TokenizeRequest(Body, kw_only=True):
 
 class DetokenizeRequest(Body, kw_only=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
-#: Set, these change the result and the server cannot honour them: (field, test, why).
-_UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
-    ("suffix", bool, "insertion (suffix) is not supported"),
-    ("best_of", lambda v: v != 1, "best_of > 1 is not supported (use n)"),
-    ("use_beam_search", bool, "beam search is not supported"),
+#: Set, these change the result and the server cannot honour them: (field, test, why, the
+#: JSON Schema of the values it does accept, which /openapi.json publishes).
+_NULL: dict[str, Any] = {"type": "null"}
+_UNSUPPORTED: tuple[tuple[str, Any, str, dict[str, Any]], ...] = (
+    ("suffix", bool, "insertion (suffix) is not supported",
+     {"anyOf": [{"const": ""}, _NULL]}),
+    ("best_of", lambda v: v != 1, "best_of > 1 is not supported (use n)",
+     {"anyOf": [{"const": 1}, _NULL]}),
+    ("use_beam_search", bool, "beam search is not supported",
+     {"anyOf": [{"const": False}, _NULL]}),
     ("prompt_logprobs", lambda v: True, "prompt_logprobs is not supported (completions: use "
-                                        "echo with logprobs)"),
+                                        "echo with logprobs)", _NULL),
     ("functions", lambda v: True, "the deprecated functions parameter is not supported: use "
-                                  "tools"),
+                                  "tools", _NULL),
     ("function_call", lambda v: True, "the deprecated function_call parameter is not "
-                                      "supported: use tool_choice"),
-    ("audio", lambda v: True, "audio output is not supported"),
+                                      "supported: use tool_choice", _NULL),
+    ("audio", lambda v: True, "audio output is not supported", _NULL),
     ("modalities", lambda v: any(m != "text" for m in v), "only the text modality is "
-                                                          "supported"),
-    ("echo", bool, "echo is not supported for chat"),
-    ("web_search_options", lambda v: True, "web search is not supported"),
+                                                          "supported",
+     {"anyOf": [{"type": "array", "items": {"const": "text"}}, _NULL]}),
+    ("echo", bool, "echo is not supported for chat", {"anyOf": [{"const": False}, _NULL]}),
+    ("web_search_options", lambda v: True, "web search is not supported", _NULL),
 )
+
+
+def accepted_values(body: type[Body]) -> dict[str, dict[str, Any]]:
+    """The JSON Schema of the values ``unsupported`` lets through, per field of ``body``."""
+    chat = issubclass(body, ChatCompletionRequest)
+    names = set(body.__struct_fields__)
+    return {name: schema for name, _, _, schema in _UNSUPPORTED
+            if name in names and (chat or name != "echo")}
 
 
 def unsupported(body: Body) -> tuple[str, str] | None:
     """``(param, message)`` for the first option set that the server cannot honour."""
     chat = isinstance(body, ChatCompletionRequest)
-    for name, test, why in _UNSUPPORTED:
+    for name, test, why, _ in _UNSUPPORTED:
         if name == "echo" and not chat:  # completions' echo is implemented
             continue
         value = getattr(body, name, None)

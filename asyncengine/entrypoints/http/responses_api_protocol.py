@@ -10,10 +10,10 @@ function is a 400 naming it.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Struct, field
+from msgspec import Meta, Struct, field
 
 from asyncengine.entrypoints.http.errors import bad_request, from_decode_error
 from asyncengine.entrypoints.http.protocol import (
@@ -24,6 +24,8 @@ from asyncengine.entrypoints.http.protocol import (
     FunctionDefinition,
     FunctionName,
     NamedToolChoice,
+    NonEmptyStr,
+    PositiveCount,
     TextPart,
     ToolCall,
     ToolChoice,
@@ -43,10 +45,12 @@ class TextConfig(Body, kw_only=True):
 
 
 class ResponsesRequest(Body, kw_only=True):
-    input: str | list[dict[str, Any]]
+    # Not empty, as every generation route's input (published with each item's schema by
+    # ``openapi_ranges``; the items are checked one by one in ``chat_messages``).
+    input: NonEmptyStr | Annotated[list[dict[str, Any]], Meta(min_length=1)]
     model: str | None = None
     instructions: str | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: PositiveCount | None = None
     temperature: float | None = None
     top_p: float | None = None
     stream: bool | None = None
@@ -64,40 +68,52 @@ class ResponsesRequest(Body, kw_only=True):
 
 
 # -- input items ----------------------------------------------------------------------------
-class _Text(Body, kw_only=True):
+class InputText(Body, kw_only=True):
     type: Literal["input_text", "output_text", "text"]
     text: str
 
 
-class _Message(Body, kw_only=True):
+class InputMessage(Body, kw_only=True):
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[_Text]
+    content: str | list[InputText]
     type: Literal["message"] = "message"
 
 
-class _FunctionCall(Body, kw_only=True):
+class InputFunctionCall(Body, kw_only=True):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
 
 
-class _FunctionCallOutput(Body, kw_only=True):
+class InputFunctionCallOutput(Body, kw_only=True):
     type: Literal["function_call_output"]
     call_id: str
-    output: str | list[_Text]
+    output: str | list[InputText]
 
 
-_ITEMS = {"message": _Message, "function_call": _FunctionCall,
-          "function_call_output": _FunctionCallOutput}
+_ITEMS = {"message": InputMessage, "function_call": InputFunctionCall,
+          "function_call_output": InputFunctionCallOutput}
+#: The input item types, for /openapi.json.
+INPUT_ITEMS = tuple(_ITEMS.values())
+
+
+#: Options that need server-side state: (field, why, the JSON Schema of the values accepted).
+_REFUSED: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("previous_response_id", "this server keeps no responses (stateless): send the whole "
+                             "conversation as input", {"type": "null"}),
+    ("conversation", "this server keeps no conversations (stateless)", {"type": "null"}),
+    ("background", "background responses are not supported",
+     {"anyOf": [{"const": False}, {"type": "null"}]}),
+)
+#: For /openapi.json: what each refused option accepts.
+REFUSED_ACCEPTS = {name: schema for name, _, schema in _REFUSED}
 
 
 def refused(body: ResponsesRequest) -> None:
-    for name, why in (("previous_response_id", "this server keeps no responses (stateless): "
-                                               "send the whole conversation as input"),
-                      ("conversation", "this server keeps no conversations (stateless)"),
-                      ("background", "background responses are not supported")):
-        if getattr(body, name):
+    for name, why, _ in _REFUSED:
+        value = getattr(body, name)
+        if value is not None and not (name == "background" and value is False):
             raise bad_request(f"Unsupported parameter: '{name}': {why}.", name)
 
 
@@ -111,7 +127,7 @@ def chat_messages(body: ResponsesRequest) -> list[ChatMessage]:
         return messages
     for i, raw in enumerate(body.input):
         kind = raw.get("type", "message") if isinstance(raw, dict) else None
-        cls = _ITEMS.get(kind)
+        cls = _ITEMS.get(kind) if isinstance(kind, str) else None
         if cls is None:
             raise bad_request(f"input item type {kind!r} is not supported (message, "
                               "function_call, function_call_output)", f"input[{i}].type")
@@ -121,11 +137,11 @@ def chat_messages(body: ResponsesRequest) -> list[ChatMessage]:
             err = from_decode_error(e)
             raise bad_request(err.message, f"input[{i}]" + (f".{err.param}" if err.param
                                                              else "")) from None
-        if isinstance(item, _Message):
+        if isinstance(item, InputMessage):
             content = item.content if isinstance(item.content, str) else [
                 TextPart(text=p.text) for p in item.content]
             messages.append(ChatMessage(role=item.role, content=content))
-        elif isinstance(item, _FunctionCall):
+        elif isinstance(item, InputFunctionCall):
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name,
                                                                    arguments=item.arguments))
             last = messages[-1] if messages else None

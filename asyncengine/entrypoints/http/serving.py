@@ -119,25 +119,16 @@ def to_api_error(error: Exception) -> APIError:
 async def open_streams(engine: AsyncEngine, prompts: list[str | list[int]],
                        params: SamplingParams, base_id: str,
                        priority: int, *, deltas_only: bool = False) -> list[RequestStream]:
-    """One engine request per prompt; all or none (a failure closes those already opened).
+    """One engine request per prompt, all or none: every prompt is checked before any starts
+    (``AsyncEngine.add_requests``), so a refused call leaves the engine as it was.
     ``deltas_only`` for streamed responses: each output holds only what is new."""
-    streams: list[RequestStream] = []
     if request_logger.isEnabledFor(logging.INFO):
         request_logger.info("request %s: %d prompt(s), %s", base_id, len(prompts), params)
     try:
-        for i, prompt in enumerate(prompts):
-            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(await engine.add_request(
-                prompt, params if i == 0 else params.clone(), request_id=rid,
-                priority=priority, deltas_only=deltas_only))
+        streams = await engine.add_requests(prompts, params, request_id=base_id,
+                                            priority=priority, deltas_only=deltas_only)
     except (ValueError, EngineShuttingDown, EngineOverloaded, EngineDeadError) as e:
-        for s in streams:
-            s.close()
         raise to_api_error(e) from None
-    except BaseException:
-        for s in streams:
-            s.close()
-        raise
     return streams
 
 
