@@ -227,3 +227,40 @@ def test_gpu_benchmark_says_it_needs_a_gpu():
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and r.stdout == ""
+
+
+def test_prewarm_command_compiles_each_spec_then_sampling():
+    """`python -m asyncengine.executor.prewarm` (what `make gpu-check` runs first): every
+    spec's prefill, decode and graph-mode decode kernels, then sampling, driven through the
+    stand-in module on the CPU."""
+    from asyncengine.executor import prewarm
+    from tests.fake_flashinfer import make_module
+
+    fi, sampling = make_module()
+    specs = prewarm.parse_specs("64,256+window+softcap,128+tc")
+    assert specs == [prewarm.KernelSpec(64), prewarm.KernelSpec(256, False, True, True),
+                     prewarm.KernelSpec(128, tensor_cores=True)]
+    assert specs[2].heads == (8, 1)  # a GQA group > 4: FlashInfer's tensor-core decode
+    lines: list[str] = []
+    took = prewarm.prewarm_specs(specs, dtype=torch.float32, device="cpu", module=fi,
+                                 sampling_module=sampling, log=lines.append)
+    assert list(took) == [str(s) for s in specs] + ["sampling"]
+    assert "head_dim 256, window, soft cap" in lines[1]
+    assert [c[0] for c in sampling.calls] == ["plain", "top_p", "top_k", "top_k_top_p"]
+    with pytest.raises(ValueError, match="--specs"):
+        prewarm.parse_specs("64+fast")
+
+
+def test_prewarm_command_dry_run_and_without_a_gpu(capsys):
+    from asyncengine.executor import prewarm
+
+    assert prewarm.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("would compile: attention") == len(prewarm.DEFAULT_SPECS)
+    assert "sampling" in out
+    with pytest.raises(SystemExit) as e:
+        prewarm.main(["--specs", "64+bogus"])
+    assert e.value.code == 2 and "--specs" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert prewarm.main([]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
