@@ -438,3 +438,41 @@ def test_kv_block_copies_go_on_a_side_stream_ordered_by_events(monkeypatch):
     assert torch.equal(got, new)
     with pytest.raises(ValueError, match="do not fit"):
         kv_blocks.write_blocks(caches, [0], new, torch.device("cpu"), device_stream)
+
+
+def test_tp_runner_reads_its_step_message_from_the_host_not_the_staged_upload(monkeypatch):
+    """On CUDA a staged tensor is a view of a device buffer that its upload (non_blocking, on
+    the device's stream) may not have filled when the loop reads it: the tensor-parallel
+    runner's step message must come from the host arrays. A staging whose tensors are not
+    filled yet (-1) shows it."""
+    from types import SimpleNamespace
+
+    from asyncengine.core.request import Request
+    from asyncengine.core.sched.fcfs import FCFSScheduler
+    from asyncengine.executor.attention.torch_paged import TorchPagedBackend
+    from asyncengine.executor.parallel import runner as tp_runner
+    from asyncengine.executor.staging import DirectStaging
+
+    class NotYetUploaded(DirectStaging):
+        def put(self, array):
+            return torch.full(np.shape(array), -1, dtype=torch.from_numpy(
+                np.ascontiguousarray(array)).dtype)
+
+    sent = []
+    monkeypatch.setattr(tp_runner, "encode_step", lambda *a: sent.append(a) or "message")
+    config = EngineConfig.from_dict({"max_num_seqs": 4, "max_num_batched_tokens": 64,
+                                     "block_size": 4, "max_model_len": 64})
+    scheduler = FCFSScheduler(config, 32)
+    runner = tp_runner.TPModelRunner(
+        SimpleNamespace(vocab_size=500), TorchPagedBackend(), [], 4, torch.device("cpu"),
+        frozenset(), max_num_seqs=4, max_model_len=64, staging=NotYetUploaded(),
+        tp=SimpleNamespace())
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i, n in enumerate([5, 3, 7]):
+        scheduler.add_request(Request(f"r{i}", list(range(10, 10 + n)), params,
+                                      max_model_len=64))
+    inputs = runner.prepare(scheduler.schedule())
+    assert inputs.tp_message == "message"
+    (args,) = sent
+    assert args[5].tolist() == [4, 7, 14]  # each prompt's last token: where it samples
+    assert inputs.sample_indices_host.tolist() == [4, 7, 14]

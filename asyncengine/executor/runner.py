@@ -190,11 +190,13 @@ class ModelRunner:
             padded_batch=graph_batch,
         )
         self.attn_backend.prepare(meta)
+        sample_np = np.array(sample_flat, dtype=np.int64)
         inputs = StepInputs(
             input_ids=put(np.array(input_ids, dtype=np.int64)),
             positions=put(positions),
             attn_metadata=meta,
-            sample_indices=put(np.array(sample_flat, dtype=np.int64)),
+            sample_indices=put(sample_np),
+            sample_indices_host=sample_np,
             sample_req_ids=sample_req_ids,
             sampling_batch=None,
             prompt_tasks=prompt_tasks,
