@@ -9,7 +9,7 @@ MODEL ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint bench clean gpu-wheelhouse gpu-check
 
 # The venv sees the system's site-packages, so an already-installed torch (a CUDA build on a
 # GPU machine, say) is kept. Otherwise the pinned CPU torch goes in first: a bare `torch`
@@ -37,3 +37,18 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The GPU run (docs/gpu.md, "Running it on a GPU"). gpu-wheelhouse runs where the package
+# registries are reachable and fills the ignored .gpu-wheelhouse/ (< 60 MB); gpu-check runs on
+# the GPU machine (no index): installs from it, prewarms FlashInfer, pytest -m gpu, the
+# benchmark, and writes $(GPU_REPORT)/report.md.
+GPU_PYTHON ?= python3
+GPU_REPORT ?= .gpu-report
+GPU_STEPS ?= install,prewarm,test,bench
+GPU_ARGS ?=
+
+gpu-wheelhouse: install
+	$(PY) scripts/gpu_wheelhouse.py
+
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py --report $(GPU_REPORT) --steps $(GPU_STEPS) $(GPU_ARGS)

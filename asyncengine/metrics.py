@@ -94,8 +94,11 @@ class EngineMetrics:
 
     def __init__(self, model_name: str = "default", *, max_model_len: int = 8192,
                  cache_config: CacheConfig | None = None, num_gpu_blocks: int | None = None,
-                 extra_cache_info: dict[str, Any] | None = None) -> None:
+                 extra_cache_info: dict[str, Any] | None = None,
+                 backends: dict[str, str] | None = None) -> None:
         self.model_name = model_name
+        # {"attention": ..., "sampling": ...}: asyncengine:{kind}_backend_info{backend=...}
+        self.backends = dict(backends or {})
         # Scheduler state, refreshed every step and at scrape time.
         self.stats = SchedulerStats()
         # Counters.
@@ -288,6 +291,11 @@ class EngineMetrics:
                                  "CacheConfig", labels=list(self.cache_info))
         info.add_metric(list(self.cache_info.values()), 1)
         yield info
+        for kind, name in self.backends.items():
+            backend = GaugeMetricFamily(f"asyncengine:{kind}_backend_info",
+                                        f"The {kind} backend in use (1).", labels=["backend"])
+            backend.add_metric([name], 1)
+            yield backend
 
 
 def _cache_info(cache: CacheConfig | None, num_gpu_blocks: int | None,

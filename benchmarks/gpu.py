@@ -1,37 +1,88 @@
-"""GPU figures of the CUDA step path (issue 10). Needs a CUDA GPU; exits with a message without.
+"""GPU figures of the CUDA step path (issues 10 and 25). Needs a CUDA GPU; exits with a
+message without (``--dry-run`` prints the plan and the models' byte counts anywhere).
 
-1. Batch-1 decode: time per output token of a Llama-3.2-1B-shaped model (hidden 2048, 16
-   layers, 32 heads, 8 KV heads, intermediate 8192, vocab 128256, tied embeddings; dummy
-   bfloat16 weights), served by the engine (step loop, CUDA graphs, FlashInfer), against
-   the HBM bound: weight bytes / device-to-device bandwidth, measured in the same run with a
-   large ``copy_``. Target >= 70% of the bound, goal >= 80%.
-2. GPU idle at batch 256: the same model decoding 256 requests; CUDA events (timing) are
-   recorded on the device's stream around every step's work, and the idle time per step is
-   the gap between one step's end and the next one's start (the device waiting for the
-   host). With ``--profiler``, torch.profiler's kernel timeline also gives the idle inside
-   steps. Target < 10%, goal < 5%.
+One run measures everything issue 25's part 2 asks, each against a baseline measured in the
+same run on the same device:
 
-Usage: python benchmarks/gpu.py [--tokens 256] [--batch 256] [--enforce-eager]
-    [--await-mechanism thread|poll] [--profiler]
+1. ``decode``: batch-1 decode, time per output token, for the Llama-3.2-1B shape and the
+   Llama-3.1-8B shape (dummy bfloat16 weights; CUDA graphs; FlashInfer), against the HBM
+   bound: (weight bytes + KV bytes read per token) / device-to-device copy bandwidth (a large
+   ``copy_``, bytes read plus written). Targets: >= 60% of the bound at 1B, >= 80% at 8B.
+   It also times the host's work per step (``runner.prepare`` on the loop, ``enqueue``:
+   FlashInfer's plan, the static-buffer copies and the graph replay's launch) to tell whether
+   Python planning before each replay bounds batch-1 decode.
+2. ``idle``: GPU idle between steps at 256 streams (1B shape): CUDA events (timing) recorded
+   on the device's stream around every step's work; idle = the gaps between one step's end
+   and the next one's start, over consecutive full-batch decode steps. Measured under both
+   ways of awaiting a step's event (``ASYNCENGINE_CUDA_AWAIT=thread|poll``) on the same
+   engine, and the default to choose is printed (the one with less idle). Target < 5%.
+3. ``throughput``: output tokens/s at concurrency 1, 32 and 256 (1B shape), next to
+   transformers' ``generate`` (same weights, bfloat16, static batch, same device) as a floor.
 
-Written without a GPU: it has never run.
+Usage: python benchmarks/gpu.py [--only decode,idle,throughput] [--shapes 1b,8b]
+    [--tokens 128] [--batch 256] [--concurrency 1,32,256] [--json FILE] [--profiler]
+    [--dry-run]
+
+The tokenizer (only used to detokenize; ids past its vocabulary decode to nothing) is
+``--tokenizer``, else ``$ASYNCENGINE_TEST_TOKENIZER_DIR`` (``make gpu-wheelhouse`` carries
+one), else the embedded model's. Written without a GPU: it has never run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
+_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+             original_max_position_embeddings=8192)
 LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
                 tie_word_embeddings=True, max_position_embeddings=131072, rms_norm_eps=1e-5,
                 rope_theta=500000.0, head_dim=64, bos_token_id=128000, eos_token_id=128001,
-                rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                                  high_freq_factor=4.0, original_max_position_embeddings=8192))
+                rope_scaling=dict(factor=32.0, **_ROPE))
+LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                tie_word_embeddings=False, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                rope_theta=500000.0, head_dim=128, bos_token_id=128000, eos_token_id=128001,
+                rope_scaling=dict(factor=8.0, **_ROPE))
+SHAPES = {"1b": ("Llama-3.2-1B", LLAMA_1B, 0.60), "8b": ("Llama-3.1-8B", LLAMA_8B, 0.80)}
+PARTS = ("decode", "idle", "throughput")
+PROMPT_LEN = 128
+BF16 = 2
+
+
+def weight_bytes(shape: dict[str, Any], dtype_bytes: int = BF16) -> int:
+    """Parameter bytes of a Llama of ``shape`` (what one decode step reads at batch 1)."""
+    h, layers, inter = shape["hidden_size"], shape["num_hidden_layers"], \
+        shape["intermediate_size"]
+    q = shape["num_attention_heads"] * shape["head_dim"]
+    kv = shape["num_key_value_heads"] * shape["head_dim"]
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    embed = shape["vocab_size"] * h
+    head = 0 if shape["tie_word_embeddings"] else embed
+    return (layers * per_layer + embed + head + h) * dtype_bytes
+
+
+def kv_bytes_per_token(shape: dict[str, Any], context: float, dtype_bytes: int = BF16) -> float:
+    """KV-cache bytes one decode step of one request reads at ``context`` tokens."""
+    return (shape["num_hidden_layers"] * 2 * context * shape["num_key_value_heads"]
+            * shape["head_dim"] * dtype_bytes)
+
+
+def hbm_bound(shape: dict[str, Any], context: float, bandwidth: float) -> float:
+    """Seconds per token at batch 1 if every byte read moved at ``bandwidth``."""
+    return (weight_bytes(shape) + kv_bytes_per_token(shape, context)) / bandwidth
+
+
+def recommend_await(idle: dict[str, float]) -> str:
+    """The await mechanism with the least GPU idle (ties: the current default, thread)."""
+    return min(sorted(idle, key=lambda m: m != "thread"), key=lambda m: idle[m])
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
@@ -54,26 +105,52 @@ def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
     return 2 * nbytes * iters / seconds
 
 
-def make_engine(args: argparse.Namespace, max_num_seqs: int):
-    from transformers import LlamaConfig
-
-    from asyncengine.config import EngineConfig
-    from asyncengine.engine.engine import AsyncEngine
+def tokenizer_path(args: argparse.Namespace) -> str:
+    if args.tokenizer:
+        return args.tokenizer
+    saved = os.environ.get("ASYNCENGINE_TEST_TOKENIZER_DIR")
+    if saved and os.path.isfile(os.path.join(saved, "tokenizer_config.json")):
+        return saved
     from asyncengine.executor.models.loader import embedded_model_path
 
-    directory = tempfile.mkdtemp(prefix="asyncengine-llama-1b-")
-    config = LlamaConfig(**LLAMA_1B)
+    return embedded_model_path()
+
+
+def model_dir(shape: dict[str, Any], name: str) -> str:
+    from transformers import LlamaConfig
+
+    directory = tempfile.mkdtemp(prefix=f"asyncengine-{name}-")
+    config = LlamaConfig(**shape)
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(directory)
+    return directory
+
+
+def make_engine(args: argparse.Namespace, directory: str, max_num_seqs: int):
+    from asyncengine.config import EngineConfig
+    from asyncengine.engine.engine import AsyncEngine
+
     return AsyncEngine(EngineConfig.from_dict({
-        "model": directory, "load_format": "dummy", "tokenizer": embedded_model_path(),
+        "model": directory, "load_format": "dummy", "tokenizer": tokenizer_path(args),
         "dtype": "bfloat16", "device": "cuda", "max_model_len": 4096,
         "max_num_seqs": max_num_seqs, "max_num_batched_tokens": 8192,
         "enforce_eager": args.enforce_eager,
         "gpu_memory_utilization": args.gpu_memory_utilization}))
 
 
-async def decode_times(engine, num_requests: int, tokens: int, prompt_len: int = 128,
+def free(engine) -> None:
+    import gc
+
+    import torch
+
+    engine.shutdown()
+    del engine
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+async def decode_times(engine, num_requests: int, tokens: int, prompt_len: int = PROMPT_LEN,
                        ) -> list[list[float]]:
     """Arrival times of each request's output tokens (all requests at once)."""
     import anyio
@@ -98,32 +175,71 @@ async def decode_times(engine, num_requests: int, tokens: int, prompt_len: int =
     return times
 
 
-def batch1_decode(engine, args: argparse.Namespace, bandwidth: float) -> None:
+class HostTimer:
+    """Host seconds per step spent in ``runner.prepare`` and ``runner.enqueue``."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.prepare, self.enqueue = runner, [], []
+        self._prepare, self._enqueue = runner.prepare, runner.enqueue
+        runner.prepare = self._timed(self._prepare, self.prepare)
+        runner.enqueue = self._timed(self._enqueue, self.enqueue)
+
+    @staticmethod
+    def _timed(fn, into: list[float]):
+        def timed(*a, **k):
+            start = time.perf_counter()
+            out = fn(*a, **k)
+            into.append(time.perf_counter() - start)
+            return out
+        return timed
+
+    def restore(self) -> None:
+        self.runner.prepare, self.runner.enqueue = self._prepare, self._enqueue
+
+
+def batch1_decode(args: argparse.Namespace, key: str, bandwidth: float) -> dict[str, Any]:
     import anyio
     import torch
 
-    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    name, shape, target = SHAPES[key]
+    engine = make_engine(args, model_dir(shape, name), max_num_seqs=1)
+    timer = None
 
     async def main():
+        nonlocal timer
         async with engine:
             await decode_times(engine, 1, 32)  # warm-up
+            timer = HostTimer(engine.runner)
             return (await decode_times(engine, 1, args.tokens))[0]
 
     times = anyio.run(main)
+    timer.restore()
     skip = 16  # the prefill and the first steps
     per_token = (times[-1] - times[skip]) / (len(times) - 1 - skip)
-    bound = weights / bandwidth
+    context = PROMPT_LEN + (skip + len(times)) / 2  # the mean context of the timed steps
+    bound = hbm_bound(shape, context, bandwidth)
+    host = statistics.median(timer.prepare[skip:]) + statistics.median(timer.enqueue[skip:])
     mode = "eager" if args.enforce_eager else "CUDA graphs"
-    print(f"[decode] {torch.cuda.get_device_name()}: Llama-3.2-1B shape, bf16, batch 1, "
-          f"{mode}, attention {engine.runner.attn_backend.name}, "
-          f"await {engine.device.awaiter.name}")
-    print(f"  weights {weights / 2**30:.2f} GiB, copy bandwidth {bandwidth / 1e9:.0f} GB/s -> "
-          f"HBM bound {bound * 1e3:.3f} ms/token")
+    print(f"[decode] {torch.cuda.get_device_name()}: {name} shape, bf16, batch 1, {mode}, "
+          f"attention {engine.runner.attn_backend.name}, await {engine.device.awaiter.name}")
+    kv = kv_bytes_per_token(shape, context)
+    prep, enq = statistics.median(timer.prepare[skip:]), statistics.median(timer.enqueue[skip:])
+    print(f"  weights {weight_bytes(shape) / 2**30:.2f} GiB + KV {kv / 2**20:.1f} MiB per "
+          f"token, copy bandwidth {bandwidth / 1e9:.0f} GB/s -> HBM bound "
+          f"{bound * 1e3:.3f} ms/token")
     print(f"  measured {per_token * 1e3:.3f} ms/token ({1 / per_token:.0f} tokens/s): "
-          f"{100 * bound / per_token:.1f}% of the bound (target >= 70%, goal >= 80%)")
+          f"{100 * bound / per_token:.1f}% of the bound (target >= {100 * target:.0f}%)")
+    verdict = "BOUNDS" if host >= 0.9 * per_token else "does not bound"
+    print(f"  host per step: prepare {prep * 1e3:.3f} ms + enqueue (plan, copies, replay "
+          f"launch) {enq * 1e3:.3f} ms = {host * 1e3:.3f} ms: Python planning {verdict} "
+          "batch-1 decode")
+    free(engine)
+    return {"shape": name, "ms_per_token": per_token * 1e3, "bound_ms": bound * 1e3,
+            "fraction_of_bound": bound / per_token, "target": target,
+            "host_ms_per_step": host * 1e3, "bandwidth_GBps": bandwidth / 1e9}
 
 
-def idle_at_batch(engine, args: argparse.Namespace) -> None:
+def idle_at_batch(engine, args: argparse.Namespace) -> tuple[float, str]:
     import anyio
     import torch
 
@@ -164,17 +280,83 @@ def idle_at_batch(engine, args: argparse.Namespace) -> None:
     pairs = [i for i in sorted(full) if i + 1 in full]  # consecutive full decode steps
     gaps = [max(0.0, marks[i][1].elapsed_time(marks[i + 1][0])) for i in pairs]
     spans = [marks[i][0].elapsed_time(marks[i][1]) for i in pairs]
-    print(f"[idle] batch {args.batch}: {len(pairs)} consecutive full decode steps, median "
-          f"step {statistics.median(spans):.2f} ms, median gap {statistics.median(gaps):.3f} ms")
-    print(f"  GPU idle between steps: {100 * sum(gaps) / (sum(gaps) + sum(spans)):.2f}% "
-          "(target < 10%, goal < 5%)")
+    idle = 100 * sum(gaps) / max(sum(gaps) + sum(spans), 1e-9)
+    mechanism = engine.device.awaiter.name
+    print(f"[idle] {args.batch} streams, await {mechanism}: {len(pairs)} consecutive full "
+          f"decode steps, median step {statistics.median(spans):.2f} ms, median gap "
+          f"{statistics.median(gaps):.3f} ms; GPU idle between steps {idle:.2f}% "
+          "(target < 5%)")
     if profiler is not None:
         busy, window = _busy_ms(profiler)
-        print(f"  kernel timeline (all steps of the run, gaps inside steps included): GPU "
-              f"busy {busy:.1f} of {window:.1f} ms, idle {100 * (1 - busy / window):.2f}%")
+        print(f"  kernel timeline (gaps inside steps included): GPU busy {busy:.1f} of "
+              f"{window:.1f} ms, idle {100 * (1 - busy / window):.2f}%")
     waits = getattr(runner.attn_backend, "plan_waits", 0)
     print(f"  launches: {engine.device.num_loop_launches} from the loop, "
           f"{engine.device.num_thread_launches} from the launcher thread; plan waits {waits}")
+    return idle, mechanism
+
+
+def idle_both_mechanisms(args: argparse.Namespace) -> dict[str, Any]:
+    from asyncengine.executor.cuda_await import make_event_awaiter
+
+    name, shape, _ = SHAPES["1b"]
+    engine = make_engine(args, model_dir(shape, name), max_num_seqs=args.batch)
+    idle: dict[str, float] = {}
+    for mechanism in args.await_mechanisms:
+        engine.device.awaiter.close()
+        engine.device.awaiter = make_event_awaiter(mechanism)
+        idle[mechanism], _ = idle_at_batch(engine, args)
+    free(engine)
+    best = recommend_await(idle)
+    print(f"[idle] recommended ASYNCENGINE_CUDA_AWAIT default: {best} ("
+          + ", ".join(f"{m} {v:.2f}%" for m, v in idle.items()) + " GPU idle)")
+    return {"idle_percent": idle, "recommended_await": best}
+
+
+def throughput(args: argparse.Namespace) -> dict[str, Any]:
+    """Output tokens/s at each concurrency: asyncengine, then transformers' generate."""
+    import anyio
+    import torch
+
+    name, shape, _ = SHAPES["1b"]
+    directory = model_dir(shape, name)
+    engine = make_engine(args, directory, max_num_seqs=max(args.concurrency))
+    ours: dict[int, float] = {}
+
+    async def run(n: int) -> float:
+        async with engine:
+            await decode_times(engine, n, 8)  # warm-up
+            start = time.perf_counter()
+            times = await decode_times(engine, n, args.tokens)
+        return sum(len(t) for t in times) / (max(max(t) for t in times) - start)
+
+    for n in args.concurrency:
+        ours[n] = anyio.run(run, n)
+    free(engine)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_pretrained(directory)
+    hf = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    theirs: dict[int, float] = {}
+    for n in args.concurrency:
+        ids = torch.randint(1000, 120000, (n, PROMPT_LEN), device="cuda")
+        kw = dict(max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
+                  pad_token_id=0)
+        with torch.inference_mode():
+            hf.generate(ids[:, :16], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            hf.generate(ids, **kw)
+            torch.cuda.synchronize()
+        theirs[n] = n * args.tokens / (time.perf_counter() - start)
+    del hf
+    torch.cuda.empty_cache()
+    print(f"[throughput] {name} shape, bf16, prompt {PROMPT_LEN}, {args.tokens} output tokens "
+          "each: output tokens/s")
+    for n in args.concurrency:
+        print(f"  concurrency {n:>4}: asyncengine {ours[n]:>9.0f}   transformers generate "
+              f"{theirs[n]:>9.0f}   ({ours[n] / theirs[n]:.2f}x)")
+    return {"asyncengine": ours, "transformers": theirs}
 
 
 def _busy_ms(profiler) -> tuple[float, float]:
@@ -196,33 +378,99 @@ def _busy_ms(profiler) -> tuple[float, float]:
     return busy / 1e3, (max(e for _, e in intervals) - intervals[0][0]) / 1e3
 
 
-def main() -> int:
+def _choices(allowed: tuple[str, ...], flag: str):
+    def parse(text: str) -> list[str]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if x not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"{flag}: {', '.join(bad) or 'nothing'} not in "
+                                             f"{', '.join(allowed)}")
+        return items
+    return parse
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--concurrency: {text!r} is not a list of "
+                                         "integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("--concurrency: positive integers")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=256, help="output tokens measured")
-    parser.add_argument("--batch", type=int, default=256, help="requests for the idle figure")
+    parser.add_argument("--only", type=_choices(PARTS, "--only"), default=list(PARTS),
+                        help="comma-separated parts (default: all)")
+    parser.add_argument("--shapes", type=_choices(tuple(SHAPES), "--shapes"),
+                        default=list(SHAPES), help="decode shapes: 1b,8b")
+    parser.add_argument("--tokens", type=int, default=128, help="output tokens measured")
+    parser.add_argument("--batch", type=int, default=256, help="streams for the idle figure")
+    parser.add_argument("--concurrency", type=_ints, default=[1, 32, 256])
+    parser.add_argument("--await-mechanisms", type=_choices(("thread", "poll"),
+                                                            "--await-mechanisms"),
+                        default=["thread", "poll"])
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--await-mechanism", choices=("thread", "poll"), default=None,
-                        help="sets ASYNCENGINE_CUDA_AWAIT")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--profiler", action="store_true",
                         help="also measure idle time from torch.profiler's kernel timeline")
-    parser.add_argument("--only", choices=("decode", "idle"), default=None)
-    args = parser.parse_args()
+    parser.add_argument("--json", default=None, help="write the figures to this file")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the plan and the models' bytes; measure nothing")
+    args = parser.parse_args(argv)
+    if args.tokens < 32:
+        parser.error("--tokens: at least 32 (the first 16 steps are not timed)")
+    return args
+
+
+def dry_run(args: argparse.Namespace) -> None:
+    for key in args.shapes:
+        name, shape, target = SHAPES[key]
+        print(f"[decode] {name} shape: {weight_bytes(shape) / 1e9:.2f} GB of bf16 weights, "
+              f"{kv_bytes_per_token(shape, PROMPT_LEN + args.tokens / 2) / 1e6:.2f} MB of KV "
+              f"read per token; target >= {100 * target:.0f}% of the HBM bound")
+    if "idle" in args.only:
+        print(f"[idle] {args.batch} streams, await mechanisms: "
+              f"{', '.join(args.await_mechanisms)}")
+    if "throughput" in args.only:
+        print(f"[throughput] concurrency {', '.join(map(str, args.concurrency))} vs "
+              "transformers generate")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        dry_run(args)
+        return 0
     import torch
 
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py needs a CUDA GPU, and none is available here "
               "(torch.cuda.is_available() is False). Nothing was measured.", file=sys.stderr)
         return 2
-    if args.await_mechanism:
-        os.environ["ASYNCENGINE_CUDA_AWAIT"] = args.await_mechanism
-    bandwidth = copy_bandwidth()  # before the engine takes its share of the memory
-    engine = make_engine(args, max_num_seqs=args.batch)
-    if args.only in (None, "decode"):
-        batch1_decode(engine, args, bandwidth)
-    if args.only in (None, "idle"):
-        idle_at_batch(engine, args)
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+
+    def save() -> None:  # after every part: a run cut short keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+
+    bandwidth = copy_bandwidth()  # before an engine takes its share of the memory
+    if "decode" in args.only:
+        results["decode"] = []
+        for key in args.shapes:
+            results["decode"].append(batch1_decode(args, key, bandwidth))
+            save()
+    if "idle" in args.only:
+        results["idle"] = idle_both_mechanisms(args)
+        save()
+    if "throughput" in args.only:
+        results["throughput"] = throughput(args)
+        save()
     return 0
 
 

@@ -52,7 +52,8 @@ class _PagedWrapper:
 
     def _plan(self, qo_indptr: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
               last: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-              page_size: int, causal: bool, sm_scale: float | None) -> None:
+              page_size: int, causal: bool, sm_scale: float | None, window_left: int = -1,
+              logits_soft_cap: float | None = None) -> None:
         _host_int32("paged_kv_indptr", indptr)
         _host_int32("paged_kv_last_page_len", last)
         if indices.dtype != torch.int32:
@@ -70,7 +71,8 @@ class _PagedWrapper:
             self.indptr_buf, self.indices_buf, self.last_buf = indptr, indices, last
         self.planned = dict(qo_indptr=qo_indptr, num_qo_heads=num_qo_heads,
                             num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-                            causal=causal, sm_scale=sm_scale or head_dim**-0.5)
+                            causal=causal, sm_scale=sm_scale or head_dim**-0.5,
+                            window_left=window_left, logits_soft_cap=logits_soft_cap)
         self.num_plans += 1
 
     def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]
@@ -97,11 +99,16 @@ class _PagedWrapper:
             rows = slice(qo[i], qo[i + 1])
             qi = q[rows].float()  # [Q, heads, dim]
             scores = torch.einsum("qhd,khd->hqk", qi, k) * p["sm_scale"]
+            cap = p["logits_soft_cap"]
+            if cap:  # FlashInfer's LogitsSoftCap: cap * tanh(score / cap), after sm_scale
+                scores = cap * torch.tanh(scores / cap)
             n_q = qi.shape[0]
+            key = torch.arange(length)[None, :]
+            pos = (length - n_q + torch.arange(n_q))[:, None]  # each query's position
             if p["causal"]:
-                key = torch.arange(length)[None, :]
-                limit = (length - n_q + torch.arange(n_q))[:, None]
-                scores = scores.masked_fill(key > limit, float("-inf"))
+                scores = scores.masked_fill(key > pos, float("-inf"))
+            if p["window_left"] >= 0:  # keys at positions >= pos - window_left
+                scores = scores.masked_fill(key < pos - p["window_left"], float("-inf"))
             out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
         return out
 
@@ -109,18 +116,21 @@ class _PagedWrapper:
 class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal=False,
-             sm_scale=None, q_data_type=None, kv_data_type=None, **_: Any) -> None:
+             sm_scale=None, window_left=-1, logits_soft_cap=None, q_data_type=None,
+             kv_data_type=None, **_: Any) -> None:
         _host_int32("qo_indptr", qo_indptr)
         self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                   num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal, sm_scale)
+                   num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal, sm_scale,
+                   window_left, logits_soft_cap)
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-             page_size, sm_scale=None, q_data_type=None, kv_data_type=None, **_: Any) -> None:
+             page_size, sm_scale=None, window_left=-1, logits_soft_cap=None, q_data_type=None,
+             kv_data_type=None, **_: Any) -> None:
         qo = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
         self._plan(qo, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-                   page_size, False, sm_scale)
+                   page_size, False, sm_scale, window_left, logits_soft_cap)
 
 
 def make_module() -> tuple[types.ModuleType, types.ModuleType]:
@@ -142,7 +152,19 @@ def make_module() -> tuple[types.ModuleType, types.ModuleType]:
         sampling.calls.append(("plain",))
         return logits.argmax(dim=-1).to(torch.int32)
 
+    def top_p_sampling_from_probs(probs, top_p, indices=None, deterministic=True,
+                                  generator=None, check_nan=False, **_: Any):
+        sampling.calls.append(("top_p", top_p))
+        return probs.argmax(dim=-1).to(torch.int32)
+
+    def top_k_sampling_from_probs(probs, top_k, indices=None, deterministic=True,
+                                  generator=None, check_nan=False, **_: Any):
+        sampling.calls.append(("top_k", top_k))
+        return probs.argmax(dim=-1).to(torch.int32)
+
     sampling.top_k_top_p_sampling_from_logits = top_k_top_p_sampling_from_logits
+    sampling.top_p_sampling_from_probs = top_p_sampling_from_probs
+    sampling.top_k_sampling_from_probs = top_k_sampling_from_probs
     sampling.sampling_from_logits = sampling_from_logits
     fi.sampling = sampling
     return fi, sampling

@@ -354,3 +354,125 @@ def test_engine_on_the_cuda_step_path_matches_the_cpu_engine(tiny_llama, awaiter
     assert device.num_loop_launches > 0  # plain steps: from the loop, no thread hop
     assert device.num_thread_launches > 0  # prompt-logprobs steps: on the launcher thread
     assert engine.num_free_blocks == engine.num_total_blocks
+
+
+# -- KV-connector block copies: a side stream ordered by events ----------------------------------
+
+class _LogStream:
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def wait_event(self, event) -> None:
+        self.log.append(f"{self.name} waits {event.name}")
+
+
+class _LogCUDA:
+    """torch.cuda's stream/event surface, logging the order of what is enqueued."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.current = "default"
+        self.events = 0
+        cuda = self
+
+        class Event:
+            def __init__(self) -> None:
+                cuda.events += 1
+                self.name = f"e{cuda.events}"
+                self.synced = False
+
+            def record(self, stream) -> None:
+                cuda.log.append(f"{self.name} on {stream.name}")
+
+            def synchronize(self) -> None:
+                self.synced = True
+                cuda.log.append(f"host waits {self.name}")
+
+        self.Event = Event
+
+    def Stream(self, device=None) -> _LogStream:  # noqa: N802 (torch's name)
+        return _LogStream("side", self.log)
+
+    def stream(self, s):
+        import contextlib
+
+        @contextlib.contextmanager
+        def on():
+            before, self.current = self.current, s.name
+            self.log.append(f"enter {s.name}")
+            yield
+            self.log.append(f"leave {s.name}")
+            self.current = before
+        return on()
+
+
+def test_kv_block_copies_go_on_a_side_stream_ordered_by_events(monkeypatch):
+    """Reads gather after the step that computed the blocks and hold later steps back only
+    for the gather; writes stage the data before waiting for the device stream, scatter, and
+    make the next step wait for the scatter. The data is what the CPU path copies."""
+    import torch
+
+    from asyncengine.executor import kv_blocks
+
+    fake = _LogCUDA()
+    monkeypatch.setattr(kv_blocks, "_cuda", fake)
+    monkeypatch.setattr(kv_blocks, "_side_streams", {})
+    monkeypatch.setattr(kv_blocks, "_pin", lambda t: t.clone())
+    device_stream = _LogStream("device", fake.log)
+    caches = [torch.randn(2, 6, 4, 2, 8) for _ in range(3)]
+    expected = kv_blocks.read_blocks(caches, [4, 1], torch.device("cpu")).wait()
+
+    copy = kv_blocks.read_blocks(caches, [4, 1], torch.device("cpu"), device_stream)
+    assert fake.log == ["e1 on device", "side waits e1", "enter side", "e2 on side",
+                        "device waits e2", "e3 on side", "leave side"]
+    assert not copy.event.synced
+    assert torch.equal(copy.wait(), expected) and fake.log[-1] == "host waits e3"
+    assert kv_blocks.side_stream(device_stream) is kv_blocks.side_stream(device_stream)
+
+    fake.log.clear()
+    new = torch.randn(2, 3, 2, 4, 2, 8)
+    kv_blocks.write_blocks(caches, [0, 5], new, torch.device("cpu"), device_stream)
+    assert fake.log == ["enter side", "e4 on device", "side waits e4", "e5 on side",
+                        "leave side", "device waits e5", "host waits e5"]
+    got = kv_blocks.read_blocks(caches, [0, 5], torch.device("cpu")).wait()
+    assert torch.equal(got, new)
+    with pytest.raises(ValueError, match="do not fit"):
+        kv_blocks.write_blocks(caches, [0], new, torch.device("cpu"), device_stream)
+
+
+def test_tp_runner_reads_its_step_message_from_the_host_not_the_staged_upload(monkeypatch):
+    """On CUDA a staged tensor is a view of a device buffer that its upload (non_blocking, on
+    the device's stream) may not have filled when the loop reads it: the tensor-parallel
+    runner's step message must come from the host arrays. A staging whose tensors are not
+    filled yet (-1) shows it."""
+    from types import SimpleNamespace
+
+    from asyncengine.core.request import Request
+    from asyncengine.core.sched.fcfs import FCFSScheduler
+    from asyncengine.executor.attention.torch_paged import TorchPagedBackend
+    from asyncengine.executor.parallel import runner as tp_runner
+    from asyncengine.executor.staging import DirectStaging
+
+    class NotYetUploaded(DirectStaging):
+        def put(self, array):
+            return torch.full(np.shape(array), -1, dtype=torch.from_numpy(
+                np.ascontiguousarray(array)).dtype)
+
+    sent = []
+    monkeypatch.setattr(tp_runner, "encode_step", lambda *a: sent.append(a) or "message")
+    config = EngineConfig.from_dict({"max_num_seqs": 4, "max_num_batched_tokens": 64,
+                                     "block_size": 4, "max_model_len": 64})
+    scheduler = FCFSScheduler(config, 32)
+    runner = tp_runner.TPModelRunner(
+        SimpleNamespace(vocab_size=500), TorchPagedBackend(), [], 4, torch.device("cpu"),
+        frozenset(), max_num_seqs=4, max_model_len=64, staging=NotYetUploaded(),
+        tp=SimpleNamespace())
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i, n in enumerate([5, 3, 7]):
+        scheduler.add_request(Request(f"r{i}", list(range(10, 10 + n)), params,
+                                      max_model_len=64))
+    inputs = runner.prepare(scheduler.schedule())
+    assert inputs.tp_message == "message"
+    (args,) = sent
+    assert args[5].tolist() == [4, 7, 14]  # each prompt's last token: where it samples
+    assert inputs.sample_indices_host.tolist() == [4, 7, 14]

@@ -19,7 +19,7 @@ from asyncengine.core.request import Request
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.core.sched.fcfs import FCFSScheduler
 from asyncengine.core.sched.interface import ModelRunnerOutput
-from asyncengine.executor.attention.base import AttentionMetadata
+from asyncengine.executor.attention.base import PLAIN, AttentionMetadata, AttentionOptions
 from asyncengine.executor.attention.flashinfer import FlashInferBackend
 from asyncengine.executor.attention.paged_plan import PagedKVPlan, pad_decode_plan, plan_paged_kv
 from asyncengine.executor.attention.torch_paged import TorchPagedBackend
@@ -145,13 +145,17 @@ def backends(heads: int, kv_heads: int, dim: int, num_blocks: int):
     return fib, TorchPagedBackend(), caches[0]
 
 
-def step(cases, heads=4, kv_heads=2, dim=16, padded_batch=None, seed=0):
-    """Both backends attend the same step over the same cache; returns their outputs and
-    the flashinfer backend."""
+def step(cases, heads=4, kv_heads=2, dim=16, padded_batch=None, seed=0,
+         options: AttentionOptions = PLAIN, scale: float | None = None):
+    """Both backends attend the same step over the same cache (a layer of variant ``options``
+    with attention ``scale``); returns their outputs and the flashinfer backend."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     num_blocks = sum(math.ceil((c + n) / BLOCK) for c, n in cases) + 2
     fib, ref, cache = backends(heads, kv_heads, dim, num_blocks)
+    if options != PLAIN:  # a model with both kinds of layers
+        fib.configure_layers([PLAIN, options, PLAIN])
+        ref.configure_layers([PLAIN, options, PLAIN])
     pool = list(range(num_blocks))
     rng.shuffle(pool)
     qs, ks, vs, slots, tables, seq_lens, starts = [], [], [], [], [], [], [0]
@@ -181,10 +185,10 @@ def step(cases, heads=4, kv_heads=2, dim=16, padded_batch=None, seed=0):
                                  block_tables=torch.from_numpy(table), slot_mapping=slot_mapping,
                                  block_size=BLOCK, block_tables_host=table, padded_batch=padded)
 
-    scale = dim**-0.5
+    scale = dim**-0.5 if scale is None else scale
     m_ref = meta(None)
     ref.prepare(m_ref)
-    expected = ref.forward(q, k, v, cache.clone(), m_ref, scale)
+    expected = ref.forward(q, k, v, cache.clone(), m_ref, scale, options)
     m = meta(padded_batch)
     fib.prepare(m)
     fib.plan(m)
@@ -193,7 +197,7 @@ def step(cases, heads=4, kv_heads=2, dim=16, padded_batch=None, seed=0):
         q = torch.cat([q, torch.randn(extra, heads, dim, generator=gen)])
         k = torch.cat([k, torch.randn(extra, kv_heads, dim, generator=gen)])
         v = torch.cat([v, torch.randn(extra, kv_heads, dim, generator=gen)])
-    got = fib.forward(q, k, v, cache, m, scale)
+    got = fib.forward(q, k, v, cache, m, scale, options)
     return got[:len(q) if padded_batch is None else len(cases)], expected, fib, cache
 
 
@@ -229,15 +233,49 @@ def test_the_scratch_page_is_the_engine_caches_last_block():
     assert other.shape[1] == 4 and fib.scratch_block == 10
 
 
-def test_flashinfer_backend_checks_the_attention_scale():
+@pytest.mark.parametrize("cases", [MIXED, DECODES], ids=["mixed", "decodes"])
+def test_flashinfer_backend_plans_windows_and_soft_caps(cases):
+    """Gemma 2's layers (a soft cap, a sliding window on every other layer, a scale that is
+    not head_dim**-0.5): each variant is planned with FlashInfer's parameters
+    (``window_left = window - 1``, ``logits_soft_cap``) and matches torch_paged."""
+    windowed = AttentionOptions(window=6, soft_cap=2.0)
+    got, expected, fib, _ = step(cases, options=windowed, scale=0.2)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert fib.variants == (PLAIN, windowed)
+    wrapper = fib.prefill_wrapper if cases is MIXED else fib.decode_wrapper
+    for options, window_left, cap in ((PLAIN, -1, None), (windowed, 5, 2.0)):
+        w = wrapper(options)
+        assert w.num_plans == 1  # each variant planned once for the step
+        assert (w.planned["window_left"], w.planned["logits_soft_cap"]) == (window_left, cap)
+        assert w.planned["sm_scale"] == pytest.approx(16**-0.5)  # q carries the ratio
+    plain, _, _, _ = step(cases, options=windowed, scale=16**-0.5)
+    assert not torch.allclose(plain, got)  # the scale mattered
+
+
+def test_flashinfer_variants_in_cuda_graphs():
+    windowed = AttentionOptions(window=3)
+    got, expected, fib, _ = step(DECODES, padded_batch=8, options=windowed)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert fib.graph_wrapper(8, windowed).planned["window_left"] == 2
+    assert fib.graph_wrapper(8).planned["window_left"] == -1
+    with pytest.raises(ValueError, match="configure"):
+        fib.configure_layers([PLAIN])  # graphs' wrappers exist already
+
+
+def test_prewarm_compiles_every_kernel_before_serving():
+    """prewarm() plans and runs prefill, decode and CUDA-graph decode of every variant (what
+    triggers FlashInfer's JIT), on a scratch cache: the engine's cache stays untouched."""
     fib, _, cache = backends(4, 2, 16, 4)
-    meta = AttentionMetadata(query_start_loc=[0, 1], seq_lens=[1], block_tables=None,
-                             slot_mapping=torch.tensor([0]), block_size=BLOCK,
-                             block_tables_host=np.zeros((1, 1), dtype=np.int64))
-    fib.prepare(meta)
-    q, kv = torch.randn(1, 4, 16), torch.randn(1, 2, 16)
-    with pytest.raises(ValueError, match="scale"):
-        fib.forward(q, kv, kv, cache, meta, 0.5)
+    windowed = AttentionOptions(window=4, soft_cap=30.0)
+    fib.configure_layers([windowed, PLAIN])
+    before = cache.clone()
+    assert fib.prewarm() >= 0
+    for options in (windowed, PLAIN):
+        assert fib.prefill_wrapper(options).num_plans == 1
+        assert fib.decode_wrapper(options).num_plans == 1
+        assert fib.prefill_wrapper(options).planned["window_left"] == (3 if options.window
+                                                                       else -1)
+    assert torch.equal(cache, before) and not fib._graph_wrappers
 
 
 # -- sampling through FlashInfer's kernels --------------------------------------------------------
@@ -282,6 +320,28 @@ def test_sampling_routes_to_flashinfer_with_its_conventions(fake_sampling):
     plain = batch(SamplingParams(temperature=0.9), SamplingParams(temperature=1.0))
     sample_ids(logits[:2], plain)
     assert fake_sampling.calls[-1] == ("plain",)
+
+
+def test_top_p_alone_never_passes_top_k_vocab(fake_sampling):
+    """Per step: a batch with top-p and no top-k samples from the probabilities with the
+    top-p kernel; top_k = vocab (a whole-vocabulary top-k pass) is never handed over."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(2))
+    b = batch(SamplingParams(top_p=0.9), SamplingParams(top_p=0.5), SamplingParams(top_p=1.0))
+    ids = sample_ids(logits.clone(), b)
+    (kind, top_p), = fake_sampling.calls
+    assert kind == "top_p" and top_p.tolist() == pytest.approx([0.9, 0.5, 1.0])
+    assert ids.tolist() == logits.argmax(-1).tolist()
+    sample_ids(logits.clone(), batch(SamplingParams(top_k=7), SamplingParams(top_k=3)))
+    kind, top_k = fake_sampling.calls[-1]
+    assert kind == "top_k" and top_k.tolist() == [7, 3]
+    assert all(c[0] != "top_k_top_p" for c in fake_sampling.calls)
+
+
+def test_sampling_prewarm_calls_every_kernel(fake_sampling):
+    from asyncengine.executor.sampler.flashinfer_sampling import prewarm
+
+    prewarm("cpu", V, module=fake_sampling)
+    assert [c[0] for c in fake_sampling.calls] == ["plain", "top_p", "top_k", "top_k_top_p"]
 
 
 def test_seeded_and_min_p_batches_take_the_torch_path(fake_sampling):

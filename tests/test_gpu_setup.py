@@ -115,6 +115,100 @@ def test_attention_backend_choice():
         get_attention_backend("flashinfer", "cpu")
 
 
+def test_no_silent_fallback_one_warning_names_the_reason(caplog):
+    """auto on CUDA that cannot use FlashInfer logs ONE warning naming why; the explicit flag
+    raises a ValueError naming it; head dims other than 64/128/256 never reach FlashInfer."""
+    import logging
+
+    def auto(*args) -> tuple[str, list[str]]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="asyncengine"):
+            name = resolve_backend_name("auto", "cuda", *args)
+        return name, [r.getMessage() for r in caplog.records]
+
+    assert auto(torch.bfloat16, True, 128) == ("flashinfer", [])
+    assert auto(torch.bfloat16, True, 64)[0] == "flashinfer"
+    assert auto(torch.float16, True, 256)[0] == "flashinfer"
+    name, warnings = auto(torch.bfloat16, "ImportError: libcudart.so.13 missing", 128)
+    assert name == "torch_paged" and len(warnings) == 1
+    assert "flashinfer" in warnings[0] and "libcudart.so.13 missing" in warnings[0]
+    name, warnings = auto(torch.bfloat16, True, 32)
+    assert name == "torch_paged" and len(warnings) == 1 and "head_dim" in warnings[0] \
+        and "32" in warnings[0]
+    name, warnings = auto(torch.float32, True, 64)
+    assert name == "torch_paged" and len(warnings) == 1 and "float32" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncengine"):
+        assert resolve_backend_name("auto", "cpu", torch.bfloat16, False, 16) == "torch_paged"
+    assert caplog.records == []  # the CPU never had FlashInfer: nothing to warn about
+    with pytest.raises(ValueError, match="--attention-backend flashinfer.*head_dim.*48"):
+        resolve_backend_name("flashinfer", "cuda", torch.bfloat16, True, 48)
+    with pytest.raises(ValueError, match="--attention-backend flashinfer.*import failed: boom"):
+        resolve_backend_name("flashinfer", "cuda", torch.bfloat16, "boom", 64)
+
+
+class _FailingPrewarm(TorchPagedBackend):
+    name = "flashinfer"
+
+    def prewarm(self, graphs: bool = True) -> float:
+        raise RuntimeError("nvcc: batch_prefill.cu: fatal error\nmore lines")
+
+
+def test_a_jit_failure_is_a_warning_under_auto_and_an_error_when_asked_for(caplog):
+    import logging
+
+    model = SimpleNamespace(attention_options=lambda: [])
+    auto = EngineConfig.from_dict({})
+    with caplog.at_level(logging.WARNING, logger="asyncengine"):
+        backend = build_module._prewarm_attention(auto, _FailingPrewarm(), model)
+    assert backend.name == "torch_paged"
+    (record,) = caplog.records
+    assert "torch_paged, not flashinfer" in record.getMessage()
+    assert "batch_prefill.cu: fatal error" in record.getMessage()
+    explicit = EngineConfig.from_dict({"attention_backend": "flashinfer"})
+    with pytest.raises(ValueError, match="--attention-backend flashinfer.*fatal error"):
+        build_module._prewarm_attention(explicit, _FailingPrewarm(), model)
+
+
+def test_sampling_backend_falls_back_with_one_warning(monkeypatch, caplog):
+    import logging
+    import sys
+
+    from tests.fake_flashinfer import make_module
+
+    cuda = SimpleNamespace(type="cuda", torch_device=torch.device("cpu"))
+    fi, sampling = make_module()
+    monkeypatch.setitem(sys.modules, "flashinfer", fi)
+    monkeypatch.setitem(sys.modules, "flashinfer.sampling", sampling)
+    assert build_module._sampling_method(cuda, 64) == "flashinfer"
+    assert [c[0] for c in sampling.calls] == ["plain", "top_p", "top_k", "top_k_top_p"]
+
+    def broken(*a, **k):
+        raise RuntimeError("ninja: build stopped: subcommand failed")
+
+    sampling.sampling_from_logits = broken
+    with caplog.at_level(logging.WARNING, logger="asyncengine"):
+        assert build_module._sampling_method(cuda, 64) is None
+    (record,) = caplog.records
+    assert "sampling backend torch, not flashinfer" in record.getMessage()
+    assert "subcommand failed" in record.getMessage()
+    assert build_module._sampling_method(SimpleNamespace(type="cpu"), 64) is None
+
+
+def test_backends_in_use_are_on_metrics():
+    from asyncengine.metrics import EngineMetrics
+
+    runner = SimpleNamespace(attn_backend=SimpleNamespace(name="flashinfer"),
+                             sampling_method="flashinfer")
+    names = build_module.backend_names(runner)
+    assert names == {"attention": "flashinfer", "sampling": "flashinfer"}
+    text = EngineMetrics("m", backends=names).render().decode()
+    assert 'asyncengine:attention_backend_info{backend="flashinfer"} 1.0' in text
+    assert 'asyncengine:sampling_backend_info{backend="flashinfer"} 1.0' in text
+    cpu = SimpleNamespace(attn_backend=TorchPagedBackend(), sampling_method=None)
+    assert build_module.backend_names(cpu) == {"attention": "torch_paged", "sampling": "torch"}
+
+
 def test_gpu_flags_reach_the_config():
     config = EngineConfig.from_dict({"enforce_eager": True, "attention_backend": "flashinfer",
                                      "gpu_memory_utilization": 0.8})
@@ -133,3 +227,40 @@ def test_gpu_benchmark_says_it_needs_a_gpu():
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and r.stdout == ""
+
+
+def test_prewarm_command_compiles_each_spec_then_sampling():
+    """`python -m asyncengine.executor.prewarm` (what `make gpu-check` runs first): every
+    spec's prefill, decode and graph-mode decode kernels, then sampling, driven through the
+    stand-in module on the CPU."""
+    from asyncengine.executor import prewarm
+    from tests.fake_flashinfer import make_module
+
+    fi, sampling = make_module()
+    specs = prewarm.parse_specs("64,256+window+softcap,128+tc")
+    assert specs == [prewarm.KernelSpec(64), prewarm.KernelSpec(256, False, True, True),
+                     prewarm.KernelSpec(128, tensor_cores=True)]
+    assert specs[2].heads == (8, 1)  # a GQA group > 4: FlashInfer's tensor-core decode
+    lines: list[str] = []
+    took = prewarm.prewarm_specs(specs, dtype=torch.float32, device="cpu", module=fi,
+                                 sampling_module=sampling, log=lines.append)
+    assert list(took) == [str(s) for s in specs] + ["sampling"]
+    assert "head_dim 256, window, soft cap" in lines[1]
+    assert [c[0] for c in sampling.calls] == ["plain", "top_p", "top_k", "top_k_top_p"]
+    with pytest.raises(ValueError, match="--specs"):
+        prewarm.parse_specs("64+fast")
+
+
+def test_prewarm_command_dry_run_and_without_a_gpu(capsys):
+    from asyncengine.executor import prewarm
+
+    assert prewarm.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("would compile: attention") == len(prewarm.DEFAULT_SPECS)
+    assert "sampling" in out
+    with pytest.raises(SystemExit) as e:
+        prewarm.main(["--specs", "64+bogus"])
+    assert e.value.code == 2 and "--specs" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert prewarm.main([]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err

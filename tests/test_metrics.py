@@ -158,3 +158,6 @@ def test_counters_match_a_known_run(server):
     assert value(after, "vllm:kv_cache_usage_perc") == 0
     info = [dict(ls) for (n, ls) in after if n == "vllm:cache_config_info"][0]
     assert info["num_gpu_blocks"] == "1024" and info["block_size"] == "16"
+    # The backends in use (issue 25: no silent fallback): the CPU's.
+    assert value(after, "asyncengine:attention_backend_info", backend="torch_paged") == 1
+    assert value(after, "asyncengine:sampling_backend_info", backend="torch") == 1

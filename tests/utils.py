@@ -61,9 +61,14 @@ def embedded_gguf_path() -> str:
 
 
 def embedded_tokenizer_dir() -> Path:
-    """The embedded model's tokenizer, converted from the GGUF once and cached on disk."""
+    """The embedded model's tokenizer, converted from the GGUF once and cached on disk.
+    ``ASYNCENGINE_TEST_TOKENIZER_DIR`` names a saved copy instead (a GPU machine without the
+    embedded model: ``make gpu-wheelhouse`` carries one)."""
     import transformers
 
+    saved = os.environ.get("ASYNCENGINE_TEST_TOKENIZER_DIR")
+    if saved and (Path(saved) / "tokenizer_config.json").is_file():
+        return Path(saved)
     gguf = embedded_gguf_path()
     key = f"{gguf}:{os.path.getsize(gguf)}:{transformers.__version__}"
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]

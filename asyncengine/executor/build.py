@@ -157,6 +157,8 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
     attn_backend = get_attention_backend(config.device.attention_backend, device.type, shape)
     if hasattr(model, "attention_options"):
         attn_backend.configure_layers(model.attention_options())
+    if device.type == "cuda":  # FlashInfer's JIT: now, never on the loop at the first step
+        attn_backend = _prewarm_attention(config, attn_backend, model)
     if hasattr(model, "configure_context"):
         model.configure_context(max_model_len)
     num_blocks = _num_blocks(config, model, attn_backend, dtype, device, max_model_len,
@@ -179,7 +181,8 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
                         device.torch_device, tokenizer.eos_token_ids,
                         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
                         staging=device.make_staging(),
-                        sampling_method=_sampling_method(device), **runner_kwargs)
+                        sampling_method=_sampling_method(device, model.vocab_size),
+                        **runner_kwargs)
     if parallel is not None:  # stop the workers at exit, unless engine.shutdown() did
         atexit.register(parallel.shutdown, runner)
     if device.type == "cuda" and parallel is None:  # graphs cannot hold the collectives yet
@@ -193,9 +196,11 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
     quant = "" if mc.quantization in ("none", "auto") else f", {mc.quantization} weights"
     if parallel is not None:
         quant += f", tensor parallel {tp_size} (rank 0's shard)"
+    backends = backend_names(runner)
     logger.info("loaded %s (%s, %s%s) on %s: %d KV blocks of %d tokens, max_model_len %d, "
-                "attention %s", model_name, arch, dtype, quant, device.type, num_blocks,
-                block_size, max_model_len, attn_backend.name)
+                "attention %s, sampling %s", model_name, arch, dtype, quant, device.type,
+                num_blocks, block_size, max_model_len, backends["attention"],
+                backends["sampling"])
     return EngineParts(
         config=config, model_name=model_name, tokenizer=tokenizer,
         vocab_size=model.vocab_size, max_model_len=max_model_len, num_blocks=num_blocks,
@@ -315,13 +320,60 @@ def _num_blocks(config: EngineConfig, model: torch.nn.Module, attn_backend: Any,
                                 extra_blocks=attn_backend.extra_kv_blocks, flag=flag)
 
 
-def _sampling_method(device: Device) -> str | None:
-    """FlashInfer's sampling kernels on CUDA when installed; else the device's default."""
+def _sampling_method(device: Device, vocab_size: int) -> str | None:
+    """FlashInfer's sampling kernels on CUDA when installed and compiled (prewarmed now, not at
+    the first sampled step); else the device's default, with one warning naming why."""
     if device.type != "cuda":
         return None
-    from asyncengine.executor.sampler.flashinfer_sampling import flashinfer_available
+    from asyncengine.executor.sampler import flashinfer_sampling
 
-    return "flashinfer" if flashinfer_available() else None
+    reason = flashinfer_sampling.flashinfer_import_error()
+    if reason is None:
+        try:
+            flashinfer_sampling.prewarm(device.torch_device, vocab_size)
+        except Exception as e:  # the JIT's failure: a compiler error, a missing source
+            reason = f"its kernels failed to compile or run ({_one_line(e)})"
+    if reason is not None:
+        logger.warning("sampling backend torch, not flashinfer: %s", reason)
+        return None
+    return "flashinfer"
+
+
+def _prewarm_attention(config: EngineConfig, backend: Any, model: torch.nn.Module) -> Any:
+    """Compile the backend's kernels (FlashInfer's JIT) at start-up. A failure under ``auto``
+    falls back to torch_paged with one warning naming it; under ``--attention-backend
+    flashinfer`` it is a ValueError naming the flag."""
+    prewarm = getattr(backend, "prewarm", None)
+    if prewarm is None:
+        return backend
+    try:
+        seconds = prewarm(graphs=not config.model.enforce_eager)
+    except Exception as e:
+        reason = f"FlashInfer's kernels failed to compile or run ({_one_line(e)})"
+        if config.device.attention_backend == "flashinfer":
+            raise ValueError(f"--attention-backend flashinfer: {reason}; use torch_paged or "
+                             "auto") from e
+        logger.warning("attention backend torch_paged, not flashinfer: %s", reason)
+        from asyncengine.executor.attention.torch_paged import TorchPagedBackend
+
+        backend = TorchPagedBackend()
+        if hasattr(model, "attention_options"):
+            backend.configure_layers(model.attention_options())
+        return backend
+    logger.info("%s attention kernels compiled and loaded in %.1f s", backend.name, seconds)
+    return backend
+
+
+def _one_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+def backend_names(runner: Any) -> dict[str, str]:
+    """The attention and sampling backends a runner uses: the start-up log, ``/metrics``."""
+    attention = getattr(getattr(runner, "attn_backend", None), "name", "unknown")
+    sampling = getattr(runner, "sampling_method", None) or "torch"
+    return {"attention": attention, "sampling": sampling}
 
 
 def _capture_cuda_graphs(config: EngineConfig, runner: ModelRunner, device: Device) -> None:

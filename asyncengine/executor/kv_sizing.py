@@ -6,7 +6,9 @@ torch's allocator. The KV cache gets what is left of ``U x total`` after a profi
 
     kv_budget = U * total - peak_torch - non_torch
 
-* ``peak_torch``: ``torch.cuda.max_memory_allocated()`` over a dummy forward pass of
+* ``peak_torch``: ``torch.cuda.max_memory_reserved()`` (what torch's caching allocator holds
+  from the device, allocated or cached: the device cannot give cached blocks to the KV
+  cache, so allocated alone would overcommit) over a dummy forward pass of
   ``--max-num-batched-tokens`` tokens (spread over up to ``--max-num-seqs`` requests) and the
   sampler at ``--max-num-seqs`` rows (top-k/top-p through a full sort, and logprobs: the
   torch path's worst case), counting the weights; minus the small KV cache the dummy pass
@@ -133,7 +135,9 @@ def profile_cuda_memory(model: torch.nn.Module, backend: AttentionBackend, block
     kv_bytes = dummy_forward(model, backend, block_size, num_tokens, num_seqs, num_seqs, dtype,
                              device)
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - kv_bytes
+    # Reserved, not allocated: the allocator's cache (rounding, fragmentation) is memory the
+    # KV cache cannot have either.
+    peak = max(torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()) - kv_bytes
     now = cuda_snapshot()
     torch.cuda.empty_cache()
     return peak, max(0, now.non_torch - baseline.non_torch)

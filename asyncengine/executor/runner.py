@@ -38,7 +38,7 @@ from asyncengine.core.request import PositionLogprobs, Request
 from asyncengine.core.sched.interface import ModelRunnerOutput, SchedulerOutput
 from asyncengine.executor.attention.base import AttentionBackend, AttentionMetadata
 from asyncengine.executor.input_batch import InputBatch
-from asyncengine.executor.kv_blocks import read_blocks, write_blocks
+from asyncengine.executor.kv_blocks import BlockCopy, read_blocks, write_blocks
 from asyncengine.executor.penalty_state import PenaltyState
 from asyncengine.executor.sampler import NO_TOKEN, prompt_logprobs, sample, sample_ids
 from asyncengine.executor.sampler.greedy_head import MIN_ROWS as GREEDY_HEAD_MIN_ROWS
@@ -190,11 +190,13 @@ class ModelRunner:
             padded_batch=graph_batch,
         )
         self.attn_backend.prepare(meta)
+        sample_np = np.array(sample_flat, dtype=np.int64)
         inputs = StepInputs(
             input_ids=put(np.array(input_ids, dtype=np.int64)),
             positions=put(positions),
             attn_metadata=meta,
-            sample_indices=put(np.array(sample_flat, dtype=np.int64)),
+            sample_indices=put(sample_np),
+            sample_indices_host=sample_np,
             sample_req_ids=sample_req_ids,
             sampling_batch=None,
             prompt_tasks=prompt_tasks,
@@ -339,9 +341,9 @@ class ModelRunner:
         return logits
 
     # -- whole KV blocks, between steps (KV connectors) ------------------------------------------
-    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of the blocks' K and V, all layers, on the cache's device:
-        ``[len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim]``."""
+    def read_kv_blocks(self, block_ids: list[int]) -> BlockCopy:
+        """A copy of the blocks' K and V, all layers (``.wait()`` gives it, off the loop on
+        CUDA): ``[len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim]``."""
         return read_blocks(self.kv_caches, block_ids, self.device, self._stream)
 
     def write_kv_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:

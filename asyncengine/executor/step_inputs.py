@@ -6,6 +6,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from asyncengine.executor.attention.base import AttentionMetadata
@@ -64,6 +65,9 @@ class StepInputs:
     sample_indices: torch.Tensor  # [S] rows of the flattened step to sample from
     sample_req_ids: list[str]
     sampling_batch: SamplingBatch | None
+    # The same rows on the host (numpy): for the loop's own use; on CUDA the staged tensor is
+    # valid only for work enqueued on the device's stream after the upload.
+    sample_indices_host: np.ndarray | None = None
     # Penalty state: persistent rows of the sampled rows that have penalties ([P]), and the
     # rows (re)joined this step whose state the device resets first.
     penalty_rows: torch.Tensor | None = None

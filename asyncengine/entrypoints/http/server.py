@@ -98,11 +98,14 @@ def ssl_context(settings: ServerSettings) -> ssl.SSLContext | None:
 
 def make_metrics(engine) -> EngineMetrics:
     """The engine's metrics, labelled with the (first) served name, known once it is loaded."""
+    from asyncengine.executor.build import backend_names
     from asyncengine.metrics import EngineMetrics
 
+    runner = getattr(engine, "runner", None)
     return EngineMetrics(model_name=engine.model_name, max_model_len=engine.max_model_len,
                          cache_config=engine.config.cache,
-                         num_gpu_blocks=engine.num_total_blocks)
+                         num_gpu_blocks=engine.num_total_blocks,
+                         backends=backend_names(runner) if runner is not None else None)
 
 
 async def serve(config: EngineConfig, settings: ServerSettings) -> int:

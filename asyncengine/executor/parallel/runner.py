@@ -41,8 +41,11 @@ class TPModelRunner(ModelRunner):
         lens = np.fromiter((s.num_new_tokens for s in out.scheduled), np.int64, n)
         deltas, ib.table_log = ib.table_log, []
         ranges = [(t.first, t.last) for t in inputs.prompt_tasks]
+        # The host copy: the staged ``sample_indices`` is a view of the device buffer, which
+        # its upload (non_blocking, on the device's stream) may not have filled yet; reading it
+        # here, on the loop, on another stream, was the read-before-upload race (and a sync).
         inputs.tp_message = encode_step(inputs.num_tokens, rows, starts, lens, deltas,
-                                        inputs.sample_indices.cpu().numpy(), ranges)
+                                        inputs.sample_indices_host, ranges)
         return inputs
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:

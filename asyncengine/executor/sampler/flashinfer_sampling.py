@@ -20,7 +20,14 @@ Semantics that match: top-k keeps the k largest logits; top-p keeps the smallest
 likely tokens whose mass reaches p (``top_k_first``: top-p over the top-k renormalized), as
 the torch path and vLLM do. A row with no valid probability mass (NaN, +inf, everything
 masked) gets ``NO_TOKEN``, decided from the row's maximum as the torch path decides it; such a
-row is replaced by zeros before the kernel sees it. Not run on a GPU yet.
+row is replaced by zeros before the kernel sees it.
+
+Kernels by what the batch asks: no top-k/top-p at all, ``sampling_from_logits``; top-p alone,
+``top_p_sampling_from_probs`` on the softmax (never ``top_k = vocab``, which would make the
+top-k kernel search the whole vocabulary every step for nothing); top-k alone,
+``top_k_sampling_from_probs``; both, ``top_k_top_p_sampling_from_logits`` (top-k first).
+All of them live in FlashInfer's one ``sampling`` JIT module, which :func:`prewarm` compiles at
+start-up. Not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -45,12 +52,35 @@ def unsupported_reason(batch: SamplingBatch) -> str | None:
     return None
 
 
-def flashinfer_available() -> bool:
+def flashinfer_import_error() -> str | None:
+    """Why ``flashinfer.sampling`` cannot be imported here (one line), or None."""
     try:
         import flashinfer.sampling  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    except Exception as e:  # a broken install raises more than ImportError
+        return f"{type(e).__name__}: {e}".splitlines()[0]
+    return None
+
+
+def flashinfer_available() -> bool:
+    return flashinfer_import_error() is None
+
+
+def prewarm(device: torch.device | str, vocab_size: int, module: Any = None) -> None:
+    """Compile and load FlashInfer's sampling kernels (every entry point :func:`sample_with_
+    flashinfer` calls) at start-up, on a tiny batch; raises what the JIT raises."""
+    if module is None:
+        import flashinfer.sampling as module
+    x = torch.zeros(2, vocab_size, dtype=torch.float32, device=device)
+    top_k = torch.tensor([1, vocab_size], dtype=torch.int32, device=device)
+    top_p = torch.tensor([0.5, 1.0], dtype=torch.float32, device=device)
+    module.sampling_from_logits(x, deterministic=True)
+    probs = torch.softmax(x, dim=-1)
+    module.top_p_sampling_from_probs(probs, top_p, deterministic=True)
+    module.top_k_sampling_from_probs(probs, top_k, deterministic=True)
+    module.top_k_top_p_sampling_from_logits(x, top_k, top_p, filter_apply_order="top_k_first",
+                                            deterministic=True)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def sample_with_flashinfer(x: torch.Tensor, batch: SamplingBatch,
@@ -64,17 +94,19 @@ def sample_with_flashinfer(x: torch.Tensor, batch: SamplingBatch,
     x.masked_fill_(~ok[:, None], 0.0)  # a broken row must not reach the kernel
     if batch.top_k is None and batch.top_p is None:
         ids = module.sampling_from_logits(x, deterministic=True)
+    elif batch.top_k is None:  # top-p alone: no top-k pass over the vocabulary
+        top_p = batch.top_p.view(-1).clamp(max=1.0)  # inf: disabled
+        ids = module.top_p_sampling_from_probs(torch.softmax(x, dim=-1), top_p,
+                                               deterministic=True)
     else:
-        if batch.top_k is None:
-            top_k: torch.Tensor | int = vocab
-        else:
-            top_k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=vocab), vocab)
-            top_k = top_k.to(torch.int32)
+        top_k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=vocab), vocab)
+        top_k = top_k.to(torch.int32)
         if batch.top_p is None:
-            top_p: torch.Tensor | float = 1.0
+            ids = module.top_k_sampling_from_probs(torch.softmax(x, dim=-1), top_k,
+                                                   deterministic=True)
         else:
-            top_p = batch.top_p.view(-1).clamp(max=1.0)  # inf: disabled
-        ids = module.top_k_top_p_sampling_from_logits(x, top_k, top_p,
-                                                      filter_apply_order="top_k_first",
-                                                      deterministic=True)
+            top_p = batch.top_p.view(-1).clamp(max=1.0)
+            ids = module.top_k_top_p_sampling_from_logits(x, top_k, top_p,
+                                                          filter_apply_order="top_k_first",
+                                                          deterministic=True)
     return torch.where(ok, ids.long(), NO_TOKEN)

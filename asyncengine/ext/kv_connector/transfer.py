@@ -37,13 +37,20 @@ logger = logging.getLogger("asyncengine")
 MAX_PENDING_SAVE_BYTES = 1 << 30
 
 
+class PendingBlocks(Protocol):
+    """Blocks still being copied (CUDA: a side-stream copy, ``executor/kv_blocks.py``):
+    ``wait()`` blocks until the copy is done and returns them; call it off the loop."""
+
+    def wait(self) -> torch.Tensor: ...
+
+
 class KVBlockIO(Protocol):
     """What the transfer needs of the model runner: the per-layer caches and whole-block
     copies (``asyncengine.executor.runner.ModelRunner`` provides them)."""
 
     kv_caches: list[torch.Tensor]
 
-    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor: ...
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor | PendingBlocks: ...
 
     def write_kv_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None: ...
 
@@ -129,8 +136,12 @@ class KVTransfer:
         self._pending_bytes += nbytes
         tg.start_soon(partial(self._save, hashes, kv, nbytes))
 
-    async def _save(self, hashes: list[bytes], kv: torch.Tensor, nbytes: int) -> None:
+    async def _save(self, hashes: list[bytes], kv: torch.Tensor | PendingBlocks,
+                    nbytes: int) -> None:
         try:
+            wait = getattr(kv, "wait", None)
+            if wait is not None:  # a device copy in flight: wait for it in a thread
+                kv = await anyio.to_thread.run_sync(wait)
             await self.connector.save(hashes, kv)
             self.num_saved_blocks += len(hashes)
         except Exception:
