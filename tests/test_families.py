@@ -138,3 +138,45 @@ def test_a_window_does_not_cap_the_context(models):
     assert len(out[0].outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="maximum context length is 64"):
         llm.generate([list(range(100, 170))], SamplingParams(max_tokens=2))
+
+
+def _unsupported(tmp_path) -> tuple[str, str]:
+    """A model directory of an architecture nobody registered, and a GGUF file of one."""
+    import gguf
+    import numpy as np
+    from transformers import LlamaConfig
+
+    directory = tmp_path / "foo"
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4)
+    config.architectures = ["FooForCausalLM"]
+    config.save_pretrained(directory)
+    path = str(tmp_path / "falcon.gguf")
+    w = gguf.GGUFWriter(path, "falcon")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(directory), path
+
+
+def test_unsupported_architecture_is_one_line_naming_the_supported(tmp_path):
+    """The CLI exits 2 with one line and no traceback; the offline API raises the
+    ValueError itself; both name what is supported."""
+    from asyncengine import LLM
+    from tests.test_cli import run_cli
+
+    directory, gguf_file = _unsupported(tmp_path)
+    r = run_cli("serve", directory, "--port", "0")
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "'FooForCausalLM' is not supported" in lines[0]
+    assert "LlamaForCausalLM" in lines[0] and "Qwen3MoeForCausalLM" in lines[0]
+    for model, name, supported in ((directory, "FooForCausalLM", "Qwen3MoeForCausalLM"),
+                                   (gguf_file, "falcon", "qwen3moe")):
+        with pytest.raises(ValueError, match=f"{name}.* is not supported .*{supported}") as e:
+            LLM(model)
+        assert "\n" not in str(e.value)
