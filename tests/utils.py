@@ -55,15 +55,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(tie_word_embeddings=False, head_dim=16,
                                          moe_intermediate_size=32, num_experts=8,
                                          num_experts_per_tok=2, norm_topk_prob=True)),
-    "qwen3_moe_nonorm": ("Qwen3MoeConfig", dict(tie_word_embeddings=False, head_dim=16,
-                                                moe_intermediate_size=32, num_experts=8,
-                                                num_experts_per_tok=3, norm_topk_prob=False)),
     "mixtral": ("MixtralConfig", dict(tie_word_embeddings=False, intermediate_size=32,
                                       num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=None)),
     "qwen2_moe": ("Qwen2MoeConfig", dict(tie_word_embeddings=False, moe_intermediate_size=32,
                                          shared_expert_intermediate_size=64, num_experts=4,
-                                         num_experts_per_tok=2, norm_topk_prob=False)),
+                                         num_experts_per_tok=3, norm_topk_prob=False)),
 }
 
 
