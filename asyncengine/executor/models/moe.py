@@ -157,7 +157,6 @@ class SparseMoE(nn.Module):
         if method not in ("int8", "int4") or self.quant != "float32":
             return
         from asyncengine.executor.models.int4 import quantize_int4
-        from asyncengine.executor.models.quantization import quantize_int8
 
         if method == "int4" and not (packed_kernels.supports(self.hidden)
                                      and packed_kernels.supports(self.intermediate)):
@@ -167,9 +166,10 @@ class SparseMoE(nn.Module):
         for name in ("w13", "w2"):
             w = getattr(self, name).data.float()
             E, N, K = w.shape
-            if method == "int8":
-                q, scales = quantize_int8(w.reshape(E * N, K))
-                packed, scale = q.view(E, N, K), scales.view(E, N, 1)
+            if method == "int8":  # per output channel, as quantization.quantize_int8
+                amax = w.abs().amax(dim=2, keepdim=True)
+                scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+                packed = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
             else:
                 q, s, mn = quantize_int4(w.reshape(E * N, K))
                 packed = packed_kernels.pack_int4(q).view(E, N, K // 2)
