@@ -96,11 +96,19 @@ def test_greedy_equals_transformers_generate(models, family, fmt):
     directory, gguf = models[family]
     if fmt == "gguf" and gguf is None:
         pytest.skip("llama.cpp's qwen2 GGUF has no sliding window")
+    check_greedy_in_the_engine(directory, directory if fmt == "safetensors" else gguf)
+
+
+def check_greedy_in_the_engine(directory: str, model: str, **config) -> None:
+    """The engine's greedy tokens for PROMPTS equal transformers' generate on the model of
+    ``directory`` (served from ``model``: the directory or its GGUF), under chunked prefill
+    and preemption (a pool of 12 blocks of 8), twice: the second round hits the prefix
+    cache. The pool is whole again after."""
     hf = hf_reference_model(directory)
     engine = AsyncEngine(EngineConfig.from_dict({
-        "model": directory if fmt == "safetensors" else gguf, "tokenizer": directory,
-        "dtype": "float32", "max_num_seqs": 4, "max_num_batched_tokens": 16, "block_size": 8,
-        "num_gpu_blocks_override": 12, "max_model_len": 60}))
+        "model": model, "tokenizer": directory, "dtype": "float32", "max_num_seqs": 4,
+        "max_num_batched_tokens": 16, "block_size": 8, "num_gpu_blocks_override": 12,
+        "max_model_len": 60, **config}))
     prompt_ids = [engine.tokenizer.encode(p) for p in PROMPTS]
     assert all(len(ids) > 8 for ids in prompt_ids)  # longer than the window
     refs = [hf_greedy(hf, ids, N)[0] for ids in prompt_ids]
@@ -121,7 +129,7 @@ def test_greedy_equals_transformers_generate(models, family, fmt):
     anyio.run(main)
     for rnd in range(2):
         for i, ref in enumerate(refs):
-            assert results[rnd, i] == ref, (family, fmt, rnd, i)
+            assert results[rnd, i] == ref, (model, rnd, i)
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert engine.num_free_blocks == engine.num_total_blocks
@@ -138,3 +146,45 @@ def test_a_window_does_not_cap_the_context(models):
     assert len(out[0].outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="maximum context length is 64"):
         llm.generate([list(range(100, 170))], SamplingParams(max_tokens=2))
+
+
+def _unsupported(tmp_path) -> tuple[str, str]:
+    """A model directory of an architecture nobody registered, and a GGUF file of one."""
+    import gguf
+    import numpy as np
+    from transformers import LlamaConfig
+
+    directory = tmp_path / "foo"
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4)
+    config.architectures = ["FooForCausalLM"]
+    config.save_pretrained(directory)
+    path = str(tmp_path / "falcon.gguf")
+    w = gguf.GGUFWriter(path, "falcon")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(directory), path
+
+
+def test_unsupported_architecture_is_one_line_naming_the_supported(tmp_path):
+    """The CLI exits 2 with one line and no traceback; the offline API raises the
+    ValueError itself; both name what is supported."""
+    from asyncengine import LLM
+    from tests.test_cli import run_cli
+
+    directory, gguf_file = _unsupported(tmp_path)
+    r = run_cli("serve", directory, "--port", "0")
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "'FooForCausalLM' is not supported" in lines[0]
+    assert "LlamaForCausalLM" in lines[0] and "Qwen3MoeForCausalLM" in lines[0]
+    for model, name, supported in ((directory, "FooForCausalLM", "Qwen3MoeForCausalLM"),
+                                   (gguf_file, "falcon", "qwen3moe")):
+        with pytest.raises(ValueError, match=f"{name}.* is not supported .*{supported}") as e:
+            LLM(model)
+        assert "\n" not in str(e.value)

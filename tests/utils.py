@@ -50,6 +50,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                         "original_max_position_embeddings": 64,
                                         "short_factor": [1.0 + i / 8 for i in range(6)],
                                         "long_factor": [2.0 + i for i in range(6)]})),
+    # Mixtures of experts (``moe.py``): top-k with and without renormalization, a shared
+    # expert (Qwen2-MoE).
+    "qwen3_moe": ("Qwen3MoeConfig", dict(tie_word_embeddings=False, head_dim=16,
+                                         moe_intermediate_size=32, num_experts=8,
+                                         num_experts_per_tok=2, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", dict(tie_word_embeddings=False, intermediate_size=32,
+                                      num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=None)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(tie_word_embeddings=False, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, num_experts=4,
+                                         num_experts_per_tok=3, norm_topk_prob=False)),
 }
 
 
@@ -142,6 +153,15 @@ _GGUF_ARCH_NAMES = {
 _GGUF_ARCH_NAMES["gemma3"] = _GGUF_ARCH_NAMES["gemma2"]
 
 
+# llama.cpp's names of the MoE tensors (transformers' in-memory names: stacked experts).
+_GGUF_MOE_NAMES = {("mlp.experts", "down_proj"): "ffn_down_exps.weight",
+                   ("mlp.gate", "weight"): "ffn_gate_inp.weight",
+                   ("mlp.shared_expert.gate_proj", "weight"): "ffn_gate_shexp.weight",
+                   ("mlp.shared_expert.up_proj", "weight"): "ffn_up_shexp.weight",
+                   ("mlp.shared_expert.down_proj", "weight"): "ffn_down_shexp.weight",
+                   ("mlp.shared_expert_gate", "weight"): "ffn_gate_inp_shexp.weight"}
+
+
 def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[str]) -> str:
     """Convert a tiny safetensors model (``make_tiny_model``) to an F32 GGUF file, the way
     llama.cpp's converter does: llama's q/k rows permuted for its RoPE, Llama 3 RoPE scaling as
@@ -154,7 +174,8 @@ def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[st
 
     ref = hf_reference_model(model_dir)
     c = ref.config
-    arch = {"gemma3_text": "gemma3"}.get(c.model_type, c.model_type)
+    arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe",
+            "qwen2_moe": "qwen2moe"}.get(c.model_type, c.model_type)
     names = {**_GGUF_NAMES, **_GGUF_ARCH_NAMES.get(arch, {})}
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
@@ -189,6 +210,14 @@ def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[st
             w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
             w.add_tensor("rope_factors_short.weight",
                          np.array(rope["short_factor"], np.float32))
+    if getattr(c, "num_experts_per_tok", None):  # a mixture of experts
+        w.add_expert_count(getattr(c, "num_experts", None) or c.num_local_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+            w.add_expert_weights_norm(bool(c.norm_topk_prob))
+        if getattr(c, "shared_expert_intermediate_size", 0):
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     w.add_bos_token_id(c.bos_token_id)
@@ -213,7 +242,13 @@ def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[st
                 x = permute(x, heads)
             elif arch == "llama" and module == "self_attn.k_proj":
                 x = permute(x, kv_heads)
-            gguf_name = f"blk.{i}.{names[module]}.{kind}"
+            if module == "mlp.experts" and kind == "gate_up_proj":  # stacked [E, 2 I, H]
+                gate, up = np.split(x, 2, axis=1)
+                w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+                w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
+                continue
+            gguf_name = f"blk.{i}.{_GGUF_MOE_NAMES.get((module, kind)) or names[module]}"
+            gguf_name += "" if (module, kind) in _GGUF_MOE_NAMES else f".{kind}"
             if arch.startswith("gemma") and module.endswith("norm"):
                 x = x + 1.0  # llama.cpp stores Gemma's (1 + w)
         else:

@@ -67,10 +67,16 @@ class EngineParts:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     # --tensor-parallel-size > 1: rank 0's group and its node's workers (parallel/launch.py).
     parallel: Any = None
+    # Every layer's attention window (None: some layer sees the whole context): the KV cache
+    # manager releases blocks wholly before the window (core/kv/manager.py).
+    sliding_window: int | None = None
 
     def make_scheduler(self) -> SchedulerInterface:
         config = self.config.replace(max_model_len=self.max_model_len)
         scheduler = self.scheduler_cls(config, self.num_blocks)
+        kv = getattr(scheduler, "kv_cache_manager", None)
+        if self.sliding_window and self.kv_connector is None and kv is not None:
+            kv.sliding_window = self.sliding_window  # (a connector saves whole tables)
         if self.kv_connector is not None:
             scheduler.set_kv_connector(self.kv_connector)
         return scheduler
@@ -206,7 +212,8 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
         vocab_size=model.vocab_size, max_model_len=max_model_len, num_blocks=num_blocks,
         dtype=dtype, device=device, runner=runner, scheduler_cls=scheduler_cls,
         structured_output_backend_cls=so_backend_cls, kv_connector=kv_connector,
-        generation_defaults=generation_defaults, parallel=parallel)
+        generation_defaults=generation_defaults, parallel=parallel,
+        sliding_window=getattr(model, "sliding_window", None))
 
 
 def _off_the_loop_thread(device: Device, fn: Callable[[], T]) -> T:

@@ -13,6 +13,13 @@ Lifecycle of a request's blocks::
 
 A block enters the prefix cache only after its tokens' K/V have been computed, so a hit never
 reads a block that a step still has to write.
+
+With a sliding window on every layer (``sliding_window``: a query at position ``p`` sees keys
+``> p - window``), a request's blocks wholly before its window are released as its
+computation moves on (in ``cache_full_blocks``, after indexing them: they stay prefix-cache
+hits until reused): a request then holds about ``(window + chunk) / block_size + 2`` blocks
+whatever its length. Its block table keeps their ids, so positions still map to table rows;
+attention never reads them again (the window masks them). Per step this is O(blocks released).
 """
 
 from __future__ import annotations
@@ -29,11 +36,16 @@ if TYPE_CHECKING:
 class KVCacheManager:
     """Allocates blocks to requests from a :class:`BlockPool` and serves prefix-cache hits."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Every layer's window (None: some layer sees the whole context; nothing is released).
+        self.sliding_window = sliding_window
+        # How many leading blocks of each request were released as out of its window.
+        self._num_released: dict[str, int] = {}
         self.pool = BlockPool(num_blocks)
         self._blocks: dict[str, list[Block]] = {}
         self._block_ids: dict[str, list[int]] = {}
@@ -122,13 +134,28 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Index the request's full blocks among its first ``num_computed_tokens`` tokens, whose
-        K/V a step has computed."""
-        if not self.enable_prefix_caching:
-            return
+        K/V a step has computed; with a sliding window, release the blocks now wholly before
+        the window of the request's next token."""
         rid = request.request_id
         blocks = self._blocks.get(rid)
         if not blocks:
             return
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, blocks, num_computed_tokens)
+        if self.sliding_window is not None:
+            # The next query is at a position p >= num_computed_tokens and sees keys
+            # > p - window: block i (its last key i * bs + bs - 1) is done with once that
+            # key <= num_computed_tokens - window.
+            start = self._num_released.get(rid, 0)
+            end = min((num_computed_tokens - self.sliding_window + 1) // self.block_size,
+                      len(blocks))
+            if end > start:
+                self.pool.free(blocks[start:end])
+                self._num_released[rid] = end
+
+    def _cache_full_blocks(self, request: Request, blocks: list[Block],
+                           num_computed_tokens: int) -> None:
+        rid = request.request_id
         start = self._num_cached_blocks[rid]
         end = min(num_computed_tokens // self.block_size, len(blocks))
         if end <= start:
@@ -145,8 +172,9 @@ class KVCacheManager:
         blocks = self._blocks.pop(rid, None)
         self._block_ids.pop(rid, None)
         self._num_cached_blocks.pop(rid, None)
+        released = self._num_released.pop(rid, 0)
         if blocks:
-            self.pool.free(reversed(blocks))
+            self.pool.free(reversed(blocks[released:]))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table: the live list (no copy per step), which later

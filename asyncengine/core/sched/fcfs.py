@@ -103,6 +103,9 @@ class FCFSScheduler(SchedulerInterface):
         kv = self.kv_cache_manager
         capacity = kv.num_total_blocks * self.block_size
         needed = request.num_prompt_tokens + request.max_tokens
+        if kv.sliding_window is not None:  # blocks before the window are released
+            needed = min(needed, kv.sliding_window + self.max_num_batched_tokens
+                         + 2 * self.block_size)
         if needed > capacity:
             raise ValueError(
                 f"request {rid!r} needs up to {needed} tokens of KV cache (prompt "

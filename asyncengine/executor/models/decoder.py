@@ -168,6 +168,10 @@ class CausalLM(nn.Module):
         self.rotary = self.ropes[spec.layers[0].rope]  # the first layer's table
         self.lm_head = None if self.tie_word_embeddings else Linear(spec.hidden, spec.vocab)
         self._stack: DecodeStack | None | object = _UNSET
+        lacks = spec.lacks()
+        if lacks:  # one line: what this family runs without, and why
+            logger.info("%s: fast paths it runs without: %s", spec.family,
+                        "; ".join(f"{path} ({why})" for path, why in lacks.items()))
 
     def _rope_table(self, name: str, long_context: bool = False) -> RotaryEmbedding:
         spec = self.spec

@@ -9,8 +9,9 @@ its attention window and its RoPE table. Adding a family is one describer below 
 few lines over :func:`_base`) and its architecture names in ``registry.py``.
 
 The fast paths that know only the plain Llama layout (the C++ decode stack, ``--compile``,
-tensor parallelism) read :meth:`ModelSpec.lacks`: a family that needs what they do not do
-runs the per-layer path instead, and the engine says so once in the log.
+tensor parallelism, the sliced greedy head) read :meth:`ModelSpec.lacks`: a family that needs
+what they do not do runs the general path instead, and loading it says so in one log line
+(``--tensor-parallel-size`` on such a family is refused, naming the flag).
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ class ModelSpec:
                               "scaled embeddings, which the compiled path does not trace")
         if self.family not in ("llama", "mistral", "qwen2", "qwen3") or self.moe is not None:
             out["tensor_parallel"] = f"{self.family} is not sharded yet"
+        if self.final_soft_cap is not None:  # capping can make two ids tie
+            out["greedy_head"] = "its logits are soft-capped"
         return out
 
 

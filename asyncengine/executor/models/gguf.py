@@ -148,13 +148,15 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
 
 
 def config_from_header(header: GGUFHeader) -> Any | None:
-    """A transformers config for the Llama-family architectures; None for any other."""
+    """A transformers config for a GGUF file; ValueError naming the supported architectures
+    for any other."""
     from transformers import AutoConfig
 
     md = header.metadata
     arch = md.get("general.architecture")
     if arch not in CONFIG_ARCHS and arch not in gguf_arch.LAYER_NAMES:
-        return None
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: "
+                         f"{', '.join(gguf_arch.SUPPORTED)})")
 
     def get(key: str, default: Any = None) -> Any:
         return md.get(f"{arch}.{key}", default)
@@ -177,8 +179,9 @@ def config_from_header(header: GGUFHeader) -> Any | None:
         eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=md.get("tokenizer.ggml.padding_token_id"),
     )
-    if arch in gguf_arch.LAYER_NAMES:  # Gemma, Phi: their own config classes
-        return gguf_arch.config(arch, md, kw, lambda name: _small_tensor(header, name))
+    special = gguf_arch.config(arch, md, kw, lambda name: _small_tensor(header, name))
+    if special is not None:  # Gemma, Phi, the MoE ones: their own config classes
+        return special
     rope: dict[str, Any] = {"rope_type": "default",
                             "rope_theta": float(get("rope.freq_base", 10000.0))}
     scaling = get("rope.scaling.type")

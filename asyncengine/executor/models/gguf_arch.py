@@ -9,6 +9,12 @@ keys, and the tensors llama.cpp's converter changed on the way in.
 - **phi3**: q, k, v come fused as ``attn_qkv`` and gate, up as ``ffn_up``; LongRoPE's factors
   are the tensors ``rope_factors_long`` / ``rope_factors_short`` (read into the config, not
   loaded as weights); partial rotary is ``rope.dimension_count < head_dim``.
+- **Mixture of experts**: ``qwen3moe``, ``qwen2moe``, and Mixtral as ``llama`` with an
+  ``expert_count``. The router is ``ffn_gate_inp``, the experts stacked ``[E, rows, cols]`` as
+  ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, Qwen2-MoE's shared expert
+  ``ffn_*_shexp`` with its gate ``ffn_gate_inp_shexp``. llama.cpp renormalizes the top-k
+  weights of qwen3moe and Mixtral and not those of qwen2moe; ``expert_weights_norm`` says so
+  where a file carries it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,19 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 LAYER_NAMES["gemma3"] = LAYER_NAMES["gemma2"]
+LAYER_NAMES["qwen3moe"] = LAYER_NAMES["qwen2moe"] = {}
+
+# The MoE tensors, the same in every architecture that has them.
+MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+             "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+             "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+             "ffn_up_shexp": "mlp.shared_expert.up_proj",
+             "ffn_down_shexp": "mlp.shared_expert.down_proj",
+             "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+
+# Every GGUF architecture read here or in ``gguf.py``, for the error naming them.
+SUPPORTED = ("gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen2moe", "qwen3",
+             "qwen3moe")
 
 # Tensors that configure rather than weigh (read by ``config``; skipped by the loader).
 CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -33,7 +52,7 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def layer_name(arch: str, part: str) -> str | None:
-    return LAYER_NAMES.get(arch, {}).get(part)
+    return LAYER_NAMES.get(arch, {}).get(part) or MOE_NAMES.get(part)
 
 
 def fix_tensor(arch: str, name: str, w: np.ndarray) -> np.ndarray:
@@ -55,6 +74,8 @@ def config(arch: str, md: dict[str, Any], base: dict[str, Any],
 
     kw = dict(base)
     theta = float(get("rope.freq_base", 10000.0))
+    if arch in ("qwen3moe", "qwen2moe") or (arch == "llama" and get("expert_count")):
+        return _moe_config(arch, get, kw, theta)
     if arch in ("gemma2", "gemma3"):
         head_dim = kw["head_dim"]
         big = kw["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
@@ -93,3 +114,22 @@ def config(arch: str, md: dict[str, Any], base: dict[str, Any],
         kw.pop("head_dim")
         return transformers.Phi3Config(**kw)
     return None
+
+
+def _moe_config(arch: str, get: Any, kw: dict[str, Any], theta: float) -> Any:
+    import transformers
+
+    kw.update(num_experts_per_tok=get("expert_used_count"),
+              rope_parameters={"rope_type": "default", "rope_theta": theta})
+    if arch == "llama":  # Mixtral
+        kw.update(num_local_experts=get("expert_count"),
+                  sliding_window=get("attention.sliding_window"))
+        return transformers.MixtralConfig(**kw)
+    kw.update(num_experts=get("expert_count"), moe_intermediate_size=get(
+        "expert_feed_forward_length"), norm_topk_prob=bool(get(
+            "expert_weights_norm", arch == "qwen3moe")))
+    if arch == "qwen3moe":
+        return transformers.Qwen3MoeConfig(**kw)
+    kw.update(shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0))
+    kw.pop("head_dim")
+    return transformers.Qwen2MoeConfig(**kw)

@@ -1,0 +1,278 @@
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE), its experts as grouped
+matmuls.
+
+Per token the router picks ``top_k`` of ``num_experts`` gated MLPs::
+
+    p = softmax(x @ router.T)                    # [T, E], in float32
+    w, e = topk(p, k)                            # renormalized to sum 1 if ``renormalize``
+    out = sum_j w_j * down_e_j(silu(gate_e_j(x)) * up_e_j(x))
+        (+ sigmoid(x @ shared_gate.T) * shared_mlp(x))      Qwen2-MoE's shared expert
+
+The ``T * k`` (token, expert) assignments are sorted by expert, so that each expert's tokens
+form one contiguous group and every expert weight is read once per step: the experts of a
+layer are one call of the C++ kernel ``kernels/moe.cpp`` (float32, int8 or packed int4
+weights), or, where it cannot build (or for bfloat16 weights), ``torch.nn.functional
+.grouped_mm`` over the same groups. Nothing loops over tokens or experts in Python.
+
+Weights are stacked per expert: ``w13`` [E, 2 I, H] (gate rows, then up rows) and ``w2``
+[E, H, I]. A checkpoint's per-expert tensors (``experts.3.gate_proj.weight``, Mixtral's
+``w1 / w3 / w2``) or stacked ones (GGUF's ``ffn_gate_exps``, transformers' fused
+``experts.gate_up_proj``) are copied into place by ``load_checkpoint_tensor``.
+``--quantization int8 / int4`` packs the experts as the linear layers are packed
+(``quantization.py``: the layouts of ``kernels/int8.cpp`` and ``kernels/int4.cpp``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncengine.executor.kernels import build
+from asyncengine.executor.kernels import packed as packed_kernels
+from asyncengine.executor.models.layers import MLP
+
+if TYPE_CHECKING:
+    from asyncengine.executor.models.family import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+_ARGS = ("const float*", "const int64_t*", "const int64_t*", "const int64_t*", "const float*",
+         "const uint8_t*", "const uint8_t*", "const uint8_t*", "const uint8_t*", "float*",
+         "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t")
+_KINDS = {"float32": 0, "int8": 1, "int4": 2}
+_warned: set[str] = set()
+
+
+def kernel() -> object | None:
+    """The compiled ``moe.cpp`` kernel, or None where it does not build."""
+    return build.load("moe", _ARGS)
+
+
+# checkpoint name of a per-expert projection -> (stack, which rows of it)
+_EXPERT_PARTS = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1),
+                 "w3": ("w13", 1), "down_proj": ("w2", None), "w2": ("w2", None)}
+
+
+class SparseMoE(nn.Module):
+    """The MoE MLP of one decoder layer (``spec.moe``); input and output ``[T, hidden]``."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        moe = spec.moe
+        assert moe is not None
+        if spec.activation != "silu":
+            raise ValueError(f"{spec.family}: experts with {spec.activation} are not supported")
+        self.num_experts, self.top_k, self.renormalize = moe.num_experts, moe.top_k, \
+            moe.renormalize
+        self.hidden, self.intermediate = spec.hidden, moe.intermediate
+        E, H, n_inter = moe.num_experts, spec.hidden, moe.intermediate
+        self.router = nn.Parameter(torch.empty(E, H), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(E, 2 * n_inter, H), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, H, n_inter), requires_grad=False)
+        self.quant = "float32"  # or int8 / int4 (``quantize_experts``)
+        self.shared_expert: MLP | None = None
+        if moe.shared_intermediate:
+            self.shared_expert = MLP(H, moe.shared_intermediate)
+            self.shared_expert_gate = nn.Parameter(torch.empty(1, H), requires_grad=False)
+        self._loaded: set[str] = set()
+
+    # -- loading -------------------------------------------------------------------------
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """A checkpoint tensor named relative to this module (``gate.weight``,
+        ``experts.3.w1.weight``, ``experts.gate_up_proj``, ``shared_expert.up_proj.weight``)."""
+        n_inter = self.intermediate
+        parts = name.split(".")
+        if name == "gate.weight":
+            self._copy(self.router.data, tensor, name)
+        elif name == "shared_expert_gate.weight" and self.shared_expert is not None:
+            self._copy(self.shared_expert_gate.data, tensor.reshape(1, -1), name)
+        elif parts[0] == "shared_expert" and self.shared_expert is not None:
+            mlp, proj = self.shared_expert, parts[1]
+            if proj in ("gate_proj", "up_proj"):
+                start, size = mlp.shard_rows("gate" if proj == "gate_proj" else "up")
+                self._copy(mlp.gate_up_proj.weight.data.narrow(0, start, size), tensor, name)
+            else:
+                self._copy(mlp.get_submodule(proj).weight.data, tensor, name)
+        elif name == "experts.gate_up_proj":  # transformers' fused [E, 2 I, H]
+            self._copy(self.w13.data, tensor, name, key=("w13", 0, None))
+            self._loaded.add("w13/1/*")
+        elif name == "experts.down_proj":
+            self._copy(self.w2.data, tensor, name, key=("w2", None, None))
+        elif len(parts) == 3 and parts[0] == "experts" and parts[1] in _EXPERT_PARTS:
+            stack, half = _EXPERT_PARTS[parts[1]]  # GGUF's stacked [E, rows, cols]
+            dest = getattr(self, stack).data
+            part = dest if half is None else dest.narrow(1, half * n_inter, n_inter)
+            self._copy(part, tensor, name, key=(stack, half, None))
+        elif len(parts) == 4 and parts[0] == "experts" and parts[2] in _EXPERT_PARTS:
+            e = int(parts[1])
+            stack, half = _EXPERT_PARTS[parts[2]]
+            dest = getattr(self, stack).data[e]
+            part = dest if half is None else dest.narrow(0, half * n_inter, n_inter)
+            self._copy(part, tensor, name, key=(stack, half, e))
+        else:
+            logger.warning("ignoring checkpoint tensor %s of a mixture-of-experts layer", name)
+
+    def _copy(self, dest: torch.Tensor, tensor: torch.Tensor, name: str,
+              key: tuple[str, int | None, int | None] | None = None) -> None:
+        if tensor.shape != dest.shape:
+            raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the "
+                             f"model expects {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        if key is None:
+            self._loaded.add(name)
+        else:
+            stack, half, e = key
+            self._loaded.add(f"{stack}/{half}/{'*' if e is None else e}")
+
+    def missing_weights(self) -> list[str]:
+        want = ["gate.weight"]
+        if self.shared_expert is not None:
+            want += ["shared_expert_gate.weight"]
+        missing = [n for n in want if n not in self._loaded]
+        for stack, halves in (("w13", (0, 1)), ("w2", (None,))):
+            for half in halves:
+                if f"{stack}/{half}/*" in self._loaded:
+                    continue
+                lost = [e for e in range(self.num_experts)
+                        if f"{stack}/{half}/{e}" not in self._loaded]
+                if lost:
+                    what = {("w13", 0): "gate_proj", ("w13", 1): "up_proj"}.get(
+                        (stack, half), "down_proj")
+                    missing.append(f"experts.{lost[0]}.{what}.weight")
+        if self.shared_expert is not None:
+            missing += [f"shared_expert.{n}" for n in ("gate_proj.weight", "up_proj.weight",
+                                                       "down_proj.weight")
+                        if f"shared_expert.{n}" not in self._loaded]
+        return missing
+
+    # -- quantization --------------------------------------------------------------------
+    @torch.no_grad()
+    def quantize_experts(self, method: str) -> None:
+        """Pack the experts as ``--quantization int8 / int4`` packs linear layers: int8 per
+        output channel, int4 per block of 32 inputs (scale, min) (``int4.py``)."""
+        if method not in ("int8", "int4") or self.quant != "float32":
+            return
+        from asyncengine.executor.models.int4 import quantize_int4
+
+        if method == "int4" and not (packed_kernels.supports(self.hidden)
+                                     and packed_kernels.supports(self.intermediate)):
+            logger.info("--quantization int4: experts of %dx%d left as they are (inputs must "
+                        "be multiples of 32)", self.hidden, self.intermediate)
+            return
+        for name in ("w13", "w2"):
+            w = getattr(self, name).data.float()
+            E, N, K = w.shape
+            if method == "int8":  # per output channel, as quantization.quantize_int8
+                amax = w.abs().amax(dim=2, keepdim=True)
+                scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+                packed = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+            else:
+                q, s, mn = quantize_int4(w.reshape(E * N, K))
+                packed = packed_kernels.pack_int4(q).view(E, N, K // 2)
+                scale = torch.stack([s, mn], dim=-1).view(E, N, K // 32, 2)
+            delattr(self, name)
+            self.register_buffer(name, packed.contiguous())
+            self.register_buffer(f"{name}_scale", scale.contiguous())
+        self.quant = method
+
+    def dequantized(self, name: str, experts: torch.Tensor | None = None) -> torch.Tensor:
+        """Expert weights ``name`` (w13, w2) as float32 [E', N, K] (``experts``: which)."""
+        w = getattr(self, name)
+        if experts is not None:
+            w = w[experts]
+        if self.quant == "float32":
+            return w.float()
+        s = getattr(self, f"{name}_scale")
+        s = s if experts is None else s[experts]
+        if self.quant == "int8":
+            return w.float() * s.float()
+        q = packed_kernels.unpack_int4(w.reshape(-1, w.shape[-1])).float()
+        E, N = w.shape[:2]
+        K = q.shape[1]
+        sm = s.float().reshape(E * N, K // 32, 2)
+        q = q.view(E * N, K // 32, 32) * sm[..., :1] + sm[..., 1:]
+        return q.view(E, N, K)
+
+    # -- forward -------------------------------------------------------------------------
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights float32 [T, k], experts int64 [T, k]) for ``x`` [T, hidden]."""
+        logits = F.linear(x, self.router.to(x.dtype))
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        weights, experts = self.route(x)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # assignments sorted by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        if self._use_kernel(x):
+            out = self._kernel(x, weights, order, counts)
+        else:
+            out = self._grouped(x, weights, order, counts)
+        out = out.to(x.dtype)
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(F.linear(x, self.shared_expert_gate.to(x.dtype)))
+            out = out + gate * self.shared_expert(x)
+        return out.view(T, self.hidden)
+
+    def _use_kernel(self, x: torch.Tensor) -> bool:
+        ok = (x.device.type == "cpu" and not torch.compiler.is_compiling()
+              and (self.quant != "float32" or self.w13.dtype == torch.float32)
+              and self.hidden % 8 == 0 and self.intermediate % 8 == 0)
+        if ok and kernel() is None:
+            ok = False
+        if not ok and x.device.type == "cpu" and "moe" not in _warned:
+            _warned.add("moe")
+            logger.info("mixture of experts: the C++ kernel does not take this layer (%s "
+                        "weights, %s); torch's grouped_mm runs instead", self.w13.dtype,
+                        "no compiler" if kernel() is None else "shape")
+        return ok
+
+    def _kernel(self, x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
+                counts: torch.Tensor) -> torch.Tensor:
+        T, k = weights.shape
+        rows = order // k
+        offs = torch.zeros(self.num_experts + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=offs[1:])
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(order.numel())
+        out = torch.empty(T, self.hidden, dtype=torch.float32)
+        xf = x.float().contiguous()
+        s13 = getattr(self, "w13_scale", self.w13)
+        s2 = getattr(self, "w2_scale", self.w2)
+        g13 = self.hidden // s13.shape[-1] if self.quant == "int8" else 0
+        g2 = self.intermediate // s2.shape[-1] if self.quant == "int8" else 0
+        kernel()(xf, rows, offs, pos, weights.contiguous(), self.w13, s13, self.w2, s2, out,
+                 T, k, self.num_experts, self.hidden, self.intermediate, _KINDS[self.quant],
+                 g13, g2)
+        return out
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
+                 counts: torch.Tensor) -> torch.Tensor:
+        """The same groups through ``F.grouped_mm`` (the active experts' weights only)."""
+        T, k = weights.shape
+        active = torch.nonzero(counts).view(-1)
+        offs = torch.cumsum(counts[active], 0).to(torch.int32)
+        dtype = x.dtype if self.quant == "float32" else torch.float32
+        xs = x[order // k].to(dtype)
+        w13 = self.dequantized("w13", active).to(dtype)
+        w2 = self.dequantized("w2", active).to(dtype)
+        h = F.grouped_mm(xs, w13.transpose(1, 2), offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        y = F.grouped_mm((F.silu(gate) * up).contiguous(), w2.transpose(1, 2), offs=offs)
+        y = y.float() * weights.reshape(-1)[order, None]
+        out = torch.zeros(T, self.hidden, dtype=torch.float32)
+        return out.index_add_(0, order // k, y)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden}, "
+                f"intermediate={self.intermediate}, renormalize={self.renormalize}, "
+                f"weights={self.quant}")

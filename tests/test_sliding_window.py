@@ -1,0 +1,89 @@
+"""A model whose every layer has a sliding window holds only the blocks its window needs: the
+blocks wholly before every running request's window go back to the pool (and are reused by
+others) while the request runs, its tokens still equal transformers', and the pool is whole
+again after. A request longer than the whole KV cache then fits."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from asyncengine import SamplingParams
+from asyncengine.config import EngineConfig
+from asyncengine.core.kv.manager import KVCacheManager
+from asyncengine.core.request import Request
+from asyncengine.engine.engine import AsyncEngine
+from tests.test_engine import hf_greedy
+from tests.utils import hf_reference_model, make_tiny_model
+
+WINDOW, BLOCK, CHUNK = 8, 4, 8
+
+
+@pytest.fixture(scope="module")
+def mistral_sw(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("sw") / "m", "mistral_sw",
+                           initializer_range=0.1)
+
+
+def test_blocks_before_the_window_are_released_and_tokens_stay_exact(mistral_sw):
+    n = 40
+    prompts = [list(range(300, 330)), list(range(1000, 1024))]
+    hf = hf_reference_model(mistral_sw)
+    refs = [hf_greedy(hf, ids, n)[0] for ids in prompts]
+    # 14 blocks of 4 = 56 tokens: less than one request's 30 + 40 without the release.
+    engine = AsyncEngine(EngineConfig.from_dict({
+        "model": mistral_sw, "dtype": "float32", "max_num_seqs": 2, "block_size": BLOCK,
+        "max_num_batched_tokens": CHUNK, "num_gpu_blocks_override": 14,
+        "max_model_len": 128}))
+    assert engine.num_total_blocks * BLOCK < len(prompts[0]) + n
+    greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    results: dict[int, list[int]] = {}
+    held: list[int] = []
+
+    async def run(i: int) -> None:
+        async for out in engine.generate(prompts[i], greedy):
+            results[i] = out.outputs[0].token_ids
+            held.append(engine.num_total_blocks - engine.num_free_blocks)
+
+    async def main() -> None:
+        async with engine:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(run, i)
+
+    anyio.run(main)
+    assert results == dict(enumerate(refs))
+    # Two requests, each within its window, the step's chunk and a block on either side.
+    assert max(held) <= 2 * ((WINDOW + CHUNK) // BLOCK + 2)
+    assert held[-1] <= WINDOW // BLOCK + 2  # the last one decoding alone
+    assert engine.stats().num_preemptions == 0
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_release_is_per_step_work_and_free_after(monkeypatch):
+    """The manager releases each block once, as the window passes it (touching only those
+    blocks), never frees one twice, and holds nothing after ``free``."""
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True,
+                        sliding_window=WINDOW)
+    req = Request("r", list(range(60)), SamplingParams(max_tokens=1), eos_token_ids=set())
+    freed: list[int] = []
+    real_free = kv.pool.free
+
+    def spy(blocks):
+        blocks = list(blocks)
+        freed.extend(b.block_id for b in blocks)
+        real_free(blocks)
+
+    monkeypatch.setattr(kv.pool, "free", spy)
+    computed = 0
+    while computed < 60:
+        step = min(CHUNK, 60 - computed)
+        assert kv.allocate_slots(req, step)
+        req.num_computed_tokens = computed = computed + step
+        kv.cache_full_blocks(req, computed)
+        assert len(freed) == max(0, (computed - WINDOW + 1) // BLOCK)  # released so far
+        in_use = kv.num_total_blocks - kv.num_free_blocks
+        assert in_use <= (WINDOW + CHUNK) // BLOCK + 2
+    kv.free(req)
+    assert len(freed) == len(set(freed)) == 15  # every block once
+    assert kv.num_free_blocks == kv.num_total_blocks
