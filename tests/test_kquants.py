@@ -70,3 +70,122 @@ def test_packed_matmul_equals_float_matmul(qtype: T, m: int) -> None:
     got = lin(x).double()
     scale = (x.double().abs() @ w.abs().T).clamp_min(1e-30)
     assert ((got - want).abs() / scale).max() < 1e-5
+
+
+# ---- a tiny model in Q4_K_M's mix of types, against transformers loading the same file ----
+
+# Layer 0 as llama-quantize's Q4_K_M lays a layer out (Q4_K, Q6_K for attn_v and ffn_down),
+# layer 1 every other type; the tied embedding (and so the head) Q6_K; norms, biases F32.
+MIX = {
+    0: {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K,
+        "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K},
+    1: {"attn_q": T.Q5_K, "attn_k": T.Q8_0, "attn_v": T.Q5_0, "attn_output": T.IQ4_XS,
+        "ffn_gate": T.Q4_0, "ffn_up": T.Q5_1, "ffn_down": T.Q4_1},
+}
+HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 49152
+
+
+def quantized_matrix(qtype: T, rows: int, k: int, rng: np.random.Generator,
+                     std: float = 0.05) -> np.ndarray:
+    """A [rows, k] matrix of ``qtype`` as file bytes: ``gguf.quants.quantize`` of normal
+    weights where gguf can quantize the type, else random valid blocks with their float16
+    scales set to give weights of about ``std``."""
+    from gguf.quants import quantize
+
+    try:
+        return quantize((rng.standard_normal((rows, k)) * std).astype(np.float32), qtype)
+    except NotImplementedError:
+        pass
+    raw = random_rows(qtype, rows, k, rng)
+    _, block, size = kquants.TYPES[qtype]
+    blocks = raw.reshape(-1, size)
+    for off in _F16_FIELDS[qtype]:  # unit scales, then one factor for the whole matrix
+        blocks[:, off:off + 2] = np.float16(1.0).reshape(1, 1).view(np.uint8)
+    unit = dequantize(raw, qtype).std()
+    for off in _F16_FIELDS[qtype]:
+        vary = rng.uniform(0.5, 1.5, len(blocks)) * std / unit
+        blocks[:, off:off + 2] = vary.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    return raw
+
+
+def write_mixed_gguf(path: str, seed: int = 0) -> str:
+    """A tiny Qwen2 (tied embeddings, q/k/v biases) whose matrices are ``MIX``'s types."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, "qwen2")
+    w.add_block_count(len(MIX))
+    w.add_context_length(4096)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(1000000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(VOCAB)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    head_dim = HIDDEN // HEADS
+
+    def matrix(name: str, qtype: T, rows: int, k: int) -> None:
+        w.add_tensor(name, quantized_matrix(qtype, rows, k, rng), raw_dtype=qtype)
+
+    def vector(name: str, n: int, mean: float, std: float) -> None:
+        w.add_tensor(name, (mean + rng.standard_normal(n) * std).astype(np.float32))
+
+    matrix("token_embd.weight", T.Q6_K, VOCAB, HIDDEN)
+    vector("output_norm.weight", HIDDEN, 1.0, 0.1)
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
+              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
+              "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+    for i, types in MIX.items():
+        vector(f"blk.{i}.attn_norm.weight", HIDDEN, 1.0, 0.1)
+        vector(f"blk.{i}.ffn_norm.weight", HIDDEN, 1.0, 0.1)
+        for part, qtype in types.items():
+            matrix(f"blk.{i}.{part}.weight", qtype, *shapes[part])
+        for part in ("attn_q", "attn_k", "attn_v"):
+            vector(f"blk.{i}.{part}.bias", shapes[part][0], 0.0, 0.1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory) -> str:
+    return write_mixed_gguf(str(tmp_path_factory.mktemp("kq") / "tiny-Q4_K_M.gguf"))
+
+
+def test_mixed_types_load_packed(mixed_gguf):
+    from asyncengine.executor.models.loader import load_model, resolve_model
+
+    model = load_model(resolve_model(mixed_gguf), "auto", torch.float32, "cpu",
+                       quantization="auto")
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, kquants.GGUFLinear)}
+    qkv0 = linears["model.layers.0.self_attn.qkv_proj"]
+    assert [T(t) for t in qkv0.qtypes] == [T.Q4_K, T.Q4_K, T.Q6_K]
+    assert [T(t) for t in linears["model.layers.1.self_attn.qkv_proj"].qtypes] == [
+        T.Q5_K, T.Q8_0, T.Q5_0]
+    assert isinstance(model.model.embed_tokens, kquants.GGUFEmbedding)
+    assert model.lm_head.raw0.data_ptr() == model.model.embed_tokens.raw.data_ptr()  # tied
+    # nothing float but the norms and biases
+    floats = sum(t.numel() for t in model.parameters() if t.dtype.is_floating_point)
+    assert floats < 10 * HIDDEN * len(MIX) + HIDDEN
+
+
+def test_mixed_types_give_transformers_greedy_tokens(mixed_gguf):
+    from asyncengine import LLM, SamplingParams
+    from tests.test_engine import hf_greedy
+    from tests.utils import embedded_tokenizer_dir, hf_reference_model
+
+    hf = hf_reference_model(mixed_gguf)
+    llm = LLM(mixed_gguf, tokenizer=str(embedded_tokenizer_dir()), dtype="float32",
+              max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks_override=16,
+              block_size=8, max_model_len=64)
+    prompts = [[1, 510, 2801, 4431, 17, 99, 2000], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
+               list(range(100, 140))]  # the last: two prefill chunks, the tiled path
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, p, 8)[0]
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks

@@ -203,3 +203,63 @@ def read_rows(path: str, offset: int, rows: int, nbytes: int) -> torch.Tensor:
 
 def file_size(path: str) -> int:
     return os.stat(path).st_size
+
+
+def install(model: nn.Module, packed: dict[str, object], dtype: torch.dtype) -> set[str]:
+    """Put ``packed`` (``gguf.read_packed``: transformers name -> ``PackedTensor``) in place
+    of ``model``'s linears and token embedding; returns the names it used (the caller loads
+    any other tensor as floats). The float linears the model was built with were never
+    written (their pages never touched) and are dropped here."""
+    from asyncengine.executor.models.layers import FUSED_SHARDS, Embedding, Linear
+
+    renames = getattr(getattr(model, "spec", None), "renames", ())
+
+    def ours(name: str) -> str:
+        for old, new in renames:
+            name = name.replace(old, new)
+        return name
+
+    by_name = {ours(n): (n, t) for n, t in packed.items()}
+    used: set[str] = set()
+    for qual, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if not isinstance(child, (Linear, nn.Linear)):
+                continue
+            prefix = f"{qual}.{child_name}" if qual else child_name
+            shards = [(part, shard) for part, (fused, shard) in FUSED_SHARDS.items()
+                      if fused == child_name]
+            if f"{prefix}.weight" in by_name:  # stored fused (Phi-3) or a plain linear
+                names = [f"{prefix}.weight"]
+            elif shards and all(f"{qual}.{p}.weight" in by_name for p, _ in shards):
+                shards.sort(key=lambda ps: parent.shard_rows(ps[1])[0])
+                names = [f"{qual}.{p}.weight" for p, _ in shards]
+            else:
+                continue
+            tensors = [by_name[n][1] for n in names]
+            out_f, in_f = child.weight.shape
+            if any(t.k != in_f for t in tensors) or sum(t.raw.shape[0] for t in tensors) != out_f:
+                raise ValueError(f"GGUF tensors {', '.join(by_name[n][0] for n in names)} do "
+                                 f"not make the {out_f}x{in_f} matrix of {prefix}")
+            bias = None if child.bias is None else child.bias.data
+            setattr(parent, child_name, GGUFLinear(
+                in_f, [Part(t.raw, t.qtype) for t in tensors], bias))
+            used.update(by_name[n][0] for n in names)
+    embed_name = "model.embed_tokens.weight"
+    if embed_name in by_name and hasattr(model, "model"):
+        ckpt, t = by_name[embed_name]
+        old = getattr(model.model, "embed_tokens", None)
+        if isinstance(old, Embedding) and tuple(old.weight.shape) == (t.raw.shape[0], t.k):
+            model.model.embed_tokens = GGUFEmbedding(t.raw, t.qtype, t.k, dtype)
+            used.add(ckpt)
+            if getattr(model, "lm_head", False) is None:  # tied: the head reads the same bytes
+                model.lm_head = GGUFLinear(t.k, [Part(t.raw, t.qtype)])
+    return used
+
+
+def describe(model: nn.Module) -> str:
+    """``Q4_K 170, Q6_K 25, ...``: the packed matrices of ``model`` by type, for the log."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        for t in getattr(m, "qtypes", []) or ([m.qtype] if isinstance(m, GGUFEmbedding) else []):
+            counts[type_name(t)] = counts.get(type_name(t), 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
