@@ -63,7 +63,8 @@ def check_type(path: str, tensor: str, qtype: int, k: int) -> None:
     blocks per row."""
     if qtype not in TYPES:
         raise ValueError(f"{path}: tensor {tensor} has GGML type {type_name(qtype)}, which is "
-                         f"not supported (supported: {SUPPORTED})")
+                         f"not supported (supported: {SUPPORTED}; --quantization none "
+                         "dequantizes the other types the gguf package knows)")
     name, block, _ = TYPES[qtype]
     if k % block:
         raise ValueError(f"{path}: tensor {tensor} ({name}) has rows of {k} weights, not a "

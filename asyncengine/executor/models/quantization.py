@@ -110,12 +110,10 @@ def resolve_auto(quantization: str, fmt: str, device: torch.device, qtypes: set[
         return quantization
     if fmt != "gguf" or device.type != "cpu":
         return "none"
-    from asyncengine.executor.models.kquants import TYPES, type_name
-
     if qtypes - {"Q4_0", "Q4_1", "Q8_0", "F32", "F16", "BF16"}:
-        # k-quants (a Q4_K_M file's mix): packed as stored, each type multiplied in place
-        known = {type_name(t) for t in TYPES}
-        return "gguf" if qtypes <= known else "none"
+        # k-quants (a Q4_K_M file's mix): packed as stored, each type multiplied in place (a
+        # type the kernels lack is an error naming it; ``none`` dequantizes what gguf knows)
+        return "gguf"
     if qtypes & {"Q4_0", "Q4_1"} and packed_kernels.available("int4"):
         return "int4" if packed_kernels.available("int8") else "none"
     if qtypes == {"Q8_0"} and packed_kernels.available("int8"):
