@@ -8,6 +8,9 @@
 // the type's block (32, or 256 for the k-quants and IQ4_XS).
 #pragma once
 #include "common.h"
+// The build passes -fno-tree-loop-vectorize (inductor's flags), which also leaves the `omp
+// simd` loops below scalar: vectorizing is turned back on for what follows.
+#pragma GCC optimize("tree-loop-vectorize")
 
 #define KQ_F32 0
 #define KQ_F16 1
