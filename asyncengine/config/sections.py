@@ -11,7 +11,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 POOLING_TYPES = ("last", "mean")
 GENERATION_CONFIG_HELP = (
     "server-side sampling defaults: auto (the model's generation_config.json: temperature, "
@@ -32,7 +32,8 @@ class ModelConfig:
                 "bf16 instructions, else float32)", "choices": DTYPES})
     quantization: str = field(default="auto", metadata={
         "help": "weight-only quantization: auto (a GGUF file on the CPU runs packed as stored: "
-                "Q4_0/Q4_1 as int4, Q8_0 as int8; anything else as none); none (dequantized "
+                "Q4_0/Q4_1 as int4, Q8_0 as int8, k-quants as gguf; anything else as none); "
+                "gguf (a GGUF file's blocks kept as stored, every type); none (dequantized "
                 "to --dtype); int8 (linears and the logits head, per output channel or a "
                 "GGUF's Q8_0 blocks); int4 (decoder linears, blocks of 32, a GGUF's Q4_0/Q4_1 "
                 "kept as stored; the logits head int8)", "choices": QUANTIZATIONS})

@@ -55,6 +55,10 @@ _ARGS = {
     "int8": ("const float*", "const int8_t*", "const float*", "float*", "int64_t", "int64_t",
              "int64_t", "int64_t"),
     "int4_dequant": ("const uint8_t*", "const uint16_t*", "float*", "int64_t", "int64_t"),
+    "kquant": ("const float*", "const uint8_t*", "float*", "int64_t", "int64_t", "int64_t",
+               "int64_t", "int64_t"),
+    "kquant_dequant": ("const uint8_t*", "const int64_t*", "float*", "int64_t", "int64_t",
+                       "int64_t"),
 }
 
 
@@ -62,7 +66,8 @@ _LOADED: dict[str, Callable[..., None] | None] = {}
 
 
 def _load(name: str) -> Callable[..., None] | None:
-    """The compiled kernel ``name`` (int4, int8, int4_dequant: ``<name>.cpp``), or None."""
+    """The compiled kernel ``name`` (int4, int8, int4_dequant, kquant, kquant_dequant:
+    ``<name>.cpp``), or None."""
     fn = _LOADED.get(name)
     if fn is None and name not in _LOADED:
         fn = _LOADED[name] = build.load(name, _ARGS[name])
@@ -101,6 +106,22 @@ def int8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Ten
     out = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32)
     _load("int8")(x, q, scales, out, x.shape[0], q.shape[0], x.shape[1],
                   x.shape[1] // scales.shape[1])
+    return out
+
+
+def kquant_mm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
+    """``out[:, :N] = x [M, K] float32 @ dequant(w).T`` for a GGUF matrix ``w`` (uint8
+    ``[N, row bytes]`` as the file stores it, GGML type ``qtype``; ``kquant.cpp``). ``out``
+    may be a column slice of a wider float32 matrix (its row stride is passed on)."""
+    m, k = x.shape
+    _load("kquant")(x, w, out, m, w.shape[0], k, out.stride(0), qtype)
+
+
+def kquant_dequant(w: torch.Tensor, ids: torch.Tensor, k: int, qtype: int) -> torch.Tensor:
+    """Rows ``ids`` (int64) of a GGUF matrix ``w`` as float32 ``[len(ids), k]``, bit-exact
+    with ``gguf.quants.dequantize`` (``kquant_dequant.cpp``)."""
+    out = torch.empty(ids.shape[0], k, dtype=torch.float32)
+    _load("kquant_dequant")(w, ids.contiguous(), out, ids.shape[0], k, qtype)
     return out
 
 

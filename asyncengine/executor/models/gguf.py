@@ -8,6 +8,7 @@ is memory-mapped and dequantized one tensor at a time with ``gguf.quants.dequant
 from __future__ import annotations
 
 import mmap
+import os
 import re
 import struct
 from collections.abc import Iterator
@@ -248,27 +249,97 @@ def quant_grid(raw: np.ndarray, qtype: Any) -> QuantGrid | None:
     return QuantGrid("q4", d, m)
 
 
-def iter_gguf_tensors(path: str, config: Any, grids: dict[str, QuantGrid] | None = None
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def _check_tensor(path: str, t: TensorInfo, file_size: int, packed: bool) -> tuple[int, int]:
+    """(rows, bytes per row) of tensor ``t``; ValueError naming it, its type (or its offset)
+    and the supported types when the type is unknown or the file ends before its data."""
+    from asyncengine.executor.models import kquants
+
+    try:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
+    except (ValueError, KeyError):
+        block = 0
+    if packed or not block:
+        kquants.check_type(path, t.name, t.ggml_type, t.dims[0] if t.dims else 0)
+        _, block, block_bytes = kquants.TYPES[t.ggml_type]
+    if not t.dims or t.dims[0] % block:
+        raise ValueError(f"{path}: tensor {t.name} ({kquants.type_name(t.ggml_type)}) has "
+                         f"dims {t.dims}, rows not a multiple of its block of {block}")
+    rows = int(np.prod(t.dims[1:], dtype=np.int64))
+    row_bytes = t.dims[0] // block * block_bytes
+    if t.offset + rows * row_bytes > file_size:
+        raise ValueError(f"{path}: truncated or corrupt GGUF file: tensor {t.name} "
+                         f"({kquants.type_name(t.ggml_type)}) at offset {t.offset} needs "
+                         f"{rows * row_bytes} bytes, the file ends at {file_size}")
+    return rows, row_bytes
+
+
+@dataclass
+class PackedTensor:
+    """A GGUF matrix as the file stores it: uint8 ``[rows, row bytes]`` of GGML type
+    ``qtype``, rows of ``k`` weights (in transformers' row order: q/k un-permuted)."""
+
+    raw: torch.Tensor
+    qtype: int
+    k: int
+
+
+def read_packed(path: str, config: Any) -> dict[str, PackedTensor]:
+    """Every matrix of a GGUF file kept packed, by transformers name (``kquants.py``); raises
+    ValueError for a type outside ``kquants.TYPES`` or a truncated file."""
+    from asyncengine.executor.models import kquants
+
+    header = read_header(path)
+    arch = header.metadata.get("general.architecture", "llama")
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    size = os.path.getsize(path)
+    out: dict[str, PackedTensor] = {}
+    for t in header.tensors:
+        if len(t.dims) != 2 or t.name in gguf_arch.CONFIG_TENSORS or t.name == ROPE_FREQS:
+            continue
+        rows, row_bytes = _check_tensor(path, t, size, packed=True)
+        name = hf_name(t.name, arch)
+        if name is None:
+            raise ValueError(f"{path}: GGUF tensor {t.name!r} has no counterpart in the model")
+        raw = kquants.read_rows(path, t.offset, rows, row_bytes)
+        heads = num_heads if ".q_proj." in name else num_kv_heads if ".k_proj." in name else 0
+        if arch in _PERMUTED_ARCHS and heads:  # whole rows move: lossless
+            raw = torch.from_numpy(np.ascontiguousarray(unpermute_rope_rows(raw.numpy(), heads)))
+        out[name] = PackedTensor(raw, t.ggml_type, t.dims[0])
+    return out
+
+
+def iter_gguf_tensors(path: str, config: Any, grids: dict[str, QuantGrid] | None = None,
+                      skip: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (transformers name, float32 tensor) for every tensor of a GGUF file, streaming.
 
     ``grids``, when given, receives the grid (``quant_grid``) of every Q4_0 / Q4_1 / Q8_0
-    matrix by transformers name, its rows in the yielded tensor's order."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    matrix by transformers name, its rows in the yielded tensor's order. ``skip``: names not
+    to yield (the matrices ``read_packed`` keeps packed)."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     header = read_header(path)
     arch = header.metadata.get("general.architecture", "llama")
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    size = os.path.getsize(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     for t in header.tensors:
+        if skip and hf_name(t.name, arch) in skip:
+            continue
+        rows, row_bytes = _check_tensor(path, t, size, packed=False)
         qtype = GGMLQuantizationType(t.ggml_type)
-        block, block_bytes = GGML_QUANT_SIZES[qtype]
-        row_bytes = t.dims[0] // block * block_bytes
-        rows = int(np.prod(t.dims[1:], dtype=np.int64))
         raw = data[t.offset:t.offset + rows * row_bytes].reshape(rows, row_bytes)
-        w = dequantize(raw, qtype).reshape(*reversed(t.dims))  # [out, in] for matrices
+        try:
+            w = dequantize(raw, qtype).reshape(*reversed(t.dims))  # [out, in] for matrices
+        except NotImplementedError:
+            from asyncengine.executor.models import kquants
+
+            kquants.check_type(path, t.name, t.ggml_type, t.dims[0])
+            raise
         grid = quant_grid(raw, qtype) if grids is not None and len(t.dims) == 2 else None
         if t.name == ROPE_FREQS:
             yield ROPE_FREQS, torch.from_numpy(np.array(w, dtype=np.float32))  # a copy

@@ -227,6 +227,8 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
         _fill_dummy(model, seed, getattr(config, "initializer_range", 0.02))
         if hasattr(model, "finish_loading"):
             model.finish_loading()
+    elif fmt == "gguf" and quantization == "gguf":
+        _load_gguf_packed(model, source, dtype)
     elif fmt == "gguf":
         from asyncengine.executor.models.gguf import iter_gguf_tensors
 
@@ -238,7 +240,7 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
         files = safetensors_files(source.path)
         model.load_weights(_progress(_iter_safetensors(files), _count_tensors(files),
                                      source.name))
-    if quantization != "none":
+    if quantization not in ("none", "gguf"):
         from asyncengine.executor.models.quantization import quantize_model
 
         quantize_model(model, quantization, grids)
@@ -250,16 +252,30 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
     return model.eval()
 
 
+def _load_gguf_packed(model: nn.Module, source: ModelSource, dtype: torch.dtype) -> None:
+    """A GGUF file's matrices kept as stored (``kquants.py``), the rest (norms) as floats."""
+    from asyncengine.executor.models import kquants
+    from asyncengine.executor.models.gguf import iter_gguf_tensors, read_packed
+
+    packed = read_packed(source.gguf_path, source.hf_config)
+    used = kquants.install(model, packed, dtype)
+    skip = set(used)
+    del packed
+    model.load_weights(_progress(iter_gguf_tensors(source.gguf_path, source.hf_config,
+                                                   skip=skip), None, source.name))
+    logger.info("GGUF weights kept packed as stored (%s; kernels: %s)", kquants.describe(model),
+                "C++" if kquants.kernels_available() else "PyTorch, per tile")
+
+
 def _gguf_matrix_types(source: ModelSource, fmt: str) -> set[str]:
     """The GGML types of a GGUF file's matrices (empty for other formats)."""
     if fmt != "gguf":
         return set()
-    from gguf import GGMLQuantizationType
-
     from asyncengine.executor.models.gguf import read_header
+    from asyncengine.executor.models.kquants import type_name
 
-    return {GGMLQuantizationType(t.ggml_type).name
-            for t in read_header(source.gguf_path).tensors if len(t.dims) == 2}
+    return {type_name(t.ggml_type) for t in read_header(source.gguf_path).tensors
+            if len(t.dims) == 2}
 
 
 def _load_format(source: ModelSource, load_format: str) -> str:

@@ -6,8 +6,12 @@
   32 inputs as a GGUF file's Q8_0 stores them.
 - **int4** (``int4.py``): the decoder's linears packed to 4 bits per block of 32 inputs (a
   GGUF's Q4_0 / Q4_1 kept as stored); the logits head int8 as above.
-- **auto** (the default): a GGUF file on the CPU runs packed as it is stored (Q4 linears as
-  int4, a Q8_0 head as int8) where the packed kernels build; anything else as ``none``.
+- **gguf** (``kquants.py``): a GGUF file's matrices kept exactly as stored, each in its own
+  type (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, Q8_0, Q4_0, Q4_1, IQ4_XS, F16, BF16, F32), multiplied
+  in place; the token embedding too (a lookup dequantizes the rows looked up).
+- **auto** (the default): a GGUF file on the CPU runs packed as it is stored: only Q4_0 /
+  Q4_1 / Q8_0 matrices as int4 / int8 where the packed kernels build, any other quantized
+  type (a Q4_K_M file) as ``gguf``; anything else as ``none``.
 
 Decoding a few requests streams all weights once per token, so a step costs what reading the
 weights costs: int8 is a quarter of float32's bytes, int4 an eighth. The matmuls read the
@@ -99,10 +103,17 @@ def resolve_auto(quantization: str, fmt: str, device: torch.device, qtypes: set[
     """What ``--quantization auto`` means for this model: ``int4`` for a GGUF file on the CPU
     whose linears are Q4_0 / Q4_1 (``qtypes``: the file's matrix types by name) when the
     packed kernels build, ``int8`` for one whose matrices are Q8_0; else ``none``."""
+    if quantization == "gguf" and (fmt != "gguf" or device.type != "cpu"):
+        raise ValueError("--quantization gguf: keeps a GGUF file's blocks as stored, for a "
+                         ".gguf model on the CPU")
     if quantization != "auto":
         return quantization
     if fmt != "gguf" or device.type != "cpu":
         return "none"
+    if qtypes - {"Q4_0", "Q4_1", "Q8_0", "F32", "F16", "BF16"}:
+        # k-quants (a Q4_K_M file's mix): packed as stored, each type multiplied in place (a
+        # type the kernels lack is an error naming it; ``none`` dequantizes what gguf knows)
+        return "gguf"
     if qtypes & {"Q4_0", "Q4_1"} and packed_kernels.available("int4"):
         return "int4" if packed_kernels.available("int8") else "none"
     if qtypes == {"Q8_0"} and packed_kernels.available("int8"):
@@ -124,6 +135,8 @@ def quantize_model(model: nn.Module, method: str, grids: dict[str, Any] | None =
                          f"{', '.join(QUANTIZATIONS)})")
     if method == "none":
         return model
+    if method == "gguf":
+        raise ValueError("--quantization gguf: applies while loading a GGUF file, not after")
     from asyncengine.executor.models.llama import Linear
 
     grids = grids or {}

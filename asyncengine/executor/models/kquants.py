@@ -1,0 +1,266 @@
+"""GGUF matrices kept exactly as the file stores them (``--quantization gguf``), every type a
+downloaded file uses: Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_XS, F16, BF16, F32.
+
+A Q4_K_M file mixes types per tensor (Q4_K for most matrices, Q6_K for the head and some
+attn_v / ffn_down, Q5_0 / Q8_0 where a row is not a multiple of 256, F32 norms). Each matrix
+here is its file bytes, uint8 ``[rows, row bytes]``, read straight from the file into place
+(no float copy, ever: the model's float linears are never written, then dropped), and
+multiplied in place by ``kernels/kquant.cpp``, which dequantizes one weight row at a time into
+L1 (bit-exact with ``gguf.quants.dequantize``) and multiplies in float32. A fused projection
+(q/k/v, gate/up) whose parts differ in type keeps each part in its own type; each part writes
+its columns of the shared output. A quantized token embedding is looked up by dequantizing
+only the rows looked up; tied to the head, the head multiplies the same bytes.
+
+Where the kernels cannot be compiled: one warning, then ``gguf.quants.dequantize`` a tile of
+rows at a time (correct, slow). From ``TILE_ROWS`` input rows on (prefill chunks), a call
+dequantizes a tile of weight rows at a time and multiplies through MKL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from asyncengine.executor.kernels import packed as packed_kernels
+
+logger = logging.getLogger(__name__)
+
+# GGML type id -> (name, weights per block, bytes per block): the types kept packed.
+TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2),
+    2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210), 23: ("IQ4_XS", 256, 136),
+}
+SUPPORTED = ", ".join(name for name, _, _ in TYPES.values())
+# From this many input rows, a call multiplies tiles of dequantized weights through MKL.
+TILE_ROWS = 64
+# Weight rows per dequantized tile (a tile of 4864 inputs is ~5 MB of float32).
+_TILE = 256
+
+
+def type_name(qtype: int) -> str:
+    try:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type {qtype}"
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    _, block, size = TYPES[qtype]
+    return k // block * size
+
+
+def check_type(path: str, tensor: str, qtype: int, k: int) -> None:
+    """ValueError naming ``tensor`` and its type unless it is one of ``TYPES`` with whole
+    blocks per row."""
+    if qtype not in TYPES:
+        raise ValueError(f"{path}: tensor {tensor} has GGML type {type_name(qtype)}, which is "
+                         f"not supported (supported: {SUPPORTED}; --quantization none "
+                         "dequantizes the other types the gguf package knows)")
+    name, block, _ = TYPES[qtype]
+    if k % block:
+        raise ValueError(f"{path}: tensor {tensor} ({name}) has rows of {k} weights, not a "
+                         f"multiple of its block of {block}")
+
+
+_WARNED = False
+
+
+def kernels_available() -> bool:
+    """Whether the kquant kernels build here; the first time they do not, one warning."""
+    global _WARNED
+    ok = packed_kernels.available("kquant") and packed_kernels.available("kquant_dequant")
+    if not ok and not _WARNED:
+        _WARNED = True
+        logger.warning("the GGUF kernels (kquant) cannot be compiled here: GGUF weights are "
+                       "dequantized a tile at a time by PyTorch (correct, slow)")
+    return ok
+
+
+def dequantize_rows(raw: torch.Tensor, qtype: int, k: int,
+                    ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``ids`` (all when None) of a packed matrix as float32 ``[n, k]``, bit-exact with
+    ``gguf.quants.dequantize``."""
+    if kernels_available():
+        if ids is None:
+            ids = torch.arange(raw.shape[0], dtype=torch.int64)
+        return packed_kernels.kquant_dequant(raw, ids.to(torch.int64), k, qtype)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rows = raw if ids is None else raw[ids.to(torch.int64)]
+    w = dequantize(rows.numpy(), GGMLQuantizationType(qtype)).reshape(rows.shape[0], k)
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+
+
+@dataclass
+class Part:
+    """Rows of a (fused) matrix in one GGML type: ``raw`` uint8 [rows, row bytes]."""
+
+    raw: torch.Tensor
+    qtype: int
+
+
+class GGUFLinear(nn.Module):
+    """``y = x @ W.T + bias`` with W kept as the GGUF file's blocks (one ``Part`` per
+    checkpoint tensor fused into it, each in its own type)."""
+
+    def __init__(self, in_features: int, parts: list[Part], bias: torch.Tensor | None = None
+                 ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.qtypes = [p.qtype for p in parts]
+        self.rows = [p.raw.shape[0] for p in parts]
+        self.out_features = sum(self.rows)
+        for i, p in enumerate(parts):
+            if p.raw.shape[1] != row_bytes(p.qtype, in_features):
+                raise ValueError(f"GGUF part of {p.raw.shape[1]} bytes per row, expected "
+                                 f"{row_bytes(p.qtype, in_features)} for {in_features} "
+                                 f"{type_name(p.qtype)} weights")
+            self.register_buffer(f"raw{i}", p.raw)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.use_kernel = kernels_available()
+
+    def parts(self) -> list[tuple[torch.Tensor, int]]:
+        return [(self._buffers[f"raw{i}"], t) for i, t in enumerate(self.qtypes)]
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weights [out, in] (tests; never called by the forward)."""
+        return torch.cat([dequantize_rows(raw, t, self.in_features) for raw, t in self.parts()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        col = 0
+        for raw, qtype in self.parts():
+            n = raw.shape[0]
+            dest = out[:, col:col + n]
+            if self.use_kernel and x2.shape[0] < TILE_ROWS:
+                packed_kernels.kquant_mm(x2, raw, qtype, dest)
+            else:  # a tile of weight rows at a time, through MKL
+                for r in range(0, n, _TILE):
+                    ids = torch.arange(r, min(r + _TILE, n), dtype=torch.int64)
+                    w = dequantize_rows(raw, qtype, self.in_features, ids)
+                    torch.mm(x2, w.T, out=dest[:, r:r + len(ids)]) if dest.is_contiguous() \
+                        else dest[:, r:r + len(ids)].copy_(x2 @ w.T)
+            col += n
+        if self.bias is not None:
+            out += self.bias.float()
+        return out.to(x.dtype).view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        types = "+".join(type_name(t) for t in self.qtypes)
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"types={types}, kernel={self.use_kernel}")
+
+
+class GGUFEmbedding(nn.Module):
+    """A token embedding kept as the GGUF file's blocks: a lookup dequantizes only the rows
+    looked up (to the model's dtype)."""
+
+    def __init__(self, raw: torch.Tensor, qtype: int, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("raw", raw)
+        self.qtype, self.dim, self.dtype = qtype, dim, dtype
+        self.num_embeddings = raw.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = dequantize_rows(self.raw, self.qtype, self.dim, flat)
+        return rows.to(self.dtype).view(*ids.shape, self.dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.dim}, type={type_name(self.qtype)}"
+
+
+def read_rows(path: str, offset: int, rows: int, nbytes: int) -> torch.Tensor:
+    """``rows x nbytes`` bytes of the file from ``offset`` into a new uint8 tensor, by plain
+    reads (not a mapping: mapped file pages would count in the process's RSS on top of the
+    copy)."""
+    out = torch.empty(rows, nbytes, dtype=torch.uint8)
+    view = memoryview(out.numpy()).cast("B")
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        got = 0
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    if got < len(view):
+        raise ValueError(f"{path}: truncated GGUF file: tensor data at offset {offset} needs "
+                         f"{len(view)} bytes, the file has {got} there")
+    return out
+
+
+def file_size(path: str) -> int:
+    return os.stat(path).st_size
+
+
+def install(model: nn.Module, packed: dict[str, object], dtype: torch.dtype) -> set[str]:
+    """Put ``packed`` (``gguf.read_packed``: transformers name -> ``PackedTensor``) in place
+    of ``model``'s linears and token embedding; returns the names it used (the caller loads
+    any other tensor as floats). The float linears the model was built with were never
+    written (their pages never touched) and are dropped here."""
+    from asyncengine.executor.models.layers import FUSED_SHARDS, Embedding, Linear
+
+    renames = getattr(getattr(model, "spec", None), "renames", ())
+
+    def ours(name: str) -> str:
+        for old, new in renames:
+            name = name.replace(old, new)
+        return name
+
+    by_name = {ours(n): (n, t) for n, t in packed.items()}
+    used: set[str] = set()
+    for qual, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if not isinstance(child, (Linear, nn.Linear)):
+                continue
+            prefix = f"{qual}.{child_name}" if qual else child_name
+            shards = [(part, shard) for part, (fused, shard) in FUSED_SHARDS.items()
+                      if fused == child_name]
+            if f"{prefix}.weight" in by_name:  # stored fused (Phi-3) or a plain linear
+                names = [f"{prefix}.weight"]
+            elif shards and all(f"{qual}.{p}.weight" in by_name for p, _ in shards):
+                shards.sort(key=lambda ps: parent.shard_rows(ps[1])[0])
+                names = [f"{qual}.{p}.weight" for p, _ in shards]
+            else:
+                continue
+            tensors = [by_name[n][1] for n in names]
+            out_f, in_f = child.weight.shape
+            if any(t.k != in_f for t in tensors) or sum(t.raw.shape[0] for t in tensors) != out_f:
+                raise ValueError(f"GGUF tensors {', '.join(by_name[n][0] for n in names)} do "
+                                 f"not make the {out_f}x{in_f} matrix of {prefix}")
+            bias = None if child.bias is None else child.bias.data
+            setattr(parent, child_name, GGUFLinear(
+                in_f, [Part(t.raw, t.qtype) for t in tensors], bias))
+            used.update(by_name[n][0] for n in names)
+    embed_name = "model.embed_tokens.weight"
+    if embed_name in by_name and hasattr(model, "model"):
+        ckpt, t = by_name[embed_name]
+        old = getattr(model.model, "embed_tokens", None)
+        if isinstance(old, Embedding) and tuple(old.weight.shape) == (t.raw.shape[0], t.k):
+            model.model.embed_tokens = GGUFEmbedding(t.raw, t.qtype, t.k, dtype)
+            used.add(ckpt)
+            if getattr(model, "lm_head", False) is None:  # tied: the head reads the same bytes
+                model.lm_head = GGUFLinear(t.k, [Part(t.raw, t.qtype)])
+    return used
+
+
+def describe(model: nn.Module) -> str:
+    """``Q4_K 170, Q6_K 25, ...``: the packed matrices of ``model`` by type, for the log."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        for t in getattr(m, "qtypes", []) or ([m.qtype] if isinstance(m, GGUFEmbedding) else []):
+            counts[type_name(t)] = counts.get(type_name(t), 0) + 1
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))

@@ -1,0 +1,143 @@
+"""A Q4_K_M file as people download them, served by asyncengine next to llama.cpp's
+llama-server on the same file, in one run (``asyncengine bench peers``'s load: 100-token
+prompts, 128 tokens out, streamed, ignore_eos, concurrency 1 and 32).
+
+The model: Qwen2.5-0.5B's shape (24 layers, hidden 896, MLP 4864, 14 heads / 2 KV heads, a
+151936 vocabulary, tied embeddings) with random weights made by transformers (std 0.02, seed
+0), the SmolLM2 tokenizer (padded to the vocabulary by the converter), converted by llama.cpp's
+own ``convert_hf_to_gguf.py`` to F16 and quantized to Q4_K_M by ``llama-quantize``: the file
+mixes Q4_K, Q6_K, Q5_0/Q8_0 and F32 as a downloaded one does.
+
+    python benchmarks/kquants.py --llama-cpp DIR --llama-bin DIR [--work DIR] \\
+        [--concurrency 1 32] [--skip-serve] [--convert-path DIR]
+
+``--llama-cpp``: llama.cpp's sources (``convert_hf_to_gguf.py`` and its ``gguf-py``), e.g.
+the ``vendor/llama.cpp`` of the llama-cpp-python sdist; ``--llama-bin``: where
+``llama-quantize`` and ``llama-server`` were built (cmake). Prints the file's types, then the
+peers table with the ratios. Figures: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                  max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+
+# llama.cpp's converter, run as it is except for one thing: the SmolLM2 tokenizer re-saved by
+# transformers hashes differently from the file the converter knows, so its pre-tokenizer
+# is named here ("smollm", what the converter picks for SmolLM2's own tokenizer.json).
+_CONVERT = """
+import runpy, sys
+from pathlib import Path
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, str(Path(script).parent))
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "smollm"
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def make_hf_model(directory: Path, tokenizer_dir: Path) -> None:
+    import torch
+    import transformers
+
+    config = transformers.Qwen2Config(**QWEN25_05B)
+    config.architectures = ["Qwen2ForCausalLM"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(directory))
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, directory / f.name)
+
+
+def smollm2_tokenizer(work: Path) -> Path:
+    """The embedded SmolLM2's tokenizer as an HF directory."""
+    import transformers
+
+    from asyncengine.executor.models.loader import embedded_model_path
+
+    target = work / "tokenizer"
+    if not (target / "tokenizer_config.json").is_file():
+        gguf = embedded_model_path()
+        tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf),
+                                                         gguf_file=os.path.basename(gguf))
+        tok.save_pretrained(str(target))
+    return target
+
+
+def make_q4_k_m(work: Path, llama_cpp: Path, llama_bin: Path, convert_path: str = ""
+                ) -> Path:
+    """The Q4_K_M file (made once; reused when present)."""
+    out = work / "qwen2.5-0.5b-shape-Q4_K_M.gguf"
+    if out.is_file():
+        return out
+    hf = work / "hf"
+    if not (hf / "config.json").is_file():
+        make_hf_model(hf, smollm2_tokenizer(work))
+    f16 = work / "qwen2.5-0.5b-shape-F16.gguf"
+    if not f16.is_file():
+        # the converter imports sentencepiece even for a BPE tokenizer: ``--convert-path``
+        # adds a folder holding it (``pip install --target DIR sentencepiece``)
+        env = dict(os.environ)
+        if convert_path:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [convert_path,
+                                                              env.get("PYTHONPATH")]))
+        subprocess.run([sys.executable, "-c", _CONVERT, str(llama_cpp / "convert_hf_to_gguf.py"),
+                        str(hf), "--outtype", "f16", "--outfile", str(f16)], check=True, env=env)
+    subprocess.run([str(llama_bin / "llama-quantize"), str(f16), str(out), "Q4_K_M"],
+                   check=True)
+    return out
+
+
+def file_types(path: Path) -> str:
+    from asyncengine.executor.models.gguf import read_header
+    from asyncengine.executor.models.kquants import type_name
+
+    counts = Counter(type_name(t.ggml_type) for t in read_header(str(path)).tensors)
+    return ", ".join(f"{k} x{v}" for k, v in counts.most_common())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-cpp", type=Path, required=True)
+    parser.add_argument("--llama-bin", type=Path, required=True)
+    parser.add_argument("--convert-path", default="",
+                        help="a folder added to PYTHONPATH for convert_hf_to_gguf.py")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/asyncengine-kquants-bench"))
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--skip-serve", action="store_true",
+                        help="make the file and stop")
+    parser.add_argument("--asyncengine-args", default="")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    path = make_q4_k_m(args.work, args.llama_cpp, args.llama_bin, args.convert_path)
+    print(f"{path} ({path.stat().st_size / 2**20:.0f} MB): {file_types(path)}", flush=True)
+    if args.skip_serve:
+        return 0
+    from asyncengine.entrypoints.bench import peers
+
+    bench = argparse.ArgumentParser()
+    peers.add_arguments(bench)
+    argv = ["--model", str(path), "--gguf", str(path),
+            "--llama-server", str(args.llama_bin / "llama-server"),
+            "--peers", "asyncengine", "llama-server",
+            "--concurrency", *map(str, args.concurrency),
+            "--asyncengine-args", f"--tokenizer {args.work / 'tokenizer'} "
+                                  + args.asyncengine_args]
+    return peers.main(bench.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,258 @@
+"""GGUF types kept packed (``executor/models/kquants.py``, ``kernels/kquant*.cpp``): every type
+dequantizes bit-exactly as the ``gguf`` package's reference does, and the packed matmul equals
+a float matmul by those weights."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncengine.executor.models import kquants
+
+# Where each type's float16 scales sit in its block (byte offsets), to make them finite.
+_F16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
+               T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.IQ4_XS: (0,)}
+TYPES = [T(t) for t in kquants.TYPES]
+
+
+def random_rows(qtype: T, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, row bytes] of random blocks of ``qtype`` with finite float scales."""
+    _, block, size = kquants.TYPES[qtype]
+    if qtype in (T.F32, T.F16, T.BF16):
+        w = (rng.standard_normal((rows, k)) * 10.0 ** rng.integers(-6, 4)).astype(np.float32)
+        if qtype == T.F16:
+            return w.astype(np.float16).view(np.uint8)
+        if qtype == T.BF16:
+            return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        return w.view(np.uint8)
+    blocks = rng.integers(0, 256, (rows * k // block, size), dtype=np.uint8)
+    for off in _F16_FIELDS[qtype]:
+        # scales over float16's range, subnormals included
+        scale = rng.standard_normal(len(blocks)) * 10.0 ** rng.integers(-7, 3, len(blocks))
+        blocks[:, off:off + 2] = scale.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 5), blocks=st.integers(1, 3))
+def test_dequantize_is_bit_exact(qtype: T, seed: int, rows: int, blocks: int) -> None:
+    block = kquants.TYPES[qtype][1]
+    k = max(block, 32) * blocks
+    raw = random_rows(qtype, rows, k, np.random.default_rng(seed))
+    want = dequantize(raw, qtype).reshape(rows, k).astype(np.float32)
+    got = kquants.dequantize_rows(torch.from_numpy(raw.copy()), int(qtype), k).numpy()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    # a few rows picked by id (the embedding lookup), repeated and out of order
+    ids = torch.tensor([rows - 1, 0, rows - 1])
+    picked = kquants.dequantize_rows(torch.from_numpy(raw.copy()), int(qtype), k, ids).numpy()
+    assert np.array_equal(picked.view(np.uint32), want[ids.numpy()].view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0, T.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 3, 70])
+def test_packed_matmul_equals_float_matmul(qtype: T, m: int) -> None:
+    rng = np.random.default_rng(int(qtype) * 10 + m)
+    k, n = 512, 37
+    raw = torch.from_numpy(random_rows(qtype, n, k, rng).copy())
+    if qtype not in (T.F16,):  # tame the random scales: unit-ish weights
+        w0 = kquants.dequantize_rows(raw, int(qtype), k)
+        assert torch.isfinite(w0).all()
+    lin = kquants.GGUFLinear(k, [kquants.Part(raw, int(qtype))])
+    x = torch.randn(m, k)
+    w = kquants.dequantize_rows(raw, int(qtype), k).double()
+    want = x.double() @ w.T
+    got = lin(x).double()
+    scale = (x.double().abs() @ w.abs().T).clamp_min(1e-30)
+    assert ((got - want).abs() / scale).max() < 1e-5
+
+
+# ---- a tiny model in Q4_K_M's mix of types, against transformers loading the same file ----
+
+# Layer 0 as llama-quantize's Q4_K_M lays a layer out (Q4_K, Q6_K for attn_v and ffn_down),
+# layer 1 every other type; the tied embedding (and so the head) Q6_K; norms, biases F32.
+MIX = {
+    0: {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K,
+        "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K},
+    1: {"attn_q": T.Q5_K, "attn_k": T.Q8_0, "attn_v": T.Q5_0, "attn_output": T.IQ4_XS,
+        "ffn_gate": T.Q4_0, "ffn_up": T.Q5_1, "ffn_down": T.Q4_1},
+}
+HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 49152
+
+
+def quantized_matrix(qtype: T, rows: int, k: int, rng: np.random.Generator,
+                     std: float = 0.05) -> np.ndarray:
+    """A [rows, k] matrix of ``qtype`` as file bytes: ``gguf.quants.quantize`` of normal
+    weights where gguf can quantize the type, else random valid blocks with their float16
+    scales set to give weights of about ``std``."""
+    from gguf.quants import quantize
+
+    try:
+        return quantize((rng.standard_normal((rows, k)) * std).astype(np.float32), qtype)
+    except NotImplementedError:
+        pass
+    raw = random_rows(qtype, rows, k, rng)
+    _, block, size = kquants.TYPES[qtype]
+    blocks = raw.reshape(-1, size)
+    for off in _F16_FIELDS[qtype]:  # unit scales, then one factor for the whole matrix
+        blocks[:, off:off + 2] = np.float16(1.0).reshape(1, 1).view(np.uint8)
+    unit = dequantize(raw, qtype).std()
+    for off in _F16_FIELDS[qtype]:
+        vary = rng.uniform(0.5, 1.5, len(blocks)) * std / unit
+        blocks[:, off:off + 2] = vary.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    return raw
+
+
+def write_mixed_gguf(path: str, seed: int = 0) -> str:
+    """A tiny Qwen2 (tied embeddings, q/k/v biases) whose matrices are ``MIX``'s types."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, "qwen2")
+    w.add_block_count(len(MIX))
+    w.add_context_length(512)  # small RoPE tables: RSS measures the weights
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(1000000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(VOCAB)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    head_dim = HIDDEN // HEADS
+
+    def matrix(name: str, qtype: T, rows: int, k: int) -> None:
+        w.add_tensor(name, quantized_matrix(qtype, rows, k, rng), raw_dtype=qtype)
+
+    def vector(name: str, n: int, mean: float, std: float) -> None:
+        w.add_tensor(name, (mean + rng.standard_normal(n) * std).astype(np.float32))
+
+    matrix("token_embd.weight", T.Q6_K, VOCAB, HIDDEN)
+    vector("output_norm.weight", HIDDEN, 1.0, 0.1)
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
+              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
+              "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+    for i, types in MIX.items():
+        vector(f"blk.{i}.attn_norm.weight", HIDDEN, 1.0, 0.1)
+        vector(f"blk.{i}.ffn_norm.weight", HIDDEN, 1.0, 0.1)
+        for part, qtype in types.items():
+            matrix(f"blk.{i}.{part}.weight", qtype, *shapes[part])
+        for part in ("attn_q", "attn_k", "attn_v"):
+            vector(f"blk.{i}.{part}.bias", shapes[part][0], 0.0, 0.1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory) -> str:
+    return write_mixed_gguf(str(tmp_path_factory.mktemp("kq") / "tiny-Q4_K_M.gguf"))
+
+
+def test_mixed_types_load_packed(mixed_gguf):
+    from asyncengine.executor.models.loader import load_model, resolve_model
+
+    model = load_model(resolve_model(mixed_gguf), "auto", torch.float32, "cpu",
+                       quantization="auto")
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, kquants.GGUFLinear)}
+    qkv0 = linears["model.layers.0.self_attn.qkv_proj"]
+    assert [T(t) for t in qkv0.qtypes] == [T.Q4_K, T.Q4_K, T.Q6_K]
+    assert [T(t) for t in linears["model.layers.1.self_attn.qkv_proj"].qtypes] == [
+        T.Q5_K, T.Q8_0, T.Q5_0]
+    assert isinstance(model.model.embed_tokens, kquants.GGUFEmbedding)
+    assert model.lm_head.raw0.data_ptr() == model.model.embed_tokens.raw.data_ptr()  # tied
+    # nothing float but the norms and biases
+    floats = sum(t.numel() for t in model.parameters() if t.dtype.is_floating_point)
+    assert floats < 10 * HIDDEN * len(MIX) + HIDDEN
+
+
+def test_mixed_types_give_transformers_greedy_tokens(mixed_gguf):
+    from asyncengine import LLM, SamplingParams
+    from tests.test_engine import hf_greedy
+    from tests.utils import embedded_tokenizer_dir, hf_reference_model
+
+    hf = hf_reference_model(mixed_gguf)
+    llm = LLM(mixed_gguf, tokenizer=str(embedded_tokenizer_dir()), dtype="float32",
+              max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks_override=16,
+              block_size=8, max_model_len=64)
+    prompts = [[1, 510, 2801, 4431, 17, 99, 2000], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
+               list(range(100, 140))]  # the last: two prefill chunks, the tiled path
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, p, 8)[0]
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
+# ---- bad input: one line naming the tensor and its type (or the offset), and the types ----
+
+
+def _with_tensor_type(src: str, dst: str, tensor: str, qtype: int) -> str:
+    """A copy of the GGUF ``src`` whose ``tensor`` claims GGML type ``qtype``."""
+    from asyncengine.executor.models.gguf import read_header
+
+    data = bytearray(open(src, "rb").read())
+    name = tensor.encode()
+    at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    at += 4 + 8 * n_dims  # the type follows the dims
+    data[at:at + 4] = qtype.to_bytes(4, "little")
+    open(dst, "wb").write(bytes(data))
+    read_header(dst)  # still a readable header
+    return dst
+
+
+@pytest.fixture(scope="module")
+def bad_files(mixed_gguf, tmp_path_factory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("bad")
+    size = os.path.getsize(mixed_gguf)
+    truncated = str(d / "truncated.gguf")
+    with open(mixed_gguf, "rb") as f:
+        open(truncated, "wb").write(f.read(size * 2 // 3))
+    return {
+        "unsupported": _with_tensor_type(mixed_gguf, str(d / "q2k.gguf"),
+                                         "blk.1.ffn_up.weight", int(T.Q2_K)),
+        "unknown": _with_tensor_type(mixed_gguf, str(d / "t99.gguf"),
+                                     "blk.0.attn_q.weight", 99),
+        "truncated": truncated,
+    }
+
+
+BAD = {"unsupported": r"tensor blk\.1\.ffn_up\.weight has GGML type Q2_K.*supported: .*Q4_K",
+       "unknown": r"tensor blk\.0\.attn_q\.weight has GGML type type 99.*supported: .*Q6_K",
+       "truncated": r"truncated or corrupt GGUF file: tensor \S+ \(\w+\) at offset \d+"}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_gguf_raises_one_line_value_error(bad_files, case):
+    from asyncengine import LLM
+
+    with pytest.raises(ValueError, match=BAD[case]) as info:
+        LLM(bad_files[case], tokenizer=str(_tokenizer()), dtype="float32", max_model_len=64)
+    assert "\n" not in str(info.value)
+
+
+def _tokenizer() -> str:
+    from tests.utils import embedded_tokenizer_dir
+
+    return str(embedded_tokenizer_dir())
+
+
+def test_bad_gguf_cli_exits_2_without_traceback(bad_files):
+    from tests.test_cli import run_cli
+
+    r = run_cli("serve", bad_files["unsupported"], "--tokenizer", _tokenizer(),
+                "--dtype", "float32", "--port", "0")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert re.search(BAD["unsupported"], r.stderr)
