@@ -17,15 +17,14 @@ import pytest
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.sampling_params import SamplingParams
-from asyncengine.core.sched.interface import SchedulerInterface
+from asyncengine.core.sched.interface import Scheduler
 from asyncengine.engine.engine import AsyncEngine
 from asyncengine.ext import registry
-from asyncengine.ext.hookspecs import hookimpl
+from asyncengine.ext.contracts.hooks import hookimpl
 from asyncengine.ext.registry import new_plugin_manager, resolve_scheduler
 
 SPF_PLUGIN = """
-    from asyncengine.ext.hookspecs import hookimpl
-    from asyncengine.core.sched.fcfs import FCFSScheduler
+    from asyncengine.plugins import FCFSScheduler, hookimpl
 
     class SPFScheduler(FCFSScheduler):
         steps = 0
@@ -84,7 +83,7 @@ def test_builtins_are_registered_like_any_plugin():
     for name, cls in BUILTIN_SCHEDULERS.items():
         assert resolve_scheduler(name, pm) is cls
     assert "LlamaForCausalLM" in registry.registered("models", pm)
-    from asyncengine.ext.structured_output.xgrammar import XGrammarBackend
+    from asyncengine.builtins.xgrammar import XGrammarBackend
 
     assert registry.resolve_structured_output_backend("xgrammar", pm) is XGrammarBackend
 
@@ -134,7 +133,7 @@ def test_broken_plugin_is_skipped_and_named_when_needed(site, caplog):
 
 def test_unknown_hook_name_refuses_the_plugin(site):
     site.install("typo", """
-        from asyncengine.ext.hookspecs import hookimpl
+        from asyncengine.plugins import hookimpl
 
         @hookimpl
         def register_scheduler(register):
@@ -190,12 +189,12 @@ def test_qualname_is_checked_against_the_contract():
     here = __name__
     assert resolve_scheduler(f"{here}:DuckTyped") is DuckTyped  # subclassing is optional
     with pytest.raises(ValueError, match=rf"^--scheduler: {here}:Incomplete does not implement "
-                       r"SchedulerInterface.update_from_output$"):
+                       r"Scheduler.update_from_output$"):
         resolve_scheduler(f"{here}:Incomplete")
-    with pytest.raises(ValueError, match="written for SchedulerInterface version 99"):
+    with pytest.raises(ValueError, match="written for Scheduler version 99"):
         resolve_scheduler(f"{here}:FromTheFuture")
-    with pytest.raises(ValueError, match="does not implement SchedulerInterface.__init__, "
-                       "SchedulerInterface.add_request"):
+    with pytest.raises(ValueError, match="does not implement Scheduler.__init__, "
+                       "Scheduler.add_request"):
         resolve_scheduler(f"{here}:Empty")
     with pytest.raises(ValueError, match="cannot import 'no_such_pkg.sched' for "
                        "no_such_pkg.sched:S: ModuleNotFoundError"):
@@ -207,14 +206,14 @@ def test_qualname_is_checked_against_the_contract():
 
 
 def test_abstract_subclass_is_refused():
-    class HalfDone(SchedulerInterface):
+    class HalfDone(Scheduler):
         def __init__(self, config, num_blocks):
             pass
 
         def schedule(self): ...
 
-    with pytest.raises(ValueError, match=r"does not implement SchedulerInterface.add_request, "
-                       r"SchedulerInterface.update_from_output"):
+    with pytest.raises(ValueError, match=r"does not implement Scheduler.add_request, "
+                       r"Scheduler.update_from_output"):
         registry.check_contract("schedulers", HalfDone)
 
 
@@ -227,7 +226,7 @@ def test_registered_class_is_checked_too():
     pm = new_plugin_manager(load_entrypoints=False)
     pm.register(Plugin(), name="half")
     with pytest.raises(ValueError, match=rf"scheduler 'half' \({__name__}:Incomplete\) "
-                       "does not implement SchedulerInterface.update_from_output"):
+                       "does not implement Scheduler.update_from_output"):
         resolve_scheduler("half", pm)
 
 
@@ -335,11 +334,11 @@ def test_engine_refuses_an_incomplete_scheduler_at_start_up(tiny_llama):
     config = EngineConfig.from_dict({"model": tiny_llama, "scheduler": f"{__name__}:Incomplete",
                                      **ENGINE})
     with pytest.raises(ValueError, match=f"{__name__}:Incomplete does not implement "
-                       "SchedulerInterface.update_from_output"):
+                       "Scheduler.update_from_output"):
         AsyncEngine(config, plugin_manager=new_plugin_manager(load_entrypoints=False))
 
 
-class ComposedScheduler(SchedulerInterface):
+class ComposedScheduler(Scheduler):
     """A third-party scheduler that wraps FCFS instead of subclassing it: it has no
     ``kv_cache_manager`` attribute, only the contract."""
 

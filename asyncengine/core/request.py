@@ -91,7 +91,7 @@ class Request:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
-    # Structured output: an object with the Grammar interface (ext.structured_output.Grammar).
+    # Structured output: an object with the Grammar interface (asyncengine.plugins.Grammar).
     grammar: Any = None
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None

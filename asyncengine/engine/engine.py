@@ -7,7 +7,7 @@ turns each step's tokens into the streams' deltas while the next step runs.
 
 With a KV connector (``--kv-connector``), a step first awaits the loads of the blocks its
 admissions found in the connector, and after it the new full blocks are copied and saved in
-the background (``asyncengine.ext.kv_connector.transfer``).
+the background (``asyncengine.engine.kv_transfer``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from asyncengine.engine.errors import (
     EngineShuttingDown,
     RequestFailed,
 )
+from asyncengine.engine.kv_transfer import KVTransfer
 from asyncengine.engine.output_processor import Emitted, OutputProcessor
 from asyncengine.engine.outputs import RequestOutput
 from asyncengine.engine.prompts import check_length, tokenize_prompt
@@ -40,7 +41,6 @@ from asyncengine.engine.step_loop import StepLoop
 from asyncengine.engine.streams import RequestStream
 from asyncengine.executor.build import build
 from asyncengine.executor.thread_policy import BatchScheduled
-from asyncengine.ext.kv_connector.transfer import KVTransfer
 
 logger = logging.getLogger("asyncengine")
 

@@ -56,7 +56,7 @@ class ShortestFirstQueue:
 class ShortestPromptFirstScheduler(FCFSScheduler):
     """FCFS batching; waiting requests are admitted shortest first."""
 
-    # The SchedulerInterface version this was written against (asyncengine refuses the class
+    # The Scheduler version this was written against (asyncengine refuses the class
     # at start-up if it implements another one).
     contract_version = 1
 
