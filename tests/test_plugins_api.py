@@ -62,7 +62,7 @@ SNAPSHOT: dict[tuple[str, int], dict[str, tuple[str, ...] | None]] = {
         "Request": ("request_id", "prompt_token_ids", "sampling_params", "arrival_time",
                     "priority", "status", "output_token_ids", "num_computed_tokens",
                     "num_output_placeholders", "num_cached_tokens", "block_hashes",
-                    "num_tokens", "num_prompt_tokens", "max_tokens", "check_stop"),
+                    "num_tokens", "num_prompt_tokens", "max_tokens", "check_stop", "tenant"),
         "RequestStatus": ("WAITING", "RUNNING", "FINISHED_STOPPED", "FINISHED_LENGTH",
                           "FINISHED_ABORTED", "FINISHED_ERROR", "finished"),
         "SamplingParams": ("max_tokens", "temperature"),
@@ -257,7 +257,7 @@ def outside_plugin(tmp_path, monkeypatch):
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: outside-plugin\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text("[asyncengine]\noutside = outside_plugin\n")
     monkeypatch.syspath_prepend(str(site))
-    monkeypatch.delenv(registry.ALLOWLIST_ENV, raising=False)
+    monkeypatch.setenv(registry.ALLOWLIST_ENV, "outside")  # not what else is installed
     yield "outside_plugin"
     sys.modules.pop("outside_plugin", None)
 

@@ -140,7 +140,8 @@ class AsyncEngine:
     # -- requests -------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                           request_id: str | None = None, priority: int = 0,
-                          deltas_only: bool = False) -> RequestStream:
+                          deltas_only: bool = False,
+                          tenant: str | None = None) -> RequestStream:
         """Validate and queue a request; return its output stream. Raises ValueError for
         invalid input, EngineShuttingDown when draining, EngineDeadError after a failure."""
         if self._dead is not None:
@@ -171,7 +172,7 @@ class AsyncEngine:
                 request_id=request_id if params.n == 1 else f"{request_id}:{i}",
                 prompt_token_ids=token_ids, sampling_params=sp,
                 eos_token_ids=self.tokenizer.eos_token_ids, max_model_len=self.max_model_len,
-                priority=priority, index=i,
+                priority=priority, index=i, tenant=tenant,
             )
             req.grammar = grammars[i]
             if sp.prompt_logprobs is not None:
@@ -194,10 +195,11 @@ class AsyncEngine:
         return stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                       request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Leaving the loop early aborts the request."""
-        stream = await self.add_request(prompt, params, request_id=request_id, priority=priority)
+        stream = await self.add_request(prompt, params, request_id=request_id, priority=priority,
+                                        tenant=tenant)
         try:
             async for out in stream:
                 yield out

@@ -41,6 +41,7 @@ from asyncengine.entrypoints.http.params import KNOWN_PARAMS
 from asyncengine.entrypoints.http.protocol import Body, unsupported
 from asyncengine.entrypoints.http.sse import ClientGone, SSEStream, encode_json
 from asyncengine.entrypoints.http.state import STATE, served_model_names
+from asyncengine.entrypoints.http.tenancy import current_tenant
 
 B = TypeVar("B", bound=Body)
 
@@ -129,7 +130,7 @@ async def open_streams(engine: AsyncEngine, prompts: list[str | list[int]],
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             streams.append(await engine.add_request(
                 prompt, params if i == 0 else params.clone(), request_id=rid,
-                priority=priority, deltas_only=deltas_only))
+                priority=priority, deltas_only=deltas_only, tenant=current_tenant.get()))
     except (ValueError, EngineShuttingDown, EngineOverloaded, EngineDeadError) as e:
         for s in streams:
             s.close()
