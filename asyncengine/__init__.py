@@ -7,7 +7,10 @@ from typing import TYPE_CHECKING
 from asyncengine.config import EngineConfig
 from asyncengine.core.sampling_params import SamplingParams, StructuredOutputsParams
 from asyncengine.engine.outputs import CompletionOutput, RequestOutput
-from asyncengine.ext.hookspecs import hookimpl
+from asyncengine.ext import deprecated as _deprecated
+from asyncengine.ext.contracts.hooks import hookimpl
+
+_deprecated.install()  # the plugin API's old module paths, for one more version
 
 __version__ = "0.1.0"
 

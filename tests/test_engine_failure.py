@@ -23,7 +23,7 @@ PLUGIN = f'''
     import torch
 
     from asyncengine.executor.models.llama import LlamaForCausalLM
-    from asyncengine.ext.hookspecs import hookimpl
+    from asyncengine.plugins import hookimpl
 
 
     class FaultyLlama(LlamaForCausalLM):

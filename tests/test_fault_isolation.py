@@ -12,8 +12,8 @@ from asyncengine import SamplingParams, StructuredOutputsParams
 from asyncengine.config import EngineConfig
 from asyncengine.engine.engine import AsyncEngine
 from asyncengine.engine.errors import RequestFailed
-from asyncengine.ext.hookspecs import hookimpl
 from asyncengine.ext.registry import new_plugin_manager
+from asyncengine.plugins import hookimpl
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,",
            "Once upon a time", "The quick brown fox", "import numpy as np",

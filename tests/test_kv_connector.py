@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from asyncengine import LLM, SamplingParams
+from asyncengine.builtins.safetensors_connector import SafetensorsKVConnector
 from asyncengine.config import EngineConfig
 from asyncengine.core.kv.hashing import update_block_hashes
 from asyncengine.core.request import Request
 from asyncengine.core.sched.fcfs import FCFSScheduler
-from asyncengine.core.sched.interface import SchedulerInterface
-from asyncengine.ext.kv_connector.contract import KVCacheLayout
-from asyncengine.ext.kv_connector.safetensors import SafetensorsKVConnector
+from asyncengine.core.sched.interface import Scheduler
+from asyncengine.ext.contracts.kv_connector import KVCacheLayout
 
 BS = 16
 MAX_TOKENS = 12
@@ -182,7 +182,7 @@ class NoSave:
 
 
 class NoConnectors(FCFSScheduler):
-    set_kv_connector = SchedulerInterface.set_kv_connector
+    set_kv_connector = Scheduler.set_kv_connector
 
 
 def layout(model: str = "m", dtype: torch.dtype = torch.float32, block_size: int = 4):

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("asyncengine.core",),
     ("asyncengine.metrics", "asyncengine.text"),
     ("asyncengine.ext",),
+    ("asyncengine.plugins",),  # the plugin API: re-exports core/ and ext/ for plugin authors
     ("asyncengine.executor",),
     ("asyncengine.engine",),
     ("asyncengine.builtins",),

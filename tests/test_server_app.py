@@ -9,7 +9,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from asyncengine.entrypoints.http.app import build_app
 from asyncengine.entrypoints.http.errors import error_middleware
 from asyncengine.entrypoints.http.state import ServerSettings
-from asyncengine.ext.hookspecs import hookimpl
+from asyncengine.plugins import hookimpl
 
 
 def test_plugin_routes_are_served_and_documented(monkeypatch):

@@ -17,13 +17,9 @@ import jsonschema
 import pytest
 import torch
 
-from asyncengine.core.sampling_params import StructuredOutputsParams
-from asyncengine.ext.structured_output import (
-    Grammar,
-    StructuredOutputBackend,
-    StructuredOutputManager,
-)
-from asyncengine.ext.structured_output.xgrammar import XGrammarBackend
+from asyncengine.builtins.xgrammar import XGrammarBackend
+from asyncengine.executor.structured_output import StructuredOutputManager
+from asyncengine.plugins import Grammar, StructuredOutputBackend, StructuredOutputsParams
 from asyncengine.text.tokenizer import load_tokenizer
 
 PAD = 64  # the model's vocabulary is padded past the tokenizer's

@@ -163,6 +163,8 @@ class EngineConfig:
             raise ValueError("--served-model-name: give one or more non-empty names")
         mc.override_generation_config = json_object(mc.override_generation_config,
                                                      "override_generation_config")
+        self.scheduler.scheduler_config = json_object(self.scheduler.scheduler_config,
+                                                      "scheduler_config")
         gen = mc.generation_config
         if gen not in ("auto", "vllm") and not Path(gen, "generation_config.json").is_file():
             raise ValueError(f"--generation-config: no generation_config.json in {gen!r} (give "

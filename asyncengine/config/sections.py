@@ -97,6 +97,9 @@ class SchedulerConfig:
                 "(HTTP 503 with Retry-After) (default: max(256, 4 x --max-num-seqs))"})
     max_n: int = field(default=128, metadata={
         "help": "most samples one request may ask for (n)"})
+    scheduler_config: dict[str, Any] | str | None = field(default=None, metadata={
+        "help": "options for the scheduler, a JSON object (a plugin scheduler documents its "
+                "own: '{\"weights\": {\"team-a\": 3}}' for fair-share)"})
 
     @property
     def queued_request_limit(self) -> int:

@@ -68,6 +68,9 @@ class Request:
     priority: int = 0
     # Index among the n samples of a parent request (n > 1), 0 otherwise.
     index: int = 0
+    # Who the request is accounted to, for schedulers that share capacity between tenants
+    # (the HTTP server sets it from X-Tenant or the API key); None: the default tenant.
+    tenant: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -91,7 +94,7 @@ class Request:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
-    # Structured output: an object with the Grammar interface (ext.structured_output.Grammar).
+    # Structured output: an object with the Grammar interface (asyncengine.plugins.Grammar).
     grammar: Any = None
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None

@@ -7,7 +7,7 @@ turns each step's tokens into the streams' deltas while the next step runs.
 
 With a KV connector (``--kv-connector``), a step first awaits the loads of the blocks its
 admissions found in the connector, and after it the new full blocks are copied and saved in
-the background (``asyncengine.ext.kv_connector.transfer``).
+the background (``asyncengine.engine.kv_transfer``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from asyncengine.engine.errors import (
     EngineShuttingDown,
     RequestFailed,
 )
+from asyncengine.engine.kv_transfer import KVTransfer
 from asyncengine.engine.output_processor import Emitted, OutputProcessor
 from asyncengine.engine.outputs import RequestOutput
 from asyncengine.engine.prompts import check_length, tokenize_prompt
@@ -40,7 +41,6 @@ from asyncengine.engine.step_loop import StepLoop
 from asyncengine.engine.streams import RequestStream
 from asyncengine.executor.build import build
 from asyncengine.executor.thread_policy import BatchScheduled
-from asyncengine.ext.kv_connector.transfer import KVTransfer
 
 logger = logging.getLogger("asyncengine")
 
@@ -140,18 +140,20 @@ class AsyncEngine:
     # -- requests -------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                           request_id: str | None = None, priority: int = 0,
-                          deltas_only: bool = False) -> RequestStream:
+                          deltas_only: bool = False,
+                          tenant: str | None = None) -> RequestStream:
         """Validate and queue a request; return its output stream. Raises ValueError for
         invalid input, EngineShuttingDown when draining, EngineDeadError after a failure."""
         self._check_open()
         self.check_queue()
         prepared = await self._prepare(prompt, params or SamplingParams(),
-                                       request_id or uuid.uuid4().hex, priority, deltas_only)
+                                       request_id or uuid.uuid4().hex, priority, deltas_only,
+                                       tenant)
         return self._submit(prepared)
 
     async def add_requests(self, prompts: list[str | list[int]], params: SamplingParams, *,
-                           request_id: str, priority: int = 0,
-                           deltas_only: bool = False) -> list[RequestStream]:
+                           request_id: str, priority: int = 0, deltas_only: bool = False,
+                           tenant: str | None = None) -> list[RequestStream]:
         """The engine requests of one API call (one per prompt, ids ``request_id-i`` when there
         are several), all or none: every prompt is tokenized and checked, and every grammar
         compiled, before the first one is queued, so a call refused for any of its prompts
@@ -161,7 +163,7 @@ class AsyncEngine:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
                                                         for i in range(len(prompts))]
         prepared = [await self._prepare(p, params if i == 0 else params.clone(), rid, priority,
-                                        deltas_only)
+                                        deltas_only, tenant)
                     for i, (p, rid) in enumerate(zip(prompts, ids, strict=True))]
         streams: list[RequestStream] = []
         try:
@@ -180,7 +182,8 @@ class AsyncEngine:
             raise EngineShuttingDown("the engine is not accepting requests")
 
     async def _prepare(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int, deltas_only: bool) -> RequestStream:
+                       priority: int, deltas_only: bool,
+                       tenant: str | None = None) -> RequestStream:
         """A request checked and ready to queue, as its (not yet registered) stream: nothing
         of the engine's state changes here."""
         params.validate(self.sampling_limits)
@@ -207,7 +210,7 @@ class AsyncEngine:
                 request_id=request_id if params.n == 1 else f"{request_id}:{i}",
                 prompt_token_ids=token_ids, sampling_params=sp,
                 eos_token_ids=self.tokenizer.eos_token_ids, max_model_len=self.max_model_len,
-                priority=priority, index=i,
+                priority=priority, index=i, tenant=tenant,
             )
             req.grammar = grammars[i]
             if sp.prompt_logprobs is not None:
@@ -235,10 +238,11 @@ class AsyncEngine:
         return stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                       request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Leaving the loop early aborts the request."""
-        stream = await self.add_request(prompt, params, request_id=request_id, priority=priority)
+        stream = await self.add_request(prompt, params, request_id=request_id, priority=priority,
+                                        tenant=tenant)
         try:
             async for out in stream:
                 yield out

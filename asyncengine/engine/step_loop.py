@@ -38,7 +38,7 @@ import anyio
 import anyio.abc
 
 from asyncengine.core.request import Request, RequestStatus
-from asyncengine.core.sched.interface import SchedulerInterface, SchedulerOutput
+from asyncengine.core.sched.interface import Scheduler, SchedulerOutput
 from asyncengine.executor.device import Device, StepHandle
 from asyncengine.executor.runner import ModelRunner, StepInputs
 
@@ -58,7 +58,7 @@ class Step:
 class LoopOwner(Protocol):
     """What the loop needs of its engine (``AsyncEngine`` is one)."""
 
-    scheduler: SchedulerInterface
+    scheduler: Scheduler
     runner: ModelRunner
     device: Device
     kv_transfer: Any  # KVTransfer | None

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 
 from asyncengine.config import EngineConfig, parse_size
-from asyncengine.core.sched.interface import SchedulerInterface
+from asyncengine.core.sched.interface import Scheduler
 from asyncengine.executor.attention import AttentionShape, get_attention_backend
 from asyncengine.executor.device import Device, make_device
 from asyncengine.executor.kv_sizing import (
@@ -33,9 +33,9 @@ from asyncengine.executor.kv_sizing import (
 from asyncengine.executor.models.loader import load_model, pick_dtype, resolve_model
 from asyncengine.executor.models.registry import architecture_of
 from asyncengine.executor.runner import ModelRunner
+from asyncengine.executor.structured_output import StructuredOutputManager
 from asyncengine.ext import registry
-from asyncengine.ext.kv_connector.contract import KVCacheLayout, KVConnector, model_identity
-from asyncengine.ext.structured_output.manager import StructuredOutputManager
+from asyncengine.ext.contracts.kv_connector import KVCacheLayout, KVConnector, model_identity
 from asyncengine.text.generation_config import load_generation_defaults
 from asyncengine.text.tokenizer import Tokenizer, load_tokenizer
 
@@ -71,7 +71,7 @@ class EngineParts:
     # manager releases blocks wholly before the window (core/kv/manager.py).
     sliding_window: int | None = None
 
-    def make_scheduler(self) -> SchedulerInterface:
+    def make_scheduler(self) -> Scheduler:
         config = self.config.replace(max_model_len=self.max_model_len)
         scheduler = self.scheduler_cls(config, self.num_blocks)
         kv = getattr(scheduler, "kv_cache_manager", None)
@@ -260,7 +260,7 @@ def _resolve_kv_connector(config: EngineConfig, scheduler_cls: type,
         return None
     cls = registry.resolve_kv_connector(pc.kv_connector, plugin_manager)
     setter = getattr(scheduler_cls, "set_kv_connector", None)
-    if setter is None or setter is SchedulerInterface.set_kv_connector:
+    if setter is None or setter is Scheduler.set_kv_connector:
         raise ValueError(f"--kv-connector: the scheduler {scheduler_cls.__name__} "
                          "does not support KV connectors")
     validate = getattr(cls, "validate_config", None)

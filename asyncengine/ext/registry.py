@@ -25,8 +25,8 @@ from typing import Any
 
 import pluggy
 
-from asyncengine.ext import hookspecs
-from asyncengine.ext.contracts import KINDS, check_contract, qualname
+from asyncengine.ext.contracts import hooks as hookspecs
+from asyncengine.ext.kinds import KINDS, check_contract, qualname
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ def registered(kind: str, pm: pluggy.PluginManager | None = None) -> dict[str, t
 
 
 def resolve_scheduler(name: str, pm: pluggy.PluginManager | None = None) -> type:
-    """The scheduler class for ``--scheduler``, checked against ``SchedulerInterface``."""
+    """The scheduler class for ``--scheduler``, checked against ``Scheduler``."""
     return _resolve("schedulers", name, pm)
 
 

@@ -33,7 +33,7 @@ from asyncengine.core.sched.interface import (
     KVLoad,
     ModelRunnerOutput,
     ScheduledRequest,
-    SchedulerInterface,
+    Scheduler,
     SchedulerOutput,
     SchedulerStats,
 )
@@ -58,7 +58,7 @@ class _Step:
     preempted: set[str] = field(default_factory=set)
 
 
-class FCFSScheduler(SchedulerInterface):
+class FCFSScheduler(Scheduler):
     """First come, first served. See the module docstring for one step's rules."""
 
     def __init__(self, config: EngineConfig, num_blocks: int) -> None:

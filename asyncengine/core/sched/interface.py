@@ -1,5 +1,7 @@
 """The scheduler contract (vLLM V1's, slimmed) and the data it exchanges with the runner.
 
+Plugins import these from ``asyncengine.plugins`` (this module is internal).
+
 A scheduler decides, once per step, which requests run and how many of their tokens are
 computed, and owns the KV-cache blocks they use. It is plain Python: it never imports torch.
 Implementations live in ``asyncengine/core/sched/`` (built-ins ``fcfs`` and ``priority``) or in
@@ -44,12 +46,14 @@ if TYPE_CHECKING:
     from asyncengine.config import EngineConfig
 
 #: Bumped when the contract below changes incompatibly (see docs/plugins.md).
-SCHEDULER_API_VERSION = 1
+#: 2: public as ``asyncengine.plugins.Scheduler`` (was ``Scheduler``, imported from
+#: this module); the methods did not change, so a class written for 1 is still accepted.
+SCHEDULER_API_VERSION = 2
 
 
 class KVConnectorLookup(Protocol):
     """The scheduler's side of a KV connector (the whole contract is
-    ``asyncengine.ext.kv_connector.contract.KVConnector``, which satisfies this)."""
+    ``asyncengine.plugins.KVConnector``, which satisfies this)."""
 
     def lookup(self, request: Request, num_local_tokens: int) -> int: ...
 
@@ -145,7 +149,7 @@ class SchedulerStats:
     num_total_blocks: int = 0
 
 
-class SchedulerInterface(ABC):
+class Scheduler(ABC):
     """The contract between the engine loop and a scheduler.
 
     Construction: ``cls(config: EngineConfig, num_blocks: int)``; the scheduler builds its own
@@ -207,3 +211,15 @@ class SchedulerInterface(ABC):
         built-in ones do)."""
         raise ValueError(f"--kv-connector: the scheduler {type(self).__name__} does not "
                          "support KV connectors")
+
+
+def __getattr__(name: str) -> type:
+    # The contract's name in plugin API 1; kept for one version.
+    if name == "SchedulerInterface":
+        import warnings
+
+        warnings.warn("asyncengine.core.sched.interface.SchedulerInterface is deprecated since "
+                      "asyncengine plugin API 2 and will be removed in the next: use "
+                      "asyncengine.plugins.Scheduler", DeprecationWarning, stacklevel=2)
+        return Scheduler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

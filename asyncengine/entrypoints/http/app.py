@@ -46,6 +46,7 @@ from asyncengine.entrypoints.http.responses_api_protocol import (
 from asyncengine.entrypoints.http.sender import BatchSender
 from asyncengine.entrypoints.http.serving import REQUEST_ID_HEADER, to_api_error
 from asyncengine.entrypoints.http.state import STATE, ServerSettings, ServerState
+from asyncengine.entrypoints.http.tenancy import tenant_middleware
 
 if TYPE_CHECKING:
     from asyncengine.engine.engine import AsyncEngine
@@ -128,6 +129,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None,
     if settings.api_key:
         middlewares.append(auth_middleware(settings.api_key))
     middlewares.append(overload_middleware)
+    middlewares.append(tenant_middleware)
     app = web.Application(client_max_size=settings.max_request_body, middlewares=middlewares)
     app[STATE] = ServerState(engine, metrics, settings)
     app[ROUTES] = list(BUILTIN_ROUTES)

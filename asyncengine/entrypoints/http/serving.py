@@ -41,6 +41,7 @@ from asyncengine.entrypoints.http.params import KNOWN_PARAMS
 from asyncengine.entrypoints.http.protocol import Body, unsupported
 from asyncengine.entrypoints.http.sse import ClientGone, SSEStream, encode_json
 from asyncengine.entrypoints.http.state import STATE, served_model_names
+from asyncengine.entrypoints.http.tenancy import current_tenant
 
 B = TypeVar("B", bound=Body)
 
@@ -126,7 +127,8 @@ async def open_streams(engine: AsyncEngine, prompts: list[str | list[int]],
         request_logger.info("request %s: %d prompt(s), %s", base_id, len(prompts), params)
     try:
         streams = await engine.add_requests(prompts, params, request_id=base_id,
-                                            priority=priority, deltas_only=deltas_only)
+                                            priority=priority, deltas_only=deltas_only,
+                                            tenant=current_tenant.get())
     except (ValueError, EngineShuttingDown, EngineOverloaded, EngineDeadError) as e:
         raise to_api_error(e) from None
     return streams

@@ -1,4 +1,5 @@
-"""Structured outputs: the backend contract (the manager the engine uses is in ``manager.py``).
+"""Structured outputs: the backend contract (public as ``asyncengine.plugins``; the manager
+the engine uses is ``asyncengine/executor/structured_output.py``).
 
 A request that asks for structured output (``SamplingParams.structured_outputs``) gets a
 :class:`Grammar` — a matcher over the model's vocabulary — in ``Request.grammar``. Each step:
@@ -12,7 +13,7 @@ A request that asks for structured output (``SamplingParams.structured_outputs``
    ``"stop"``).
 
 Backends are plugins (``register_structured_output_backends``); the default is ``xgrammar``
-(``asyncengine/ext/structured_output/xgrammar.py``). A backend class is constructed as
+(``asyncengine/builtins/xgrammar.py``). A backend class is constructed as
 ``cls(tokenizer, vocab_size)``.
 """
 
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
     from asyncengine.text.tokenizer import Tokenizer
 
 #: Bumped when the contract below changes incompatibly (see docs/plugins.md).
-STRUCTURED_OUTPUT_API_VERSION = 1
+#: 2: imported from ``asyncengine.plugins`` (the methods did not change; 1 is still accepted).
+STRUCTURED_OUTPUT_API_VERSION = 2
 
 #: The kinds of constraint a backend compiles (``StructuredOutputsParams.kind``).
 KINDS = ("json", "json_object", "regex", "choice", "grammar")

@@ -3,15 +3,18 @@
 Each kind of pluggable component (scheduler, structured-output backend, KV connector, model)
 names the hook that registers it and the interface it implements. ``check_contract`` runs at
 start-up, before the weights load, so an incomplete plugin class fails with the missing method
-named ("X does not implement SchedulerInterface.update_from_output"), not mid-request.
+named ("X does not implement Scheduler.update_from_output"), not mid-request.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any
+
+from asyncengine.ext.contracts import ACCEPTED_VERSIONS, CONTRACT_VERSION
 
 
 @dataclass(frozen=True)
@@ -22,22 +25,22 @@ class ComponentKind:
     noun: str
     flag: str | None  # the config option that selects it; None: not operator-selectable
     contract: tuple[str, str] | None = None  # (module, class) of the interface, if one exists
-    version: str | None = None  # the module constant holding the contract's version
+    version: str | None = None  # its key in asyncengine.ext.contracts.CONTRACT_VERSION
     allow_qualname: bool = True
 
 
 KINDS: dict[str, ComponentKind] = {
     "schedulers": ComponentKind(
         "register_schedulers", "scheduler", "--scheduler",
-        ("asyncengine.core.sched.interface", "SchedulerInterface"), "SCHEDULER_API_VERSION"),
+        ("asyncengine.core.sched.interface", "Scheduler"), "scheduler"),
     "structured_output_backends": ComponentKind(
         "register_structured_output_backends", "structured-output backend",
         "--structured-output-backend",
-        ("asyncengine.ext.structured_output", "StructuredOutputBackend"),
-        "STRUCTURED_OUTPUT_API_VERSION"),
+        ("asyncengine.ext.contracts.structured_output", "StructuredOutputBackend"),
+        "structured_output"),
     "kv_connectors": ComponentKind(
         "register_kv_connectors", "KV connector", "--kv-connector",
-        ("asyncengine.ext.kv_connector.contract", "KVConnector"), "KV_CONNECTOR_API_VERSION"),
+        ("asyncengine.ext.contracts.kv_connector", "KVConnector"), "kv_connector"),
     # Architecture names come from model files, so they never resolve to a qualname.
     "models": ComponentKind("register_models", "model architecture", None,
                             allow_qualname=False),
@@ -65,11 +68,19 @@ def check_contract(kind: str, cls: Any, label: str | None = None) -> None:
     if missing:
         names = ", ".join(f"{interface.__name__}.{m}" for m in missing)
         raise ValueError(f"{label} does not implement {names}")
-    current = getattr(module, spec.version, None) if spec.version else None
     declared = getattr(cls, "contract_version", None)
-    if declared is not None and current is not None and declared != current:
-        raise ValueError(f"{label} was written for {interface.__name__} version {declared}; "
-                         f"this asyncengine implements version {current} (see docs/plugins.md)")
+    if declared is None or spec.version is None:
+        return
+    current = CONTRACT_VERSION[spec.version]
+    if declared == current:
+        return
+    if declared in ACCEPTED_VERSIONS[spec.version]:
+        warnings.warn(f"{label} was written for {interface.__name__} version {declared}; this "
+                      f"asyncengine implements version {current} and accepts {declared} until "
+                      "the next version (see docs/plugins.md)", DeprecationWarning, stacklevel=2)
+        return
+    raise ValueError(f"{label} was written for {interface.__name__} version {declared}; "
+                     f"this asyncengine implements version {current} (see docs/plugins.md)")
 
 
 def _abstract_methods(interface: type) -> list[str]:

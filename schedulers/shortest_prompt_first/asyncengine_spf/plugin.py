@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncengine.ext.hookspecs import Register, hookimpl
+from asyncengine.plugins import Register, hookimpl
 from asyncengine_spf.scheduler import ShortestPromptFirstScheduler
 
 

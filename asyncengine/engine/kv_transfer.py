@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from asyncengine.core.sched.interface import KVLoad, ScheduledRequest, SchedulerOutput
-    from asyncengine.ext.kv_connector.contract import KVConnector
+    from asyncengine.ext.contracts.kv_connector import KVConnector
 
 logger = logging.getLogger("asyncengine")
 

@@ -1,4 +1,11 @@
-"""The built-in components, registered through the same hooks as any third-party plugin.
+"""The default plugin: the built-in components, registered through the same hooks and
+written against the same API (``asyncengine.plugins``) as any third-party plugin.
+
+* ``xgrammar.py``: the default structured-output backend;
+* ``safetensors_connector.py``: the KV connector that stores blocks as files;
+* the schedulers ``fcfs`` and ``priority`` (``asyncengine/core/sched/``, which every
+  scheduler builds on) and the model classes (``asyncengine/executor/models/``) stay with the
+  engine code they belong to and are registered from here.
 
 Declared in asyncengine's own pyproject.toml (entry point ``builtins`` in the group
 ``asyncengine``) and always registered first by ``asyncengine.ext.registry``, whatever
@@ -8,7 +15,7 @@ and a component whose module cannot be imported only fails the lookup of its own
 
 from __future__ import annotations
 
-from asyncengine.ext.hookspecs import Register, hookimpl
+from asyncengine.plugins import Register, hookimpl
 
 
 @hookimpl
@@ -21,7 +28,7 @@ def register_schedulers(register: Register) -> None:
 
 @hookimpl
 def register_structured_output_backends(register: Register) -> None:
-    from asyncengine.ext.structured_output.xgrammar import XGrammarBackend
+    from asyncengine.builtins.xgrammar import XGrammarBackend
 
     register("xgrammar", XGrammarBackend)
 
@@ -36,6 +43,6 @@ def register_models(register: Register) -> None:
 
 @hookimpl
 def register_kv_connectors(register: Register) -> None:
-    from asyncengine.ext.kv_connector.safetensors import SafetensorsKVConnector
+    from asyncengine.builtins.safetensors_connector import SafetensorsKVConnector
 
     register("safetensors", SafetensorsKVConnector)

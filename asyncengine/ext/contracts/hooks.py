@@ -8,7 +8,7 @@ asyncengine through an entry point in the group ``asyncengine``::
     spf = "spf_scheduler.plugin"
 
     # spf_scheduler/plugin.py
-    from asyncengine.ext.hookspecs import hookimpl
+    from asyncengine.plugins import hookimpl
 
     @hookimpl
     def register_schedulers(register):
@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 
 PROJECT_NAME = "asyncengine"
 
+#: Bumped when a hook is removed or its arguments change meaning (see docs/plugins.md).
+#: 2: the hooks are imported from ``asyncengine.plugins`` (nothing else changed).
+HOOKS_API_VERSION = 2
+
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
@@ -45,7 +49,7 @@ Register = Callable[[str, type], None]
 def register_schedulers(register: Register) -> None:
     """Register scheduler classes: ``register("spf", ShortestPromptFirstScheduler)``.
 
-    Each class implements ``asyncengine.core.sched.interface.SchedulerInterface`` (subclassing it is
+    Each class implements ``asyncengine.plugins.Scheduler`` (subclassing it is
     optional; every abstract method must be present) and is constructed by the engine as
     ``cls(config, num_blocks)``. Operators select one with ``--scheduler NAME``.
     """
@@ -67,7 +71,7 @@ def register_kv_connectors(register: Register) -> None:
 
     A connector moves KV-cache blocks, keyed by prefix-cache block hash, between the cache
     and external storage. Each class implements
-    ``asyncengine.ext.kv_connector.contract.KVConnector`` (subclassing it is optional) and is
+    ``asyncengine.plugins.KVConnector`` (subclassing it is optional) and is
     constructed as ``cls(config, layout)``. Operators select one with ``--kv-connector NAME``.
     """
 
@@ -106,6 +110,7 @@ def register_http_routes(app: web.Application, engine: Any) -> None:
 
 
 __all__ = [
+    "HOOKS_API_VERSION",
     "PROJECT_NAME",
     "Register",
     "add_cli_arguments",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.to_thread
 
-from asyncengine.ext.structured_output.contract import Grammar, StructuredOutputBackend, fill_rows
+from asyncengine.ext.contracts.structured_output import Grammar, StructuredOutputBackend, fill_rows
 
 if TYPE_CHECKING:
     import torch

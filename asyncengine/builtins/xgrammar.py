@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xgrammar as xgr
 
-from asyncengine.ext.structured_output.contract import Grammar, StructuredOutputBackend
+from asyncengine.plugins import Grammar, StructuredOutputBackend
 
 if TYPE_CHECKING:
-    from asyncengine.text.tokenizer import Tokenizer
+    from asyncengine.plugins import Tokenizer
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes a failed
 # check's text; neither means anything to a user.

@@ -33,11 +33,10 @@ import anyio.to_thread
 import safetensors.torch
 import torch
 
-from asyncengine.ext.kv_connector.contract import KVCacheLayout, KVConnector
+from asyncengine.plugins import KVCacheLayout, KVConnector
 
 if TYPE_CHECKING:
-    from asyncengine.config import EngineConfig
-    from asyncengine.core.request import Request
+    from asyncengine.plugins import EngineConfig, Request
 
 logger = logging.getLogger("asyncengine")
 

@@ -1,4 +1,5 @@
-"""The KV-connector contract: moving KV-cache blocks between the cache and external storage.
+"""The KV-connector contract (public as ``asyncengine.plugins``): moving KV-cache blocks
+between the cache and external storage.
 
 A connector is a store of KV-cache blocks keyed by their prefix-cache block hashes
 (``Request.block_hashes``: chained sha256 of the token ids, see
@@ -45,7 +46,8 @@ if TYPE_CHECKING:
     from asyncengine.core.request import Request
 
 #: Bumped when the contract below changes incompatibly (see docs/plugins.md).
-KV_CONNECTOR_API_VERSION = 1
+#: 2: imported from ``asyncengine.plugins`` (the methods did not change; 1 is still accepted).
+KV_CONNECTOR_API_VERSION = 2
 
 
 @dataclass(frozen=True)

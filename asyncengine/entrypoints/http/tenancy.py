@@ -1,0 +1,48 @@
+"""Who a request is accounted to: its tenant, for schedulers that share capacity fairly.
+
+The tenant is the ``X-Tenant`` header when sent (as a gateway in front of the server would set
+it), else derived from the bearer token (``key-`` and 16 hex digits of its sha256, so the key
+itself never reaches a scheduler, a log or a metric label), else None (the default tenant).
+The middleware puts it in :data:`current_tenant` for the handler's task; ``open_streams``
+passes it to ``AsyncEngine.add_request(tenant=...)`` and so to ``Request.tenant``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from contextvars import ContextVar
+
+from aiohttp import web
+
+from asyncengine.entrypoints.http.errors import APIError
+
+TENANT_HEADER = "X-Tenant"
+_VALID = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
+
+#: The tenant of the HTTP request this task serves (None: the default tenant).
+current_tenant: ContextVar[str | None] = ContextVar("asyncengine_tenant", default=None)
+
+
+def tenant_of(request: web.Request) -> str | None:
+    """The request's tenant; a malformed ``X-Tenant`` is a 400."""
+    named = request.headers.get(TENANT_HEADER)
+    if named is not None:
+        named = named.strip()
+        if not _VALID.match(named):
+            raise APIError(400, f"{TENANT_HEADER}: 1 to 128 characters among letters, digits "
+                                "and . _ : @ / -", param=TENANT_HEADER)
+        return named
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return "key-" + hashlib.sha256(token.strip().encode()).hexdigest()[:16]
+    return None
+
+
+@web.middleware
+async def tenant_middleware(request: web.Request, handler) -> web.StreamResponse:
+    token = current_tenant.set(tenant_of(request))
+    try:
+        return await handler(request)
+    finally:
+        current_tenant.reset(token)
