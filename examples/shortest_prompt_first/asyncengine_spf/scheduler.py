@@ -58,7 +58,7 @@ class ShortestPromptFirstScheduler(FCFSScheduler):
 
     # The SchedulerInterface version this was written against (asyncengine refuses the class
     # at start-up if it implements another one).
-    contract_version = 1
+    contract_version = 2
 
     def _new_waiting_queue(self) -> ShortestFirstQueue:  # type: ignore[override]
         return ShortestFirstQueue()
