@@ -192,3 +192,34 @@ def test_rejection_sampling_follows_the_target_distribution():
     chi2 = (((counts[keep] - expected[keep]) ** 2) / expected[keep]).sum().item()
     assert chi2 < 100, chi2  # df = 35 (6 x 6 cells): p ~ 1e-8
     assert 0.2 < sum(a == draft[0] for a in t1) / n < 0.6  # the draft was both kept and not
+
+
+def test_bench_serve_reports_acceptance_from_the_servers_counters():
+    from asyncengine.entrypoints.bench import serve as bench_serve
+    from asyncengine.entrypoints.bench import spec_metrics
+    from asyncengine.metrics import EngineMetrics
+
+    m = EngineMetrics("m")
+    m.on_spec(4, 1)
+    before = spec_metrics.parse(m.render().decode())
+    m.on_spec(4, 4)
+    m.on_spec(4, 0)
+    m.on_spec(2, 2)
+    after = spec_metrics.parse(m.render().decode())
+    s = spec_metrics.summarize(before, after)
+    assert (s["spec_num_drafts"], s["spec_num_draft_tokens"], s["spec_num_accepted_tokens"]) \
+        == (3, 10, 6)
+    assert s["spec_acceptance_rate"] == pytest.approx(0.6)
+    assert s["spec_acceptance_length"] == pytest.approx(3.0)
+    assert s["spec_per_position_acceptance_rate"] == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3])
+    summary = {"completed": 1, "failed": 0, "max_concurrency": 1, "request_rate": "inf",
+               "duration": 1.0, "total_input_tokens": 1, "total_output_tokens": 1,
+               "request_throughput": 1.0, "output_throughput": 1.0,
+               "total_token_throughput": 2.0, **s}
+    for key in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p99"):
+            summary[f"{stat}_{key}_ms"] = 1.0
+    report = bench_serve.format_report(summary)
+    lines = [" ".join(line.split()) for line in report.splitlines()]
+    assert "Acceptance rate (%): 60.00" in lines and "Acceptance length: 3.00" in lines
+    assert spec_metrics.summarize(after, after) == {}  # nothing drafted: no section
