@@ -119,6 +119,12 @@ class EngineMetrics:
         self.request_generation_tokens = Histogram(tokens)
         self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
         self.cache_info = _cache_info(cache_config, num_gpu_blocks, extra_cache_info)
+        # Speculative decoding: steps that verified drafts, drafts, accepted drafts, and
+        # accepted drafts by position (0: the first draft).
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos: list[int] = []
         # Tokens a KV connector loaded instead of computing (None: no connector configured).
         self.kv_connector_hits: int | None = None
 
@@ -138,6 +144,17 @@ class EngineMetrics:
         self.generation_tokens += num_generation_tokens
         if num_prompt_tokens or num_generation_tokens:
             self.iteration_tokens.observe(num_prompt_tokens + num_generation_tokens)
+
+    def on_spec(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One request's verified drafts in a step, and how many were accepted."""
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_draft_tokens
+        self.spec_num_accepted_tokens += num_accepted
+        per_pos = self.spec_accepted_per_pos
+        if len(per_pos) < num_draft_tokens:
+            per_pos += [0] * (num_draft_tokens - len(per_pos))
+        for i in range(num_accepted):
+            per_pos[i] += 1
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
@@ -255,6 +272,19 @@ class EngineMetrics:
                            "cache hits left out).", self.prompt_tokens_computed, vllm=False)
         yield from counter("generation_tokens", "Number of generation tokens processed.",
                            self.generation_tokens)
+        if self.spec_num_drafts:
+            yield from counter("spec_decode_num_drafts", "Number of spec decoding drafts.",
+                               self.spec_num_drafts)
+            yield from counter("spec_decode_num_draft_tokens", "Number of draft tokens.",
+                               self.spec_num_draft_tokens)
+            yield from counter("spec_decode_num_accepted_tokens", "Number of accepted "
+                               "tokens.", self.spec_num_accepted_tokens)
+            per_pos = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft "
+                "position.", labels=[*v_labels, "position"])
+            for pos, n in enumerate(self.spec_accepted_per_pos):
+                per_pos.add_metric([*v_values, str(pos)], n)
+            yield per_pos
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed "
                                       "requests.", labels=[*v_labels, "finished_reason"])
         for reason, n in self.success.items():

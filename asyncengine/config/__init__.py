@@ -32,13 +32,18 @@ from asyncengine.config.sections import (
     SchedulerConfig,
     validate_parallel,
 )
+from asyncengine.config.speculative import (
+    SpeculativeConfig,
+    SpeculativeSettings,
+    parse_speculative,
+)
 from asyncengine.config.values import flag, flatten, json_object, parse_size
 
 __all__ = [
     "ALIASES", "DEVICES", "DTYPES", "GENERATION_CONFIG_HELP", "LOAD_FORMATS", "POOLING_TYPES",
     "QUANTIZATIONS", "SECTIONS", "SECTION_TITLES", "CacheConfig", "DeviceConfig", "EngineConfig",
     "LoadConfig", "ModelConfig", "ParallelConfig", "PluginConfig", "SchedulerConfig",
-    "parse_size",
+    "SpeculativeConfig", "SpeculativeSettings", "parse_size",
 ]
 
 
@@ -51,6 +56,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     plugins: PluginConfig = field(default_factory=PluginConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -169,6 +175,8 @@ class EngineConfig:
         if gen not in ("auto", "vllm") and not Path(gen, "generation_config.json").is_file():
             raise ValueError(f"--generation-config: no generation_config.json in {gen!r} (give "
                              "auto, vllm, or a directory holding one)")
+        self.speculative_settings: SpeculativeSettings | None = parse_speculative(
+            self.speculative.speculative_config)
         if self.plugins.structured_output_backend == "auto":  # vLLM's default value
             self.plugins.structured_output_backend = "xgrammar"
 

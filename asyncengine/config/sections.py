@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncengine.config.speculative import SpeculativeConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
@@ -167,12 +169,13 @@ class PluginConfig:
 
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
             "load": LoadConfig, "device": DeviceConfig, "parallel": ParallelConfig,
-            "plugins": PluginConfig}
+            "plugins": PluginConfig, "speculative": SpeculativeConfig}
 #: ``serve --help`` groups the flags the way vLLM's does.
 SECTION_TITLES = {"model": "ModelConfig", "cache": "CacheConfig",
                   "scheduler": "SchedulerConfig", "load": "LoadConfig",
                   "device": "DeviceConfig", "parallel": "ParallelConfig",
-                  "plugins": "StructuredOutputsConfig and KVTransferConfig (plugins)"}
+                  "plugins": "StructuredOutputsConfig and KVTransferConfig (plugins)",
+                  "speculative": "SpeculativeConfig"}
 
 
 def validate_parallel(pc: ParallelConfig) -> None:

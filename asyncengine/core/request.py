@@ -94,6 +94,16 @@ class Request:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
+    # Speculative decoding (see core/sched/interface.py). Draft tokens proposed for the next
+    # step, set by the engine between steps; the scheduler schedules them after the request's
+    # last token and clears the list.
+    spec_token_ids: list[int] = field(default_factory=list)
+    # Speculation is on for this request: it is not scheduled while a step of it is in flight
+    # (its drafts are proposed from settled tokens).
+    spec_wait: bool = False
+    # The proposer's per-request state (the n-gram index), kept across steps.
+    spec_state: Any = None
+
     # Structured output: an object with the Grammar interface (asyncengine.plugins.Grammar).
     grammar: Any = None
     # Timestamps for metrics (monotonic seconds).
@@ -154,6 +164,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_output_placeholders = 0  # an in-flight token is dropped, then recomputed
+        self.spec_token_ids = []
         self.num_preemptions += 1
         self.status = RequestStatus.PREEMPTED
 

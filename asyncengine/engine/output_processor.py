@@ -129,8 +129,19 @@ class OutputProcessor:
             sample.last_emit = now
             sample.num_emitted = num
             detok = sample.detokenizer
-            detok.update(new, stop_terminated=status is RequestStatus.FINISHED_STOPPED
-                         and _ended_by_stop_token(req))
+            stop_terminated = (status is RequestStatus.FINISHED_STOPPED
+                               and _ended_by_stop_token(req))
+            if len(new) > 1 and req.sampling_params.stop:
+                # Several tokens at once (speculative decoding): a stop string ends the
+                # output at the token that completes it, as it would one token at a time.
+                last = len(new) - 1
+                for j, token in enumerate(new):
+                    detok.update((token,), stop_terminated=stop_terminated and j == last)
+                    if detok.finished:
+                        sample.num_emitted = emitted + j + 1
+                        break
+            else:
+                detok.update(new, stop_terminated=stop_terminated)
             if detok.finished:  # a stop string: it wins over any other reason
                 sample.finish_reason, sample.stop_reason = "stop", detok.stop_reason
                 if not status.finished:

@@ -39,6 +39,7 @@ import anyio.abc
 
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.sched.interface import Scheduler, SchedulerOutput
+from asyncengine.engine.spec_steps import fill_spec_bitmask, make_drafting, record_spec
 from asyncengine.executor.device import Device, StepHandle
 from asyncengine.executor.runner import ModelRunner, StepInputs
 
@@ -82,6 +83,8 @@ class StepLoop:
         # CPU seconds of this thread in the step path proper: schedule, prepare and launch,
         # then update and emission (pushed SSE writes included), never the awaits between.
         self.step_cpu_s = 0.0
+        # Speculative decoding: proposes drafts between steps (None: off).
+        self.drafting = make_drafting(getattr(engine, "config", None))
 
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
         prev: Step | None = None
@@ -126,7 +129,10 @@ class StepLoop:
             cpu = time.thread_time()
         grammars = None
         if engine.structured is not None:
-            grammars = [s.request.grammar for s in out.scheduled if s.samples]
+            grammars = []
+            for s in out.scheduled:
+                if s.samples:  # a request's drafts are rows of their own
+                    grammars += [s.request.grammar] * (1 + len(s.spec_token_ids))
             if all(g is None for g in grammars):
                 grammars = None
         inputs = self.runner.prepare(out, with_bitmask=grammars is not None)
@@ -145,6 +151,8 @@ class StepLoop:
             self.in_flight.remove(step)
         cpu = time.thread_time()
         updated = self.scheduler.update_from_output(step.out, result)
+        if self.drafting is not None:
+            self.drafting.after_update(updated, self.scheduler.get_num_unfinished_requests())
         if nxt is not None and nxt.grammars is not None:
             self._fill_bitmask(nxt)
         if engine.kv_transfer is not None:  # copies the blocks before the next schedule()
@@ -156,8 +164,10 @@ class StepLoop:
                 start, num_prompt = s.start, len(s.request.prompt_token_ids)
                 if start < num_prompt:
                     prompt_tokens += min(start + s.num_new_tokens, num_prompt) - start
-            metrics.on_step(self.scheduler.make_stats(), prompt_tokens,
-                            len(result.sampled_token_ids))
+            generated = len(result.sampled_token_ids)
+            if step.inputs.spec:
+                generated += record_spec(metrics, step.inputs.spec, result)
+            metrics.on_step(self.scheduler.make_stats(), prompt_tokens, generated)
         engine.emit(updated)
         self.step_cpu_s += time.thread_time() - cpu
 
@@ -167,11 +177,22 @@ class StepLoop:
         its own request; its row allows every token (its token is dropped anyway)."""
         manager = self.engine.structured
         slot = step.inputs.bitmask
-        try:
-            bitmask = manager.fill_bitmask(step.grammars)
-        except Exception:
-            bitmask = self._fill_row_by_row(step)
+        if step.inputs.spec:
+            bitmask = fill_spec_bitmask(self, step)
+        else:
+            try:
+                bitmask = manager.fill_bitmask(step.grammars)
+            except Exception:
+                bitmask = self._fill_row_by_row(step)
         slot.set(bitmask, manager.apply_bitmask)
+
+    def fail_grammar(self, request: Request, e: Exception) -> None:
+        """A grammar raised while filling a mask: its request alone ends."""
+        logger.warning("request %s: its grammar failed to fill the mask: %s",
+                       request.request_id, e)
+        request.error = f"its structured-output grammar failed: {type(e).__name__}: {e}"
+        self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+        self.engine.emit([request])
 
     def _fill_row_by_row(self, step: Step) -> Any:
         manager = self.engine.structured
@@ -184,11 +205,5 @@ class StepLoop:
                 if not grammar.is_terminated():
                     grammar.fill_bitmask(bitmask, row)
             except Exception as e:
-                logger.warning("request %s: its grammar failed to fill the mask: %s",
-                               s.request.request_id, e)
-                s.request.error = (f"its structured-output grammar failed: "
-                                   f"{type(e).__name__}: {e}")
-                self.scheduler.finish_requests(s.request.request_id,
-                                               RequestStatus.FINISHED_ERROR)
-                self.engine.emit([s.request])
+                self.fail_grammar(s.request, e)
         return bitmask

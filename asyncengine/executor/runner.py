@@ -44,6 +44,7 @@ from asyncengine.executor.sampler import NO_TOKEN, prompt_logprobs, sample, samp
 from asyncengine.executor.sampler.greedy_head import MIN_ROWS as GREEDY_HEAD_MIN_ROWS
 from asyncengine.executor.sampler.greedy_head import greedy_from_hidden
 from asyncengine.executor.sampling_inputs import gather_sampling_batch
+from asyncengine.executor.spec.accept import SpecGroup, accept_into
 from asyncengine.executor.staging import DirectStaging
 from asyncengine.executor.step_inputs import (
     BitmaskSlot,
@@ -117,6 +118,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         counters: list[int] = []
         prompt_tasks: list[PromptLogprobsTask] = []
+        spec: list[SpecGroup] = []
         prev_pos, sample_pos = self._sample_pos, {}
         row_of, num_blocks = ib.row_of, ib.num_blocks
         add_id = input_ids.append
@@ -128,11 +130,26 @@ class ModelRunner:
                 row = ib.add(req, s.block_ids)
             elif len(s.block_ids) > num_blocks[row]:
                 ib.append_blocks(row, s.block_ids)
+            first = len(input_ids)
+            tokens = req.all_token_ids
+            drafts = s.spec_token_ids
+            if drafts:  # verification: the last token and the drafts, one query row each
+                add_id(tokens[start])
+                input_ids.extend(drafts)
+                m = len(drafts) + 1
+                rows_l += [row] * m
+                starts_l += range(start, start + m)
+                lens_l += [1] * m
+                spec.append((rid, len(sample_req_ids), drafts))
+                sample_flat += range(first, first + m)
+                sample_req_ids += [rid] * m
+                sample_rows += [row] * m
+                out_pos = len(req.output_token_ids)
+                counters += range(out_pos, out_pos + m)
+                continue
             rows_l.append(row)
             starts_l.append(start)
             lens_l.append(n)
-            first = len(input_ids)
-            tokens = req.all_token_ids
             if n == 1:  # a decode step
                 if start < len(tokens):
                     add_id(tokens[start])
@@ -158,6 +175,7 @@ class ModelRunner:
                 sample_rows.append(row)
                 # This token's output position: the ones known, plus earlier in-flight ones.
                 counters.append(len(req.output_token_ids) + req.num_output_placeholders - 1)
+        num_reqs = len(rows_l)  # attention rows: a request's drafts are one row each
         rows = np.array(rows_l, dtype=np.int64)
         starts = np.array(starts_l, dtype=np.int64)
         lens = np.array(lens_l, dtype=np.int64)
@@ -179,7 +197,8 @@ class ModelRunner:
         table = ib.block_table[rows, :width]
         decode_only = total == num_reqs
         graph_batch = (self.graphs.bucket_for(num_reqs)
-                       if self.graphs is not None and decode_only and num_reqs else None)
+                       if self.graphs is not None and decode_only and num_reqs and not spec
+                       else None)
         meta = AttentionMetadata(
             query_start_loc=cu.tolist(),
             seq_lens=seq_lens.tolist(),
@@ -205,6 +224,8 @@ class ModelRunner:
             decode_only=decode_only,
             graph_batch=graph_batch,
         )
+        if spec:
+            inputs.spec = spec
         if prev_dst:
             inputs.from_previous = (put(np.array(prev_dst, dtype=np.int64)),
                                     put(np.array(prev_src, dtype=np.int64)))
@@ -242,8 +263,10 @@ class ModelRunner:
         ids = self._greedy_from_hidden(inputs, hidden, result.prompt_logprobs)
         if ids is not None:  # the common all-greedy step: no logits at all
             self._last_sampled = ids.clamp(min=0)
-            result.sampled_token_ids = dict(
-                zip(inputs.sample_req_ids, ids.tolist(), strict=True))
+            id_list = ids.tolist()
+            result.sampled_token_ids = dict(zip(inputs.sample_req_ids, id_list, strict=True))
+            if inputs.spec:
+                accept_into(result, inputs.spec, id_list, None)
             return result
         logits = self._sampling_logits(inputs, hidden, result.prompt_logprobs)
         if logits is None:
@@ -261,6 +284,8 @@ class ModelRunner:
             lp = sampled.logprobs[i]
             if lp is not None:
                 result.logprobs[rid] = lp
+        if inputs.spec:
+            accept_into(result, inputs.spec, sampled.token_ids, sampled.logprobs)
         return result
 
     @torch.inference_mode()
@@ -279,7 +304,9 @@ class ModelRunner:
         if batch.penalties is not None:
             self.penalty_state.count_no_sync(inputs.penalty_rows, ids[batch.penalties.rows])
         self._last_sampled = ids.clamp(min=0)
-        return pending_output(logits, ids, batch, inputs.sample_req_ids, prompt)
+        out = pending_output(logits, ids, batch, inputs.sample_req_ids, prompt)
+        out.spec = inputs.spec
+        return out
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states of the step's (real) tokens."""

@@ -80,6 +80,9 @@ class StepInputs:
     decode_only: bool = False  # every request computes one token
     # CUDA: the decode step replays the CUDA graph captured for this many rows (padded).
     graph_batch: int | None = None
+    # Speculative decoding: per request with drafts, (request id, index of its first sampled
+    # row, its drafts); its rows are that index .. index + len(drafts).
+    spec: list[tuple[str, int, list[int]]] | None = None
     # Tensor parallelism: the workers' step message (``parallel/messages.StepMessage``).
     tp_message: Any = None
 

@@ -20,6 +20,7 @@ from asyncengine.core.sched.interface import ModelRunnerOutput
 from asyncengine.executor.device import HostResult
 from asyncengine.executor.sampler import NO_TOKEN, SamplingBatch
 from asyncengine.executor.sampler.logprobs import logprob_entries, logprob_tensors
+from asyncengine.executor.spec.accept import SpecGroup, accept_into
 from asyncengine.executor.staging import pinned
 
 
@@ -46,6 +47,8 @@ class PendingOutput(HostResult):
     logprobs: tuple[torch.Tensor, ...] | None = None
     # Prompt logprobs are computed (and read back) by the launcher thread: already on the host.
     prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
+    # Speculative decoding: the step's requests with drafts (``StepInputs.spec``).
+    spec: list[SpecGroup] | None = None
 
     def finish(self) -> ModelRunnerOutput:
         result = ModelRunnerOutput(prompt_logprobs=self.prompt_logprobs)
@@ -54,6 +57,9 @@ class PendingOutput(HostResult):
         ids = self.token_ids.tolist()
         for rid, tok in zip(self.req_ids, ids, strict=True):
             result.sampled_token_ids[rid] = tok
+        row_lps: list[PositionLogprobs | None] | None = None
+        if self.spec and self.logprobs is not None:
+            row_lps = [None] * len(ids)
         if self.logprobs is not None:
             chosen, ranks, top_vals, top_ids = self.logprobs
             rows = self.logprob_rows
@@ -64,6 +70,10 @@ class PendingOutput(HostResult):
             for i, entry in zip(rows, entries, strict=True):
                 if ids[i] != NO_TOKEN:
                     result.logprobs[self.req_ids[i]] = entry
+                    if row_lps is not None:
+                        row_lps[i] = entry
+        if self.spec:
+            accept_into(result, self.spec, ids, row_lps)
         return result
 
 

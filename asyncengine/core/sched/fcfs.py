@@ -49,6 +49,9 @@ if TYPE_CHECKING:
     from asyncengine.core.kv.block_pool import Block
 
 
+_NO_DRAFTS: list[int] = []  # shared, never mutated
+
+
 @dataclass
 class _Step:
     """The step being built by ``schedule``."""
@@ -170,11 +173,18 @@ class FCFSScheduler(Scheduler):
             placeholders = request.num_output_placeholders
             num_tokens = len(request.all_token_ids)
             if placeholders and (
-                    len(request.output_token_ids) + placeholders >= request.max_tokens
+                    request.spec_wait
+                    or len(request.output_token_ids) + placeholders >= request.max_tokens
                     or num_tokens + placeholders >= request.max_model_len):
-                continue  # its in-flight token is its last: no step to waste on it
+                continue  # its in-flight token is its last, or its drafts wait for it
             start = request.num_computed_tokens
             num_new = num_tokens + placeholders - start
+            drafts = request.spec_token_ids
+            if drafts and num_new == 1 and not placeholders:
+                drafts = drafts[:budget - 1]
+                num_new += len(drafts)
+            else:
+                drafts = _NO_DRAFTS
             if num_new > budget:
                 num_new = budget
             if num_new <= 0:
@@ -185,10 +195,12 @@ class FCFSScheduler(Scheduler):
             rid = request.request_id
             samples = start + num_new >= num_tokens + placeholders
             scheduled[rid] = ScheduledRequest(request, start, num_new, block_ids(rid), None,
-                                              samples)
+                                              samples, drafts)
             request.num_computed_tokens = start + num_new
             if samples:
-                request.num_output_placeholders = placeholders + 1
+                request.num_output_placeholders = placeholders + 1 + len(drafts)
+            if drafts:
+                request.spec_token_ids = []
             step.budget = budget - num_new
         if not step.preempted:
             self._admit_waiting(step)
@@ -301,6 +313,11 @@ class FCFSScheduler(Scheduler):
             if request.status is not running:
                 continue  # finished, aborted or preempted while the step ran: dropped
             rid = request.request_id
+            drafts = scheduled.spec_token_ids
+            if drafts:
+                self._apply_spec(request, scheduled, runner_output, now)
+                updated.append(request)
+                continue
             cache_full_blocks(request, scheduled.start + scheduled.num_new_tokens)
             if prompt_logprobs:
                 entries = prompt_logprobs.get(rid)
@@ -322,6 +339,32 @@ class FCFSScheduler(Scheduler):
                 self._finish(request, status)
             updated.append(request)
         return updated
+
+    def _apply_spec(self, request: Request, scheduled: ScheduledRequest,
+                    runner_output: ModelRunnerOutput, now: float) -> None:
+        """A step that verified drafts: its accepted drafts and the token after them."""
+        rid = request.request_id
+        tokens = runner_output.spec_token_ids.get(rid)
+        if not tokens:
+            raise RuntimeError(f"the runner returned no tokens for request {rid!r}, which "
+                               "was scheduled with draft tokens")
+        lps = runner_output.spec_logprobs.get(rid)
+        request.num_output_placeholders -= 1 + len(scheduled.spec_token_ids)
+        # KV is valid for the last token and the accepted drafts; rejected slots are reused.
+        request.num_computed_tokens = scheduled.start + len(tokens)
+        status = None
+        try:
+            for i, token in enumerate(tokens):
+                status = self._apply_token(request, token, lps[i] if lps else None, now)
+                if status is not None:
+                    break
+        except Exception as e:  # this request's grammar (a plugin) failed: it alone ends
+            request.error = f"its structured-output grammar failed: {type(e).__name__}: {e}"
+            status = RequestStatus.FINISHED_ERROR
+        if status is not None:
+            self._finish(request, status)
+        else:
+            self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
 
     @staticmethod
     def _apply_token(request: Request, token: int, logprobs: PositionLogprobs | None,

@@ -30,6 +30,18 @@ Invariants every scheduler keeps:
 * A finished request (stopped, length, aborted, error) has had all its blocks freed before the
   call that finished it returns. (Steps run in order on one device stream, so a block freed
   while an earlier step is in flight is rewritten only by a later step, after that one ends.)
+* Speculative decoding (version 2). Between steps the engine may set
+  ``request.spec_token_ids`` (draft tokens) and ``request.spec_wait``. A scheduler that
+  supports drafts: never schedules a running request with ``spec_wait`` while it has tokens in
+  flight (``num_output_placeholders > 0``); schedules a decode (one token, none in flight) that
+  has drafts as ``1 + len(drafts)`` tokens, drafts counted in the token budget and cut to it,
+  recorded in ``ScheduledRequest.spec_token_ids``, clearing ``request.spec_token_ids`` and
+  counting ``1 + len(drafts)`` placeholders. ``update_from_output`` then takes the step's
+  tokens from ``ModelRunnerOutput.spec_token_ids`` (the accepted drafts, then one sampled
+  token), applies them one at a time with the stop checks (stopping at the first that
+  finishes the request), and sets ``num_computed_tokens`` back to ``start + len(tokens)``:
+  the KV slots of rejected drafts are rewritten by the next step. A scheduler that ignores
+  drafts (schedules one token) stays correct; it only forgoes the speed-up.
 * Faults are per request: an exception from a request's grammar, or a sampled id of -1 (no
   valid token), ends that request with ``FINISHED_ERROR`` and ``request.error`` set.
 """
@@ -47,7 +59,8 @@ if TYPE_CHECKING:
 
 #: Bumped when the contract below changes incompatibly (see docs/plugins.md).
 #: 2: public as ``asyncengine.plugins.Scheduler`` (was ``Scheduler``, imported from
-#: this module); the methods did not change, so a class written for 1 is still accepted.
+#: this module), and draft tokens (speculative decoding, above); a class written for 1
+#: that schedules one token per decode is still correct and still accepted.
 SCHEDULER_API_VERSION = 2
 
 
@@ -95,6 +108,9 @@ class ScheduledRequest:
     block_ids: list[int]
     kv_load: KVLoad | None = None
     samples: bool = field(default=None)  # type: ignore[assignment]
+    # Draft tokens this step verifies after the request's last token (speculative decoding):
+    # they are the step's last ``len(spec_token_ids)`` input tokens.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.samples is None:
@@ -133,6 +149,11 @@ class ModelRunnerOutput:
     # ``start + 1, start + 2, ...`` — those this step's positions predict — in order. The
     # request's ``prompt_logprobs`` list starts with None (the first token has no logprob).
     prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
+    # Requests scheduled with draft tokens: every token the step produced, in order (the
+    # accepted drafts, then the token sampled after them; 1 .. drafts + 1 of them), and their
+    # logprobs for requests that asked. ``sampled_token_ids`` holds the last one.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
 
 
 @dataclass

@@ -25,6 +25,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from asyncengine.entrypoints.bench import spec_metrics
+
 # Common English words: nearly every one is a single token (with its leading space) in the
 # BPE vocabularies of Llama-family tokenizers, so N words make a prompt of about N tokens.
 WORDS = (
@@ -212,6 +214,7 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
             if not warm.success:
                 raise RuntimeError(f"the warm-up request failed: {warm.error}")
         limit = asyncio.Semaphore(cfg.concurrency or cfg.num_prompts)
+        spec_before = await spec_metrics.scrape(session, cfg.base_url)
 
         async def limited(prompt: str) -> RequestResult:
             async with limit:
@@ -225,7 +228,10 @@ async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
             tasks.append(asyncio.create_task(limited(prompt)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(cfg, model, results, duration)
+        spec_after = await spec_metrics.scrape(session, cfg.base_url)
+    summary = summarize(cfg, model, results, duration)
+    summary.update(spec_metrics.summarize(spec_before, spec_after))
+    return summary
 
 
 def _stats(name: str, values_s: list[float]) -> dict[str, float]:
@@ -287,6 +293,7 @@ def format_report(s: dict[str, Any]) -> str:
         for stat in ("mean", "median", "p99"):
             label = f"{stat.capitalize() if stat != 'p99' else 'P99'} {key.upper()} (ms):"
             lines.append(f"{label:<40}{s[f'{stat}_{key}_ms']:<10.2f}")
+    lines += spec_metrics.report_lines(s)
     lines.append("=" * 50)
     return "\n".join(lines)
 

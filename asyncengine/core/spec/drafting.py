@@ -1,0 +1,58 @@
+"""Between steps: which requests speculate, and their draft tokens.
+
+After a step's results are applied, every request the step updated that is still running
+gets ``spec_wait`` (speculation is on for it at this batch size, so the scheduler waits for
+its tokens to settle before scheduling it) and, when none of its tokens is in flight, up to k
+draft tokens in ``request.spec_token_ids`` (k from ``num_speculative_tokens_per_batch_size``
+for the number of unfinished requests, capped so the step cannot pass ``max_tokens`` or the
+context). The scheduler puts them in the next step; the runner verifies them.
+
+Requests with repetition, presence or frequency penalties never speculate: their penalties
+would have to count the draft tokens before the earlier ones are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from asyncengine.config.speculative import SpeculativeSettings
+from asyncengine.core.request import Request, RequestStatus
+
+
+class Proposer(Protocol):
+    def propose(self, request: Request, k: int) -> list[int]: ...
+
+
+def can_speculate(request: Request) -> bool:
+    sp = request.sampling_params
+    return (sp.repetition_penalty == 1.0 and sp.presence_penalty == 0.0
+            and sp.frequency_penalty == 0.0)
+
+
+class Drafting:
+    def __init__(self, settings: SpeculativeSettings, proposer: Proposer) -> None:
+        self.settings = settings
+        self.proposer = proposer
+
+    def after_update(self, updated: list[Request], num_unfinished: int) -> None:
+        k = self.settings.k_for_batch(num_unfinished)
+        running = RequestStatus.RUNNING
+        if k == 0:
+            for r in updated:
+                if r.spec_wait:
+                    r.spec_wait = False
+            return
+        propose = self.proposer.propose
+        for r in updated:
+            if r.status is not running:
+                continue
+            if not can_speculate(r):
+                r.spec_wait = False
+                continue
+            r.spec_wait = True
+            if r.num_output_placeholders or r.num_computed_tokens != len(r.all_token_ids) - 1:
+                continue
+            room = min(k, r.max_tokens - len(r.output_token_ids) - 1,
+                       r.max_model_len - len(r.all_token_ids) - 1)
+            if room > 0:
+                r.spec_token_ids = propose(r, room)

@@ -1,0 +1,1 @@
+"""Speculative decoding, the device's side: verifying draft tokens (``accept.py``)."""
