@@ -605,7 +605,7 @@
       rename.setAttribute("aria-label", "Rename");
       rename.title = "Rename";
       rename.addEventListener("click", () => renameConversation(li, conv));
-      const del = el("button", "icon delete", "🗑");
+      const del = el("button", "icon delete", "×");
       del.type = "button";
       del.setAttribute("aria-label", "Delete");
       del.title = "Delete";
