@@ -411,8 +411,9 @@
       out.prompt_tokens = usage.prompt_tokens;
       out.completion_tokens = usage.completion_tokens;
       const decode = first !== null ? (end - first) / 1000 : 0;
-      // The first token's time is the prompt's; the rate is over the rest.
-      if (decode > 0 && usage.completion_tokens > 1) {
+      // The first token's time is the prompt's; the rate is over the rest (when they did
+      // not all arrive at once).
+      if (decode >= 0.05 && usage.completion_tokens > 1) {
         out.tokens_per_s = (usage.completion_tokens - 1) / decode;
       }
     }

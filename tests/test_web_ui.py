@@ -25,7 +25,7 @@ from asyncengine.entrypoints.http.app import build_app
 from asyncengine.entrypoints.http.flags import add_serve_arguments, settings_from_args
 from asyncengine.entrypoints.http.state import ServerSettings
 from asyncengine.entrypoints.http.web import CONTENT_SECURITY_POLICY, load_assets, web_dir
-from tests.server_utils import KEY, tiny_server
+from tests.server_utils import KEY, TOOLS_SERVER_NAMES, tiny_server, tools_server
 
 CHROMIUM = shutil.which("chromium") or next(
     (p for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser") if os.path.exists(p)), None)
@@ -147,16 +147,16 @@ def new_context(browser, server):
     each must go to the server's own origin."""
     contexts, requests = [], []
 
-    def make(**kwargs):
+    def make(origin: str = server.base_url, **kwargs):
         context = browser.new_context(**kwargs)
-        context.on("request", lambda r: requests.append(r.url))
+        context.on("request", lambda r: requests.append((origin, r.url)))
         contexts.append(context)
         return context
 
     yield make
     for context in contexts:
         context.close()
-    foreign = [u for u in requests if not u.startswith(server.base_url + "/")
+    foreign = [u for origin, u in requests if not u.startswith(origin + "/")
                and not u.startswith(("data:", "blob:"))]
     assert requests and not foreign, foreign
 
@@ -432,3 +432,31 @@ def test_a_phone_width_and_the_dark_theme(new_context, server):
     background = page.evaluate("getComputedStyle(document.body).backgroundColor")
     channels = [int(c) for c in background[background.index("(") + 1:-1].split(",")[:3]]
     assert max(channels) < 60, background  # dark
+
+
+def test_the_page_under_root_path_uses_the_prefix(new_context, tiny_llama):
+    server = tools_server(tiny_llama)  # --root-path /llm, two served names, --api-key KEY
+    context = new_context(server.base_url)
+    seen = []
+    context.on("request", lambda r: seen.append(r.url))
+    page = context.new_page()
+    page.goto(server.url("/llm"))  # redirected to /llm/
+    page.locator("#key-dialog").wait_for(state="visible")
+    page.fill("#key-input", KEY)
+    page.press("#key-input", "Enter")
+    page.wait_for_selector("body[data-ready=true]")
+    assert page.url == server.url("/llm/")
+    assert page.locator("#model option").all_inner_texts() == list(TOOLS_SERVER_NAMES)
+    page.select_option("#model", TOOLS_SERVER_NAMES[1])
+    page.click("#toggle-settings")
+    page.fill("#max-tokens", "3")
+    page.press("#max-tokens", "Tab")
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.fill("#input", "hi")
+        page.press("#input", "Enter")
+    wait_js(page, "document.querySelector('.msg.assistant .stats')"
+                  "?.textContent.includes('tokens')", timeout=20)
+    assert json.loads(sent.value.post_data)["model"] == TOOLS_SERVER_NAMES[1]
+    assert all(u.startswith(server.url("/llm")) for u in seen), seen
+    assert server.url("/llm/v1/chat/completions") in seen
+    assert server.url("/llm/webui/vendor/purify.min.js") in seen
