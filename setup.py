@@ -1,8 +1,10 @@
-"""Only what pyproject.toml cannot say: a wheel carries the C++ kernel sources.
+"""Only what pyproject.toml cannot say: a wheel carries the C++ kernel sources and the web
+UI's files.
 
-They live in the top-level ``kernels/`` folder (data, not a Python package); a built wheel
-gets a copy as ``asyncengine/_kernels/``, where ``asyncengine.executor.kernels.build`` looks
-first. An editable install reads ``kernels/`` in the checkout instead.
+They live in the top-level ``kernels/`` and ``http/`` folders (data, not Python packages); a
+built wheel gets copies as ``asyncengine/_kernels/`` and ``asyncengine/_http/``, where
+``asyncengine.executor.kernels.build`` and ``asyncengine.entrypoints.http.web`` look first.
+An editable install reads the folders in the checkout instead.
 """
 
 from pathlib import Path
@@ -11,6 +13,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 KERNELS = Path(__file__).parent / "kernels"
+WEB = Path(__file__).parent / "http"
 
 
 class BuildPyWithKernels(build_py):
@@ -23,6 +26,12 @@ class BuildPyWithKernels(build_py):
         for src in sorted(KERNELS.iterdir()):
             if src.suffix in (".cpp", ".h") or src.name == "README.md":
                 self.copy_file(str(src), str(dest / src.name))
+        web = Path(self.build_lib) / "asyncengine" / "_http"
+        for src in sorted(WEB.rglob("*")):
+            if src.is_file():
+                target = web / src.relative_to(WEB)
+                self.mkpath(str(target.parent))
+                self.copy_file(str(src), str(target))
 
 
 setup(cmdclass={"build_py": BuildPyWithKernels})

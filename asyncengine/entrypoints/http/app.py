@@ -47,6 +47,7 @@ from asyncengine.entrypoints.http.sender import BatchSender
 from asyncengine.entrypoints.http.serving import REQUEST_ID_HEADER, to_api_error
 from asyncengine.entrypoints.http.state import STATE, ServerSettings, ServerState
 from asyncengine.entrypoints.http.tenancy import tenant_middleware
+from asyncengine.entrypoints.http.web import add_root_redirect, add_web_routes
 
 if TYPE_CHECKING:
     from asyncengine.engine.engine import AsyncEngine
@@ -135,9 +136,11 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None,
     app[ROUTES] = list(BUILTIN_ROUTES)
     for r in BUILTIN_ROUTES:
         app.router.add_route(r.method, r.path, r.handler)
+    add_web_routes(app, settings)  # the chat page at /, unless --no-web-ui
     _register_plugin_routes(app, engine)
     if settings.root_path:
         _mirror_under(app, settings.root_path)
+    add_root_redirect(app, settings)
     app.on_response_prepare.append(_echo_request_id)  # before CORS lists the headers to expose
     _enable_cors(app, settings)
     app.cleanup_ctx.append(_batch_sender)

@@ -8,8 +8,10 @@ from aiohttp import web
 
 from asyncengine.entrypoints.http.errors import APIError
 from asyncengine.entrypoints.http.state import STATE
+from asyncengine.entrypoints.http.web import is_web_path
 
-#: Routes that answer without a key: probes and scrapers carry no credentials.
+#: Routes that answer without a key: probes and scrapers carry no credentials. The chat page
+#: and its files (web.py's ``is_web_path``) need none either: the page asks for the key.
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/ping"})
 
 
@@ -38,7 +40,10 @@ def auth_middleware(api_key: str):
 
 def _public(request: web.Request) -> bool:
     path = request.path
-    if path in PUBLIC_PATHS:
+    if path in PUBLIC_PATHS or is_web_path(path):
         return True
     root = request.app[STATE].settings.root_path
-    return bool(root) and path.startswith(root) and path[len(root):] in PUBLIC_PATHS
+    if not root or not path.startswith(root):
+        return False
+    rest = path[len(root):]
+    return rest in PUBLIC_PATHS or is_web_path(rest)

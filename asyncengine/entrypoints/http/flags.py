@@ -46,6 +46,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="TLS: client certificates: 0 none, 1 optional, 2 required (default: 0)")
     g.add_argument("--root-path", default="", help="the path prefix a proxy serves this "
                    "server under, e.g. /llm: routes answer with and without it")
+    g.add_argument("--no-web-ui", dest="web_ui", action="store_false",
+                   help="do not serve the chat page at / (its assets under /webui/)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto": parse tool calls from the output with '
                         "--tool-call-parser")
@@ -116,6 +118,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         log_requests=args.enable_log_requests and not args.disable_log_requests,
+        web_ui=getattr(args, "web_ui", True),
     )
 
 

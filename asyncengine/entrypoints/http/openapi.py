@@ -121,6 +121,8 @@ def build_openapi(routes: list[Route], app: web.Application, *, version: str,
             # OPTIONS: CORS preflights (aiohttp-cors answers them), not operations.
             if method in ("HEAD", "OPTIONS", "*") or (method, path) in known:
                 continue
+            if getattr(route.handler, "openapi_hidden", False):  # the chat page (web.py)
+                continue
             paths.setdefault(path, {})[method.lower()] = {
                 "summary": "Added by a plugin",
                 "responses": {"200": {"description": "OK"}, "default": error}}

@@ -42,6 +42,8 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     log_requests: bool = False
+    # The chat page at / (web.py); --no-web-ui turns it off.
+    web_ui: bool = True
 
 
 @dataclass
