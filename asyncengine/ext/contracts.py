@@ -38,6 +38,10 @@ KINDS: dict[str, ComponentKind] = {
     "kv_connectors": ComponentKind(
         "register_kv_connectors", "KV connector", "--kv-connector",
         ("asyncengine.ext.kv_connector.contract", "KVConnector"), "KV_CONNECTOR_API_VERSION"),
+    "reasoning_parsers": ComponentKind(
+        "register_reasoning_parsers", "reasoning parser", "--reasoning-parser",
+        ("asyncengine.text.reasoning_parsers.base", "ReasoningParser"),
+        "REASONING_PARSER_API_VERSION"),
     # Architecture names come from model files, so they never resolve to a qualname.
     "models": ComponentKind("register_models", "model architecture", None,
                             allow_qualname=False),

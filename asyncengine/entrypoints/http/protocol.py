@@ -173,6 +173,8 @@ class ChatCompletionRequest(GenerationBody, kw_only=True):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Reasoning models (--reasoning-parser): end the reasoning after this many tokens.
+    thinking_token_budget: int | None = None
     # Known, not implemented (a 400 when set).
     functions: list[Any] | None = None
     function_call: Any | None = None

@@ -42,6 +42,10 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     log_requests: bool = False
+    # Reasoning models: --reasoning-parser (a registered name; see text/reasoning_parsers).
+    reasoning_parser: str | None = None
+    # --default-chat-template-kwargs: what each request's chat_template_kwargs start from.
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -59,6 +63,16 @@ class ServerState:
     @property
     def token_texts(self) -> TokenTexts:
         return self.engine.tokenizer.token_texts
+
+    @property
+    def reasoning_parser(self) -> type | None:
+        """The --reasoning-parser class (None: outputs are not split)."""
+        name = self.settings.reasoning_parser
+        if not name:
+            return None
+        from asyncengine.ext.registry import resolve_reasoning_parser
+
+        return resolve_reasoning_parser(name)
 
     @property
     def served_model_names(self) -> list[str]:
