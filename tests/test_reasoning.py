@@ -133,3 +133,23 @@ def test_bad_flags_exit_2_naming_the_flag(tiny_llama, flags, named):
     r = subprocess.run([sys.executable, "-m", "asyncengine", "serve", tiny_llama, *flags],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and named in r.stderr
+
+
+def test_responses_api_reasoning_item_before_the_message(client):
+    model = server_model(client)
+    kwargs = dict(model=model, input="Paris or Rome?", max_output_tokens=40, temperature=0,
+                  text={"format": {"type": "json_schema", "name": "city", "schema": WEATHER}},
+                  extra_body={"thinking_token_budget": BUDGET})
+    out = client.responses.create(**kwargs)
+    assert [item.type for item in out.output] == ["reasoning", "message"]
+    reasoning, message = out.output
+    assert reasoning.content[0].type == "reasoning_text" and reasoning.content[0].text
+    assert json.loads(message.content[0].text)["city"] in CITIES
+    assert out.usage.output_tokens_details.reasoning_tokens == BUDGET
+    with client.responses.stream(**kwargs) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.reasoning_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == reasoning.content[0].text
+    assert [i.type for i in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == reasoning.content[0].text
+    assert final.output[1].content[0].text == message.content[0].text
