@@ -43,7 +43,7 @@ def test_text_streamed_and_not(client, model):
     kwargs = dict(model=model, max_tokens=12, messages=ASK, system="Be brief.", extra_body=GREEDY,
                   thinking=OFF)
     msg = client.messages.create(**kwargs)
-    assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg")
+    assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_")
     [block] = msg.content
     assert block.type == "text" and block.text
     assert msg.stop_reason == "max_tokens" and msg.stop_sequence is None

@@ -29,16 +29,22 @@ from asyncengine.entrypoints.http.chat import render_chat
 from asyncengine.entrypoints.http.errors import APIError, bad_request, from_value_error
 from asyncengine.entrypoints.http.messages_protocol import (
     Block,
+    ContentBlockDelta,
+    ContentBlockStart,
+    ContentBlockStop,
     CountTokensRequest,
     CountTokensResponse,
     InputJsonDelta,
+    MessageDelta,
     MessageDeltaBody,
     MessageDeltaUsage,
     MessageObject,
     MessagesBase,
     MessagesRequest,
-    MessagesStreamEvent,
+    MessageStart,
+    MessageStop,
     MessagesUsage,
+    Ping,
     TextBlock,
     TextDelta,
     ThinkingBlock,
@@ -106,7 +112,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
             raise bad_request("thinking needs a reasoning model served with "
                               "--reasoning-parser", "thinking")
     prompt = engine.tokenizer.encode(text, add_special_tokens=False)
-    call = _Message(state, request_id(request, "msg"), plan, reasoning)
+    call = _Message(state, request_id(request, "msg").replace("msg-", "msg_", 1), plan,
+                    reasoning)
     if body.max_tokens == 0:  # Anthropic's cache warm-up: nothing is generated
         return await call.empty(request, len(prompt), bool(body.stream))
     structured = plan.structured_outputs
@@ -146,6 +153,12 @@ async def create_message(request: web.Request) -> web.StreamResponse:
 
 def _error_event(error: APIError) -> bytes:
     return b"event: error\ndata: " + encode_json(error.anthropic_body()) + b"\n\n"
+
+
+_EVENTS: dict[str, type] = {
+    "message_start": MessageStart, "ping": Ping, "content_block_start": ContentBlockStart,
+    "content_block_delta": ContentBlockDelta, "content_block_stop": ContentBlockStop,
+    "message_delta": MessageDelta, "message_stop": MessageStop}
 
 
 def _tool_id() -> str:
@@ -229,7 +242,7 @@ class _Message:
 
     # -- streaming ------------------------------------------------------------------------------
     def _event(self, type_: str, **fields: Any) -> bytes:
-        ev = MessagesStreamEvent(type=type_, **fields)
+        ev = _EVENTS[type_](**fields)
         return b"event: " + type_.encode() + b"\ndata: " + encode_json(ev) + b"\n\n"
 
     def _block(self, kind: str, block: Block) -> bytes:

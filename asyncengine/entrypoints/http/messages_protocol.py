@@ -273,17 +273,40 @@ class MessageDeltaUsage(Struct):
     output_tokens: int
 
 
-class MessagesStreamEvent(Struct, kw_only=True, omit_defaults=True):
-    """One streamed event (``event: <type>``): message_start, ping, content_block_start,
-    content_block_delta, content_block_stop, message_delta, message_stop."""
+class MessageStart(Struct, tag="message_start", tag_field="type"):
+    message: MessageObject
 
-    type: str
-    message: MessageObject | None = None
-    index: int | None = None
-    content_block: Block | None = None
-    delta: TextDelta | ThinkingDelta | SignatureDelta | InputJsonDelta | MessageDeltaBody | \
-        None = None
-    usage: MessageDeltaUsage | None = None
+
+class Ping(Struct, tag="ping", tag_field="type"):
+    pass
+
+
+class ContentBlockStart(Struct, tag="content_block_start", tag_field="type"):
+    index: int
+    content_block: Block
+
+
+class ContentBlockDelta(Struct, tag="content_block_delta", tag_field="type"):
+    index: int
+    delta: TextDelta | ThinkingDelta | SignatureDelta | InputJsonDelta
+
+
+class ContentBlockStop(Struct, tag="content_block_stop", tag_field="type"):
+    index: int
+
+
+class MessageDelta(Struct, tag="message_delta", tag_field="type"):
+    delta: MessageDeltaBody
+    usage: MessageDeltaUsage
+
+
+class MessageStop(Struct, tag="message_stop", tag_field="type"):
+    pass
+
+
+#: One streamed event (``event: <type>``, ``data:`` this with the same ``type``).
+MessagesStreamEvent = (MessageStart | Ping | ContentBlockStart | ContentBlockDelta
+                       | ContentBlockStop | MessageDelta | MessageStop)
 
 
 class AnthropicErrorInfo(Struct):
