@@ -14,6 +14,7 @@ import urllib.request
 import anthropic
 import pytest
 
+from tests.robust_utils import assert_idle_and_free
 from tests.server_utils import KEY, ServerProcess
 from tests.test_reasoning import CITIES, WEATHER, r1_server
 
@@ -151,3 +152,12 @@ def test_errors_in_anthropics_shape_and_both_key_headers(client, server, model):
     status, err = raw(server, "/v1/messages", {**body, "max_tokens": 4, "messages": [
         {"role": "user", "content": [{"type": "image", "source": {}}]}]}, {"x-api-key": KEY})
     assert status == 400 and err["error"]["type"] == "invalid_request_error"
+
+
+def test_a_client_leaving_mid_stream_frees_the_pool(client, server, model):
+    with client.messages.stream(model=model, max_tokens=64, messages=ASK, extra_body=GREEDY,
+                                thinking={"type": "enabled", "budget_tokens": 6}) as stream:
+        for event in stream:
+            if event.type == "content_block_delta":
+                break  # leave with the message unfinished
+    assert_idle_and_free(server)

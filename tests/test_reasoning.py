@@ -16,6 +16,7 @@ import sys
 import openai
 import pytest
 
+from tests.robust_utils import assert_idle_and_free
 from tests.server_utils import KEY, TEMPLATES, ServerProcess, shared_server
 
 ASK = [{"role": "user", "content": "Paris or Rome?"}]
@@ -153,3 +154,7 @@ def test_responses_api_reasoning_item_before_the_message(client):
     assert [i.type for i in final.output] == ["reasoning", "message"]
     assert final.output[0].content[0].text == reasoning.content[0].text
     assert final.output[1].content[0].text == message.content[0].text
+
+
+def test_every_block_free_after_the_reasoning_requests(server):
+    assert_idle_and_free(server)

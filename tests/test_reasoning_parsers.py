@@ -246,3 +246,23 @@ def test_builtins_registered_and_a_plugin_adds_one():
     cls = resolve_reasoning_parser("bracketed", pm)
     assert cls("").parse("[[hm]]ok").reasoning == "hm"
 
+
+
+def test_tool_calls_are_read_from_the_answer_only():
+    """The chat server's chain: the reasoning parser first, the tool parser on its content."""
+    from asyncengine.text.tool_parsers import HermesToolParser
+
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    output = f"I could write {call} here.\n</think>\n\n{call}"
+    prompt = render("deepseek_r1.jinja", ASK)
+    _, pieces = token_pieces(output, True)
+    thinker, tools = DeepSeekR1ReasoningParser(prompt), HermesToolParser()
+    reasoning = ""
+    calls = []
+    for piece in [*pieces, None]:
+        split = thinker.feed(piece) if piece is not None else thinker.finish()
+        reasoning += split.reasoning
+        parsed = tools.feed(split.content)
+        calls += [c.name for c in parsed.calls if c.name]
+    assert reasoning == f"I could write {call} here.\n"
+    assert calls == ["f"]  # one call: the answer's, not the one inside the thinking
