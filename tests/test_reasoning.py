@@ -86,6 +86,15 @@ def server_model(client) -> str:
     return client.models.list().data[0].id
 
 
+def test_include_reasoning_false_drops_it(client):
+    kwargs = budgeted(include_reasoning=False)
+    kwargs.pop("model")
+    out = client.chat.completions.create(model=server_model(client), **kwargs)
+    msg = out.choices[0].message
+    assert msg.content in CITIES and reasoning_of(msg) is None
+    assert out.usage.completion_tokens_details.reasoning_tokens == BUDGET
+
+
 def test_unclosed_reasoning_at_max_tokens_is_all_reasoning(client):
     out = client.chat.completions.create(model=server_model(client), messages=ASK,
                                          max_tokens=8, temperature=0)

@@ -147,6 +147,7 @@ class _Chat:
         self.state = state
         self.plan = plan
         self.reasoning = reasoning or ReasoningPlan()
+        self.include_reasoning = body.include_reasoning is not False
         self.parsers: dict[int, ToolParser] = {}  # streaming: per choice
         self.thinkers: dict[int, ReasoningParser] = {}  # streaming: per choice
         self.output_ids: dict[int, list[int]] = {}  # streaming, reasoning: to count it
@@ -194,7 +195,8 @@ class _Chat:
             thinker = self.reasoning.make()
             if thinker is not None:
                 split = thinker.parse(c.text)
-                answer, thought = split.content or "", split.reasoning
+                answer = split.content or ""
+                thought = split.reasoning if self.include_reasoning else None
                 self.reasoning_tokens[c.index] = self.reasoning.count(c.token_ids)
             parsed = self.plan.parse(answer)
             calls = [ToolCallOut(tool_call_id(), FunctionCallOut(t.name, t.arguments))
@@ -267,7 +269,8 @@ class _Chat:
             split = thinker.feed(text)
             if last:
                 split.extend(thinker.finish())
-            text, thought = split.content, split.reasoning or None
+            text = split.content
+            thought = (split.reasoning or None) if self.include_reasoning else None
         if self.plan.make_parser is None:
             return Delta(content=text or None, reasoning=thought, reasoning_content=thought)
         parser = self.parsers.get(idx)
