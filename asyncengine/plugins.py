@@ -16,11 +16,11 @@ plugin imports ``asyncengine.plugins`` and nothing else of asyncengine::
 
 and names that module in its distribution's entry points (group ``asyncengine``). The hooks:
 ``register_schedulers``, ``register_structured_output_backends``, ``register_kv_connectors``,
-``register_models`` (each ``(register)``), ``add_cli_arguments(parser, command)``,
+``register_models``, ``register_reasoning_parsers`` (each ``(register)``), ``add_cli_arguments(parser, command)``,
 ``register_http_routes(app, engine)``.
 
 Versions: :data:`CONTRACT_VERSION` is the one table of the contracts' versions (``hooks``,
-``scheduler``, ``structured_output``, ``kv_connector``). A version is bumped when its contract
+``scheduler``, ``structured_output``, ``kv_connector``, ``reasoning_parser``). A version is bumped when its contract
 changes incompatibly, including a name leaving this module; ``tests/test_plugins_api.py``
 keeps a snapshot of the names of each version. See docs/plugins.md.
 """
@@ -54,6 +54,11 @@ from asyncengine.ext.contracts.structured_output import (
     fill_rows,
 )
 from asyncengine.ext.registry import new_plugin_manager, registered
+from asyncengine.text.reasoning_parsers.base import (
+    ReasoningDelta,
+    ReasoningOutput,
+    ReasoningParser,
+)
 from asyncengine.text.tokenizer import Tokenizer
 
 __all__ = [
@@ -97,4 +102,8 @@ __all__ = [
     "ROOT_HASH",
     "hash_block_tokens",
     "update_block_hashes",
+    # reasoning parser (--reasoning-parser; registered by register_reasoning_parsers)
+    "ReasoningDelta",
+    "ReasoningOutput",
+    "ReasoningParser",
 ]

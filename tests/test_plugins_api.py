@@ -44,7 +44,7 @@ SNAPSHOT: dict[tuple[str, int], dict[str, tuple[str, ...] | None]] = {
         # the hooks themselves, by name
         "<hooks>": ("register_schedulers", "register_structured_output_backends",
                     "register_kv_connectors", "register_models", "add_cli_arguments",
-                    "register_http_routes"),
+                    "register_http_routes", "register_reasoning_parsers"),
     },
     ("scheduler", 2): {
         "Scheduler": ("__init__", "add_request", "schedule", "update_from_output",
@@ -95,6 +95,13 @@ SNAPSHOT: dict[tuple[str, int], dict[str, tuple[str, ...] | None]] = {
         "hash_block_tokens": None,
         "update_block_hashes": None,
         "ROOT_HASH": None,
+    },
+    ("reasoning_parser", 1): {
+        "ReasoningParser": ("__init__", "initial_state", "reasoning_ended_in_prompt",
+                            "in_reasoning", "ended", "feed", "finish", "parse",
+                            "count_reasoning_tokens"),
+        "ReasoningDelta": None,
+        "ReasoningOutput": None,
     },
 }
 

@@ -65,8 +65,8 @@ def test_openapi_document_holds_under_schemathesis(server):
     statuses: collections.Counter[tuple[str, str, int]] = collections.Counter()
     failures: list[str] = []
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {"POST /v1/completions", "POST /v1/chat/completions"} <= {op.label
-                                                                    for op in operations}
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/messages",
+            "POST /v1/messages/count_tokens"} <= {op.label for op in operations}
     for op in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             fuzz(server, op, mode, session, statuses, failures)

@@ -46,3 +46,11 @@ def register_kv_connectors(register: Register) -> None:
     from asyncengine.builtins.safetensors_connector import SafetensorsKVConnector
 
     register("safetensors", SafetensorsKVConnector)
+
+
+@hookimpl
+def register_reasoning_parsers(register: Register) -> None:
+    from asyncengine.text.reasoning_parsers import BUILTIN_REASONING_PARSERS
+
+    for name, cls in BUILTIN_REASONING_PARSERS.items():
+        register(name, cls)

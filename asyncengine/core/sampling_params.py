@@ -126,6 +126,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Reasoning models (the server sets these from --reasoning-parser): the token ids of the
+    # tag that ends the reasoning. With them, ``structured_outputs`` constrains only what
+    # follows the tag, and ``thinking_token_budget`` (vLLM's name) forces the tag after that
+    # many reasoning tokens.
+    reasoning_end_token_ids: list[int] | None = None
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -176,6 +182,15 @@ class SamplingParams:
                           f"got {show(v)}")
         self._validate_seed()
         self._validate_logit_bias(limits)
+        if self.thinking_token_budget is not None:
+            if not _is_int(self.thinking_token_budget) or not \
+                    0 <= self.thinking_token_budget <= INT64_MAX:
+                raise bad("thinking_token_budget", "must be a non-negative integer, got "
+                          f"{show(self.thinking_token_budget)}")
+        if self.reasoning_end_token_ids is not None and (
+                not self.reasoning_end_token_ids
+                or any(not _is_int(t) or t < 0 for t in self.reasoning_end_token_ids)):
+            raise bad("reasoning_end_token_ids", "must be a non-empty list of token ids")
         if any(not _is_int(t) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be integers")
         vocab = limits.vocab_size if limits is not None else None

@@ -198,6 +198,14 @@ class AsyncEngine:
         if params.structured_outputs is not None:
             manager = await self._structured_manager()
             grammars = [await manager.compile(params.structured_outputs) for _ in grammars]
+        if params.reasoning_end_token_ids and (grammars[0] is not None
+                                               or params.thinking_token_budget is not None):
+            # The constraint starts after the reasoning; the budget forces its end tag.
+            from asyncengine.ext.structured_output.reasoning_gate import ReasoningGate
+
+            await self._structured_manager()  # the step loop masks through it
+            grammars = [ReasoningGate(g, params.reasoning_end_token_ids,
+                                      params.thinking_token_budget) for g in grammars]
         samples = []
         for i in range(params.n):
             sp = params

@@ -41,6 +41,9 @@ KINDS: dict[str, ComponentKind] = {
     "kv_connectors": ComponentKind(
         "register_kv_connectors", "KV connector", "--kv-connector",
         ("asyncengine.ext.contracts.kv_connector", "KVConnector"), "kv_connector"),
+    "reasoning_parsers": ComponentKind(
+        "register_reasoning_parsers", "reasoning parser", "--reasoning-parser",
+        ("asyncengine.text.reasoning_parsers.base", "ReasoningParser"), "reasoning_parser"),
     # Architecture names come from model files, so they never resolve to a qualname.
     "models": ComponentKind("register_models", "model architecture", None,
                             allow_qualname=False),

@@ -184,7 +184,7 @@ def _registrations(pm: pluggy.PluginManager, kind: str) -> _Registrations:
 
 def registered(kind: str, pm: pluggy.PluginManager | None = None) -> dict[str, type]:
     """Name -> class of every registered component of ``kind`` (schedulers,
-    structured_output_backends, kv_connectors or models)."""
+    structured_output_backends, kv_connectors, reasoning_parsers or models)."""
     return dict(_registrations(pm or get_plugin_manager(), kind).classes)
 
 
@@ -202,6 +202,11 @@ def resolve_structured_output_backend(name: str, pm: pluggy.PluginManager | None
 
 def resolve_kv_connector(name: str, pm: pluggy.PluginManager | None = None) -> type:
     return _resolve("kv_connectors", name, pm)
+
+
+def resolve_reasoning_parser(name: str, pm: pluggy.PluginManager | None = None) -> type:
+    """The reasoning-parser class for ``--reasoning-parser`` (deepseek_r1, qwen3, a plugin's)."""
+    return _resolve("reasoning_parsers", name, pm)
 
 
 def resolve_model(architecture: str, pm: pluggy.PluginManager | None = None) -> type:

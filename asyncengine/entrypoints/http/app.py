@@ -19,6 +19,15 @@ from asyncengine.entrypoints.http.embeddings import (
     create_embeddings,
 )
 from asyncengine.entrypoints.http.errors import APIError, error_middleware
+from asyncengine.entrypoints.http.messages import count_tokens, create_message
+from asyncengine.entrypoints.http.messages_protocol import (
+    AnthropicError,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessageObject,
+    MessagesRequest,
+    MessagesStreamEvent,
+)
 from asyncengine.entrypoints.http.openapi import ROUTES, Route, openapi_json
 from asyncengine.entrypoints.http.protocol import (
     ChatCompletionRequest,
@@ -66,6 +75,11 @@ BUILTIN_ROUTES = [
           response=ModelCard),
     Route("POST", "/v1/responses", create_response, "Create a model response (stateless)",
           ResponsesRequest, ResponseObject, stream=ResponseStreamEvent),
+    Route("POST", "/v1/messages", create_message, "Create a message (Anthropic's Messages API)",
+          MessagesRequest, MessageObject, stream=MessagesStreamEvent, error=AnthropicError),
+    Route("POST", "/v1/messages/count_tokens", count_tokens,
+          "Count a message's input tokens (Anthropic's Messages API)", CountTokensRequest,
+          CountTokensResponse, error=AnthropicError),
     Route("POST", "/v1/embeddings", create_embeddings, "Create embeddings",
           EmbeddingRequest, EmbeddingResponse),
     Route("GET", "/ping", routes.ping, "Liveness for load balancers (no API key needed)",
@@ -98,7 +112,8 @@ async def draining_middleware(request: web.Request, handler) -> web.StreamRespon
 
 
 #: Handlers that queue engine requests.
-_QUEUEING = frozenset({create_completion, create_chat_completion, create_response})
+_QUEUEING = frozenset({create_completion, create_chat_completion, create_response,
+                       create_message})
 
 
 @web.middleware

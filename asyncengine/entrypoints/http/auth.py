@@ -1,4 +1,5 @@
-"""Bearer-token authentication (``--api-key``, ``$ASYNCENGINE_API_KEY`` or ``$VLLM_API_KEY``)."""
+"""API-key authentication (``--api-key``, ``$ASYNCENGINE_API_KEY`` or ``$VLLM_API_KEY``): sent as
+``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key: <key>`` (Anthropic's)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ PUBLIC_PATHS = frozenset({"/health", "/metrics", "/ping"})
 
 
 def auth_middleware(api_key: str):
-    """A middleware that answers 401 unless ``Authorization: Bearer <api_key>`` is sent.
+    """A middleware that answers 401 unless ``Authorization: Bearer <api_key>`` or
+    ``x-api-key: <api_key>`` is sent.
 
     The comparison is constant-time (``hmac.compare_digest`` over bytes) so response timing
     does not reveal how much of a guessed key was right.
@@ -29,10 +31,13 @@ def auth_middleware(api_key: str):
         if request.method != "OPTIONS" and not _public(request):
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                    token.strip().encode(), expected):
+            bearer = scheme.lower() == "bearer" and hmac.compare_digest(
+                token.strip().encode(), expected)
+            x_key = request.headers.get("x-api-key")
+            if not bearer and not (x_key is not None and hmac.compare_digest(
+                    x_key.strip().encode(), expected)):
                 raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer "
-                                    "<key>'.", code="invalid_api_key")
+                                    "<key>' (or 'x-api-key: <key>').", code="invalid_api_key")
         return await handler(request)
 
     return middleware

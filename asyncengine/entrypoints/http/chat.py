@@ -16,6 +16,11 @@ from asyncengine.entrypoints.http.errors import APIError, bad_request
 from asyncengine.entrypoints.http.logprobs import chat_logprobs
 from asyncengine.entrypoints.http.params import structured_outputs_of, to_sampling_params
 from asyncengine.entrypoints.http.protocol import ChatCompletionRequest, ChatMessage, message_dicts
+from asyncengine.entrypoints.http.reasoning import (
+    ReasoningPlan,
+    chat_template_kwargs,
+    plan_reasoning,
+)
 from asyncengine.entrypoints.http.responses import (
     AssistantMessage,
     ChatChoice,
@@ -23,6 +28,7 @@ from asyncengine.entrypoints.http.responses import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatLogprobs,
+    CompletionTokensDetails,
     Delta,
     DeltaFunction,
     DeltaToolCall,
@@ -49,6 +55,7 @@ from asyncengine.entrypoints.http.tools import (
     plan_tools,
     tool_call_id,
 )
+from asyncengine.text.reasoning_parsers import ReasoningParser
 from asyncengine.text.tool_parsers import ToolParser
 
 
@@ -108,7 +115,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     text = render_chat(engine, body.messages, body.add_generation_prompt is not False,
                        tools=plan.template_tools,
                        continue_final_message=bool(body.continue_final_message),
-                       template_kwargs=body.chat_template_kwargs)
+                       template_kwargs=chat_template_kwargs(state, body.chat_template_kwargs))
+    reasoning = plan_reasoning(state, text)
     # The template already holds the special tokens (BOS etc.): add none.
     prompt = engine.tokenizer.encode(text, add_special_tokens=False)
     max_tokens = body.max_completion_tokens
@@ -121,7 +129,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         logprobs=(body.top_logprobs or 0) if body.logprobs else None, prompt_logprobs=None,
         vocab_size=engine.tokenizer.vocab_size, defaults=state.generation_defaults,
         structured=plan.structured_outputs or structured, limits=engine.sampling_limits)
-    call = _Chat(state, body, request_id(request, "chatcmpl"), plan)
+    reasoning.apply(params, body.thinking_token_budget, "thinking_token_budget")
+    call = _Chat(state, body, request_id(request, "chatcmpl"), plan, reasoning)
     streams = await open_streams(engine, [prompt], params, call.id, body.priority or 0,
                                  deltas_only=bool(body.stream))
     if body.stream:
@@ -134,10 +143,14 @@ class _Chat:
     """One chat call: builds the response, or the chunks of its stream."""
 
     def __init__(self, state: ServerState, body: ChatCompletionRequest, id: str,
-                 plan: ToolPlan) -> None:
+                 plan: ToolPlan, reasoning: ReasoningPlan | None = None) -> None:
         self.state = state
         self.plan = plan
+        self.reasoning = reasoning or ReasoningPlan()
+        self.include_reasoning = body.include_reasoning is not False
         self.parsers: dict[int, ToolParser] = {}  # streaming: per choice
+        self.thinkers: dict[int, ReasoningParser] = {}  # streaming: per choice
+        self.output_ids: dict[int, list[int]] = {}  # streaming, reasoning: to count it
         self.call_ids: dict[tuple[int, int], str] = {}
         self.id = id
         self.created = int(time.time())
@@ -151,10 +164,14 @@ class _Chat:
         self.finished: set[int] = set()
         self.prompt_tokens = 0
         self.completion_tokens: dict[int, int] = {}
+        self.reasoning_tokens: dict[int, int] = {}
 
     def _usage(self) -> Usage:
         c = sum(self.completion_tokens.values())
-        return Usage(self.prompt_tokens, c, self.prompt_tokens + c)
+        details = None
+        if self.reasoning.configured:
+            details = CompletionTokensDetails(sum(self.reasoning_tokens.values()))
+        return Usage(self.prompt_tokens, c, self.prompt_tokens + c, details)
 
     def _logprobs(self, c: CompletionOutput, token_ids: list[int]) -> ChatLogprobs | None:
         if not self.want_logprobs or not token_ids or not c.logprobs:
@@ -174,11 +191,20 @@ class _Chat:
             logprobs = self._logprobs(c, c.token_ids)
             if self.want_logprobs and logprobs is None:
                 logprobs = ChatLogprobs([])
-            parsed = self.plan.parse(c.text)
+            answer, thought = c.text, None
+            thinker = self.reasoning.make()
+            if thinker is not None:
+                split = thinker.parse(c.text)
+                answer = split.content or ""
+                thought = split.reasoning if self.include_reasoning else None
+                self.reasoning_tokens[c.index] = self.reasoning.count(c.token_ids)
+            parsed = self.plan.parse(answer)
             calls = [ToolCallOut(tool_call_id(), FunctionCallOut(t.name, t.arguments))
                      for t in parsed.calls]
-            message = AssistantMessage("assistant", parsed.content if calls else c.text,
-                                       calls or None)
+            content = parsed.content if calls else answer
+            if thinker is not None and not content:
+                content = None
+            message = AssistantMessage("assistant", content, thought, thought, calls or None)
             choices.append(ChatChoice(c.index, message, logprobs,
                                       finish_reason(c.finish_reason, bool(calls)),
                                       c.stop_reason))
@@ -195,7 +221,7 @@ class _Chat:
         chunks can be that simple: one choice, no logprobs, no tool parsing, no usage in every
         chunk."""
         if n != 1 or self.want_logprobs or self.continuous_usage or \
-                self.plan.make_parser is not None:
+                self.plan.make_parser is not None or self.reasoning.active:
             return None
         return text_template(lambda text: ChatCompletionChunk(
             self.id, self.created, self.model, [ChatChunkChoice(0, Delta(content=text))]))
@@ -214,11 +240,17 @@ class _Chat:
                 self.started.add(idx)
                 data += self._chunk(ChatChunkChoice(idx, Delta(role="assistant", content="")))
             self.completion_tokens[idx] = c.num_output_tokens
+            if self.reasoning.active:
+                ids = self.output_ids.setdefault(idx, [])
+                ids += c.delta_token_ids
+                if c.finish_reason is not None:
+                    self.reasoning_tokens[idx] = self.reasoning.count(ids)
             logprobs = self._logprobs(c, c.delta_token_ids)
             delta = self._delta(idx, c.delta_text, c.finish_reason is not None)
             if c.finish_reason is not None:
                 self.finished.add(idx)
-            elif not (delta.content or delta.tool_calls) and logprobs is None:
+            elif not (delta.content or delta.tool_calls or delta.reasoning) and \
+                    logprobs is None:
                 continue
             reason = c.finish_reason
             if idx in self.parsers:
@@ -227,9 +259,20 @@ class _Chat:
         return data
 
     def _delta(self, idx: int, text: str, last: bool) -> Delta:
-        """Plain content, or what the choice's tool parser makes of it."""
+        """Plain content, or what the choice's reasoning and tool parsers make of it: the
+        reasoning parser first, the tool parser reads only the answer."""
+        thought = None
+        if self.reasoning.active:
+            thinker = self.thinkers.get(idx)
+            if thinker is None:
+                thinker = self.thinkers[idx] = self.reasoning.make()
+            split = thinker.feed(text)
+            if last:
+                split.extend(thinker.finish())
+            text = split.content
+            thought = (split.reasoning or None) if self.include_reasoning else None
         if self.plan.make_parser is None:
-            return Delta(content=text or None)
+            return Delta(content=text or None, reasoning=thought, reasoning_content=thought)
         parser = self.parsers.get(idx)
         if parser is None:
             parser = self.parsers[idx] = self.plan.make_parser()
@@ -243,7 +286,8 @@ class _Chat:
             calls.append(DeltaToolCall(
                 piece.index, DeltaFunction(piece.name, piece.arguments),
                 id=call_id if first else None, type="function" if first else None))
-        return Delta(content=parsed.content or None, tool_calls=calls or None)
+        return Delta(content=parsed.content or None, reasoning=thought,
+                     reasoning_content=thought, tool_calls=calls or None)
 
     async def on_end(self, sse: SSEStream) -> None:
         if self.include_usage:

@@ -4,6 +4,9 @@ Handlers raise ``APIError``; the error middleware turns it (and aiohttp's own HT
 unknown route, wrong method, oversized body) into a JSON response. Anything else is logged
 with its traceback and answered with a bare 500: the client never sees a traceback.
 
+Anthropic's routes (``/v1/messages``...) answer in Anthropic's shape instead:
+``{"type": "error", "error": {"type", "message"}}`` (``ANTHROPIC_PATHS``).
+
 Every 503 carries ``Retry-After`` (seconds): the official openai client honours it when it
 retries on its own.
 """
@@ -48,12 +51,34 @@ class APIError(Exception):
     def body(self) -> ErrorResponse:
         return ErrorResponse(ErrorInfo(self.message, self.type, self.param, self.code))
 
-    def response(self) -> web.Response:
+    def anthropic_body(self) -> dict:
+        return {"type": "error", "error": {"type": anthropic_type(self.status),
+                                           "message": self.message}}
+
+    def response(self, anthropic: bool = False) -> web.Response:
         headers = dict(self.headers)
         if self.retry_after is not None:
             headers["Retry-After"] = str(self.retry_after)
-        return web.Response(status=self.status, body=msgspec.json.encode(self.body()),
+        body = self.anthropic_body() if anthropic else self.body()
+        return web.Response(status=self.status, body=msgspec.json.encode(body),
                             content_type="application/json", headers=headers)
+
+
+#: Routes whose errors take Anthropic's shape (also under --root-path).
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_type(status: int) -> str:
+    return _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else
+                                "api_error")
+
+
+def is_anthropic(request: web.Request) -> bool:
+    return request.path.rstrip("/").endswith(ANTHROPIC_PATHS)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -125,11 +150,12 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except APIError as e:
-        return e.response()
+        return e.response(is_anthropic(request))
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return from_http_exception(request, e).response()
+        return from_http_exception(request, e).response(is_anthropic(request))
     except Exception:
         logger.exception("unexpected error handling %s %s", request.method, request.path)
-        return APIError(500, "Internal server error (see the server log).").response()
+        return APIError(500, "Internal server error (see the server log).").response(
+            is_anthropic(request))

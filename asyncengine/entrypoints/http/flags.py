@@ -54,6 +54,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the format of the model's tool calls (hermes: Qwen2.5/Qwen3, "
                         "Hermes; llama3_json: Llama 3.1+)")
+    g.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split a reasoning model's thinking from its answer: the thinking "
+                        "goes to message.reasoning (and reasoning_content); deepseek_r1 "
+                        "(DeepSeek-R1 and distills), qwen3 (Qwen3, QwQ), or one a plugin "
+                        "registers")
+    g.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                   help='chat_template_kwargs every request starts from, e.g. '
+                        '\'{"enable_thinking": false}\' (a request\'s own override them)')
     g.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGINT/SIGTERM, "
                    "seconds in-flight requests get to finish before they are aborted "
                    "(default: 30)")
@@ -96,6 +104,13 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     root = (args.root_path or "").rstrip("/")
     if root and not root.startswith("/"):
         raise ValueError(f"--root-path: must start with '/', got {args.root_path!r}")
+    reasoning_parser = getattr(args, "reasoning_parser", None)
+    if reasoning_parser:
+        from asyncengine.ext.registry import resolve_reasoning_parser
+
+        resolve_reasoning_parser(reasoning_parser)  # ValueError names --reasoning-parser
+    template_kwargs = _json_object(getattr(args, "default_chat_template_kwargs", None),
+                                   "default_chat_template_kwargs")
     api_key = args.api_key or next((os.environ[e] for e in API_KEY_ENVS if os.environ.get(e)),
                                    None)
     return ServerSettings(
@@ -119,7 +134,24 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         tool_call_parser=args.tool_call_parser,
         log_requests=args.enable_log_requests and not args.disable_log_requests,
         web_ui=getattr(args, "web_ui", True),
+        reasoning_parser=reasoning_parser or None,
+        default_chat_template_kwargs=template_kwargs,
     )
+
+
+def _json_object(value: str | dict | None, name: str) -> dict:
+    """A JSON object flag (``{}`` when not given)."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return value
+    try:
+        obj = json.loads(value)
+    except ValueError:
+        raise ValueError(f"--{name.replace('_', '-')}: not valid JSON: {value}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"--{name.replace('_', '-')}: must be a JSON object, got {value}")
+    return obj
 
 
 def _list(value: str | list | None, name: str) -> list[str]:

@@ -36,6 +36,8 @@ class Route:
     # The Struct of each ``data:`` event when the body asks for ``"stream": true``.
     stream: type | None = None
     content_type: str | None = "application/json"  # None: an empty body
+    # The Struct of this route's error bodies (None: OpenAI's ``ErrorResponse``).
+    error: type | None = None
 
 
 ROUTES = web.AppKey("asyncengine_routes", list)
@@ -66,7 +68,8 @@ def build_openapi(routes: list[Route], app: web.Application, *, version: str,
     ``served``: its model names and context length."""
     types: list[type] = [ErrorResponse]
     for r in routes:
-        types += [t for t in (r.body, r.response, r.stream) if t is not None and t not in types]
+        types += [t for t in (r.body, r.response, r.stream, r.error)
+                  if t is not None and t not in types]
     schemas, components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}")
     ref = dict(zip(types, schemas, strict=True))
@@ -84,20 +87,26 @@ def build_openapi(routes: list[Route], app: web.Application, *, version: str,
                    "content": error["content"]}
     paths: dict[str, dict[str, Any]] = {}
     for r in routes:
+        route_error, route_unavailable, error_ref = error, unavailable, ref[ErrorResponse]
+        if r.error is not None:  # Anthropic's routes
+            error_ref = ref[r.error]
+            route_error = {"description": "An error in Anthropic's shape",
+                           "content": {"application/json": {"schema": error_ref}}}
+            route_unavailable = {**unavailable, "content": route_error["content"]}
         content: dict[str, Any] = {}
         if r.content_type is not None:
             kind = "object" if r.content_type == "application/json" else "string"
             schema = ref[r.response] if r.response is not None else {"type": kind}
             content[r.content_type] = {"schema": schema}
         if r.stream is not None:
-            content["text/event-stream"] = _event_stream(ref[r.stream], ref[ErrorResponse])
+            content["text/event-stream"] = _event_stream(ref[r.stream], error_ref)
         ok: dict[str, Any] = {"description": "OK"}
         if content:
             ok["content"] = content
         responses: dict[str, Any] = {"200": ok}
         if r.path not in NEVER_UNAVAILABLE:
-            responses["503"] = unavailable
-        responses["default"] = error
+            responses["503"] = route_unavailable
+        responses["default"] = route_error
         op: dict[str, Any] = {
             "summary": r.summary,
             "operationId": r.handler.__name__,

@@ -191,6 +191,9 @@ class ChatCompletionRequest(GenerationBody, kw_only=True):
     tools: Annotated[list[ChatTool], Meta(min_length=1)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Reasoning models (--reasoning-parser): end the reasoning after this many tokens.
+    thinking_token_budget: int | None = None
+    include_reasoning: bool | None = None  # false: the reasoning is split off and dropped
     # Known, not implemented (a 400 when set).
     functions: list[Any] | None = None
     function_call: Any | None = None

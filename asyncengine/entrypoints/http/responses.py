@@ -5,10 +5,16 @@ from __future__ import annotations
 from msgspec import Struct
 
 
-class Usage(Struct):
+class CompletionTokensDetails(Struct):
+    reasoning_tokens: int = 0
+
+
+class Usage(Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Set when the server splits reasoning (--reasoning-parser).
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class ErrorInfo(Struct):
@@ -79,8 +85,14 @@ class ToolCallOut(Struct):
 
 
 class AssistantMessage(Struct, omit_defaults=True):
+    """``reasoning`` and ``reasoning_content`` hold the same text (--reasoning-parser): vLLM
+    renamed the field to ``reasoning``; llama-server and older clients read
+    ``reasoning_content``."""
+
     role: str
     content: str | None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -118,6 +130,8 @@ class DeltaToolCall(Struct, omit_defaults=True):
 class Delta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None  # and reasoning_content: the same text (see AssistantMessage)
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -10,6 +10,10 @@
 ``.done``), and ``response.completed`` (its response's ``status`` is ``incomplete`` when
 ``max_output_tokens`` cut it short), each as ``event: <type>`` and ``data: <json>`` with a
 ``sequence_number``.
+
+With ``--reasoning-parser``, the thinking span is a ``reasoning`` item (its text in
+``content`` as ``reasoning_text``) before the message; streamed, its text comes as
+``response.reasoning_text.delta`` / ``.done`` events inside its own item.
 """
 
 from __future__ import annotations
@@ -25,11 +29,19 @@ from asyncengine.engine.outputs import RequestOutput
 from asyncengine.entrypoints.http.chat import default_max_tokens, render_chat
 from asyncengine.entrypoints.http.errors import APIError, bad_request, from_value_error
 from asyncengine.entrypoints.http.params import KNOWN_PARAMS
+from asyncengine.entrypoints.http.reasoning import (
+    ReasoningPlan,
+    chat_template_kwargs,
+    plan_reasoning,
+)
 from asyncengine.entrypoints.http.responses_api_protocol import (
     FunctionCallItem,
     IncompleteDetails,
     OutputMessage,
     OutputText,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
     ResponseObject,
     ResponsesRequest,
     ResponseStreamEvent,
@@ -69,7 +81,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     plan = plan_tools(tools, choice, body.parallel_tool_calls, state.settings)
     fmt = _text_format(body)
     check_no_other_format(plan, fmt)
-    text = render_chat(engine, chat_messages(body), tools=plan.template_tools)
+    text = render_chat(engine, chat_messages(body), tools=plan.template_tools,
+                       template_kwargs=chat_template_kwargs(state, None))
+    reasoning = plan_reasoning(state, text)
     prompt = engine.tokenizer.encode(text, add_special_tokens=False)
     max_tokens = body.max_output_tokens
     if max_tokens is None:
@@ -89,7 +103,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             err = bad_request(err.message.replace("max_tokens", "max_output_tokens"),
                               "max_output_tokens")
         raise err from None
-    call = _Response(state, body, request_id(request, "resp"), plan)
+    reasoning.apply(params, body.thinking_token_budget, "thinking_token_budget")
+    call = _Response(state, body, request_id(request, "resp"), plan, reasoning)
     streams = await open_streams(engine, [prompt], params, call.id, 0,
                                  deltas_only=bool(body.stream))
     if body.stream:
@@ -119,15 +134,19 @@ class _Response:
     """One response: the final object, or the events of its stream."""
 
     def __init__(self, state: ServerState, body: ResponsesRequest, id: str,
-                 plan: ToolPlan) -> None:
+                 plan: ToolPlan, reasoning: ReasoningPlan | None = None) -> None:
         self.id = id
         self.body = body
         self.plan = plan
         self.model = state.engine.model_name
         self.created = int(time.time())
         self.seq = 0
-        self.output: list[OutputMessage | FunctionCallItem] = []
+        self.output: list[ReasoningItem | OutputMessage | FunctionCallItem] = []
         self.message: OutputMessage | None = None  # the open message item, while streaming
+        self.reasoning = reasoning or ReasoningPlan()
+        self.thinker = self.reasoning.make()
+        self.thought: ReasoningItem | None = None  # the open reasoning item, while streaming
+        self.output_ids: list[int] = []  # streaming, reasoning: to count it
         self.calls: dict[int, FunctionCallItem] = {}  # the parser's call index -> its item
         self.parser = plan.make_parser() if plan.make_parser is not None else None
         self.started = False
@@ -151,7 +170,9 @@ class _Response:
         if c.finish_reason == "abort":
             raise APIError(503, SHUTDOWN_ABORT)
         n_in, n_out = len(out.prompt_token_ids), c.num_output_tokens
-        self.usage = ResponseUsage(n_in, n_out, n_in + n_out)
+        ids = c.token_ids if len(c.token_ids) == n_out else self.output_ids
+        self.usage = ResponseUsage(n_in, n_out, n_in + n_out, output_tokens_details=(
+            OutputTokensDetails(self.reasoning.count(ids))))
         if c.finish_reason == "length":
             self.status, self.incomplete = "incomplete", IncompleteDetails("max_output_tokens")
         else:
@@ -160,9 +181,17 @@ class _Response:
     # -- non-streaming --------------------------------------------------------------------------
     def final(self, out: RequestOutput) -> ResponseObject:
         self._finish(out)
-        parsed = self.plan.parse(out.outputs[0].text)
+        answer = out.outputs[0].text
         done = "completed" if self.status == "completed" else "incomplete"
-        if parsed.content is not None or not parsed.calls:
+        if self.thinker is not None:
+            split = self.thinker.parse(answer)
+            answer = split.content or ""
+            if split.reasoning is not None:
+                self.output.append(ReasoningItem(_item_id("rs"), done,
+                                                 [ReasoningText(split.reasoning)]))
+        parsed = self.plan.parse(answer)
+        thought_only = bool(self.output) and not parsed.content and not parsed.calls
+        if (parsed.content is not None or not parsed.calls) and not thought_only:
             self.output.append(OutputMessage(_item_id("msg"), done,
                                              [OutputText(parsed.content or "")]))
         for call in parsed.calls:
@@ -185,12 +214,21 @@ class _Response:
             data += self._event("response.in_progress", response=self.response())
         c = out.outputs[0]
         last = c.finish_reason is not None
+        text = c.delta_text
+        if self.thinker is not None:
+            self.output_ids += c.delta_token_ids
+            split = self.thinker.feed(text)
+            if last:
+                split.extend(self.thinker.finish())
+            if split.reasoning:
+                data += self._reasoning(split.reasoning)
+            text = split.content
         if last:
             self._finish(out)
         if self.parser is None:
-            parsed = ParsedDelta(content=c.delta_text)
+            parsed = ParsedDelta(content=text)
         else:
-            parsed = self.parser.feed(c.delta_text)
+            parsed = self.parser.feed(text)
             if last:
                 parsed.extend(self.parser.finish())
         if parsed.content:
@@ -201,9 +239,40 @@ class _Response:
             data += self._close_all()
         return data
 
+    def _reasoning(self, delta: str) -> bytes:
+        data = b""
+        if self.thought is None:
+            self.thought = ReasoningItem(_item_id("rs"), "in_progress", [])
+            self.output.append(self.thought)
+            index = len(self.output) - 1
+            data += self._event("response.output_item.added", output_index=index,
+                                item=self.thought)
+            data += self._event("response.content_part.added", item_id=self.thought.id,
+                                output_index=index, content_index=0, part=ReasoningText(""))
+            self.thought.content.append(ReasoningText(""))
+        self.thought.content[0].text += delta
+        return data + self._event("response.reasoning_text.delta", item_id=self.thought.id,
+                                  output_index=self.output.index(self.thought),
+                                  content_index=0, delta=delta)
+
+    def _close_reasoning(self) -> bytes:
+        r, self.thought = self.thought, None
+        if r is None:
+            return b""
+        index = self.output.index(r)
+        part = r.content[0]
+        r.status = "completed" if self.status != "incomplete" or self.message is not None \
+            or self.calls else "incomplete"
+        return (self._event("response.reasoning_text.done", item_id=r.id, output_index=index,
+                            content_index=0, text=part.text)
+                + self._event("response.content_part.done", item_id=r.id, output_index=index,
+                              content_index=0, part=part)
+                + self._event("response.output_item.done", output_index=index, item=r))
+
     def _text(self, delta: str) -> bytes:
         data = b""
         if self.message is None:
+            data += self._close_reasoning()
             self.message = OutputMessage(_item_id("msg"), "in_progress", [])
             self.output.append(self.message)
             index = len(self.output) - 1
@@ -236,7 +305,7 @@ class _Response:
         data = b""
         item = self.calls.get(index)
         if item is None:
-            data += self._close_message()
+            data += self._close_reasoning() + self._close_message()
             item = self.calls[index] = FunctionCallItem(_item_id("fc"), tool_call_id(),
                                                         name or "", "", "in_progress")
             self.output.append(item)
@@ -252,7 +321,7 @@ class _Response:
         data = b""
         if not self.output:  # nothing was generated: an empty message, as OpenAI sends
             data += self._text("")
-        data += self._close_message()
+        data += self._close_reasoning() + self._close_message()
         for item in self.calls.values():
             index = self.output.index(item)
             item.status = "completed" if self.status != "incomplete" else "incomplete"

@@ -58,6 +58,9 @@ class ResponsesRequest(Body, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
+    reasoning: dict[str, Any] | None = None  # OpenAI's effort/summary: accepted, not used
+    # vLLM's extension (--reasoning-parser): end the reasoning after this many tokens.
+    thinking_token_budget: int | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -127,6 +130,8 @@ def chat_messages(body: ResponsesRequest) -> list[ChatMessage]:
         return messages
     for i, raw in enumerate(body.input):
         kind = raw.get("type", "message") if isinstance(raw, dict) else None
+        if kind == "reasoning":  # an earlier turn's thinking: templates drop it anyway
+            continue
         cls = _ITEMS.get(kind) if isinstance(kind, str) else None
         if cls is None:
             raise bad_request(f"input item type {kind!r} is not supported (message, "
@@ -195,6 +200,20 @@ class OutputMessage(Struct, tag="message", tag_field="type"):
     role: str = "assistant"
 
 
+class ReasoningText(Struct, tag="reasoning_text", tag_field="type"):
+    text: str
+
+
+class ReasoningItem(Struct, tag="reasoning", tag_field="type"):
+    """The thinking span (--reasoning-parser), before the message: its text in ``content``
+    (``summary`` stays empty: the model wrote no summary), as vLLM sends it."""
+
+    id: str
+    status: str
+    content: list[ReasoningText]
+    summary: list[Any] = []
+
+
 class FunctionCallItem(Struct, tag="function_call", tag_field="type"):
     id: str
     call_id: str
@@ -228,7 +247,7 @@ class ResponseObject(Struct):
     created_at: int
     model: str
     status: str
-    output: list[OutputMessage | FunctionCallItem]
+    output: list[ReasoningItem | OutputMessage | FunctionCallItem]
     tools: list[dict[str, Any]]
     tool_choice: str | dict[str, Any]
     parallel_tool_calls: bool
@@ -256,8 +275,8 @@ class ResponseStreamEvent(Struct, kw_only=True, omit_defaults=True):
     output_index: int | None = None
     content_index: int | None = None
     item_id: str | None = None
-    item: OutputMessage | FunctionCallItem | None = None
-    part: OutputText | None = None
+    item: ReasoningItem | OutputMessage | FunctionCallItem | None = None
+    part: OutputText | ReasoningText | None = None
     delta: str | None = None
     text: str | None = None
     name: str | None = None

@@ -198,7 +198,8 @@ async def run_sse(request: web.Request, streams: list[RequestStream],
                   render: Callable[[int, RequestOutput], bytes],
                   on_end: Callable[[SSEStream], Awaitable[None]], *,
                   done_marker: bool = True,
-                  render_text: Callable[[str], bytes] | None = None) -> web.StreamResponse:
+                  render_text: Callable[[str], bytes] | None = None,
+                  render_error: Callable[[APIError], bytes] | None = None) -> web.StreamResponse:
     """Stream the outputs of ``streams`` as server-sent events; ``render(i, out)`` turns an
     output of stream ``i`` into event bytes. A client that leaves ends it quietly (its requests
     are aborted by ``consume``); an error becomes an error event.
@@ -212,7 +213,10 @@ async def run_sse(request: web.Request, streams: list[RequestStream],
     ``render_text(text)``, when the call can give it, renders a step that brings nothing but
     new text (no finish, no logprobs, no tool-call parsing): pushed steps then skip building a
     ``RequestOutput`` altogether. It is used only after the stream's first output, which goes
-    through ``render`` (a chat stream's role chunk, a completion's echo)."""
+    through ``render`` (a chat stream's role chunk, a completion's echo).
+
+    ``render_error`` renders an error that ends a started stream (default: OpenAI's error
+    event; Anthropic's API sends its own)."""
     try:
         state = request.app.get(STATE)
         sse = await SSEStream.open(request, done_marker,
@@ -239,7 +243,11 @@ async def run_sse(request: web.Request, streams: list[RequestStream],
         if not isinstance(e, APIError | EngineDeadError):
             logger.exception("unexpected error while streaming %s", request.path)
         try:
-            await sse.error(to_api_error(e))
+            if render_error is None:
+                await sse.error(to_api_error(e))
+            else:
+                await sse.write(render_error(to_api_error(e)))
+                await sse.done()
         except ClientGone:
             pass
     finally:

@@ -44,6 +44,10 @@ class ServerSettings:
     log_requests: bool = False
     # The chat page at / (web.py); --no-web-ui turns it off.
     web_ui: bool = True
+    # Reasoning models: --reasoning-parser (a registered name; see text/reasoning_parsers).
+    reasoning_parser: str | None = None
+    # --default-chat-template-kwargs: what each request's chat_template_kwargs start from.
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,6 +65,16 @@ class ServerState:
     @property
     def token_texts(self) -> TokenTexts:
         return self.engine.tokenizer.token_texts
+
+    @property
+    def reasoning_parser(self) -> type | None:
+        """The --reasoning-parser class (None: outputs are not split)."""
+        name = self.settings.reasoning_parser
+        if not name:
+            return None
+        from asyncengine.ext.registry import resolve_reasoning_parser
+
+        return resolve_reasoning_parser(name)
 
     @property
     def served_model_names(self) -> list[str]:

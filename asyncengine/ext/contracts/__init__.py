@@ -20,6 +20,7 @@ from asyncengine.core.sched.interface import SCHEDULER_API_VERSION
 from asyncengine.ext.contracts.hooks import HOOKS_API_VERSION
 from asyncengine.ext.contracts.kv_connector import KV_CONNECTOR_API_VERSION
 from asyncengine.ext.contracts.structured_output import STRUCTURED_OUTPUT_API_VERSION
+from asyncengine.text.reasoning_parsers.base import REASONING_PARSER_API_VERSION
 
 #: contract -> its current version. Version 2 of each: the plugin API became one module,
 #: ``asyncengine.plugins``; the paths of version 1 still import, with a DeprecationWarning.
@@ -28,6 +29,7 @@ CONTRACT_VERSION: MappingProxyType[str, int] = MappingProxyType({
     "scheduler": SCHEDULER_API_VERSION,
     "structured_output": STRUCTURED_OUTPUT_API_VERSION,
     "kv_connector": KV_CONNECTOR_API_VERSION,
+    "reasoning_parser": REASONING_PARSER_API_VERSION,
 })
 
 #: contract -> older versions a component may still declare (deprecated: accepted with a
@@ -37,6 +39,7 @@ ACCEPTED_VERSIONS: MappingProxyType[str, tuple[int, ...]] = MappingProxyType({
     "scheduler": (1,),
     "structured_output": (1,),
     "kv_connector": (1,),
+    "reasoning_parser": (),
 })
 
 __all__ = ["ACCEPTED_VERSIONS", "CONTRACT_VERSION"]

@@ -88,6 +88,17 @@ def register_models(register: Register) -> None:
 
 
 @hookspec
+def register_reasoning_parsers(register: Register) -> None:
+    """Register reasoning parsers: ``register("deepseek_r1", DeepSeekR1ReasoningParser)``.
+
+    Each class reads a reasoning model's output into its thinking span and its answer, as
+    ``asyncengine.text.reasoning_parsers.ReasoningParser`` does (subclass it and set the tags:
+    its ``feed``/``finish``/``parse`` do the rest). It is constructed per sample as
+    ``cls(prompt_text)``. Operators select one with ``--reasoning-parser NAME``.
+    """
+
+
+@hookspec
 def add_cli_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     """Add options to the parser of one CLI command (``command`` is ``"serve"``,
     ``"generate"``, ``"bench"``, ...), called before the command line is parsed.
@@ -119,6 +130,7 @@ __all__ = [
     "register_http_routes",
     "register_kv_connectors",
     "register_models",
+    "register_reasoning_parsers",
     "register_schedulers",
     "register_structured_output_backends",
 ]
