@@ -22,7 +22,7 @@ import anyio.abc
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.limits import SamplingLimits
-from asyncengine.core.request import Request, RequestStatus
+from asyncengine.core.request import LoRARequest, Request, RequestStatus
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.core.sched.interface import SchedulerStats
 from asyncengine.engine.aborts import Aborts
@@ -140,9 +140,11 @@ class AsyncEngine:
     # -- requests -------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                           request_id: str | None = None, priority: int = 0,
-                          deltas_only: bool = False) -> RequestStream:
+                          deltas_only: bool = False,
+                          lora_name: str | None = None) -> RequestStream:
         """Validate and queue a request; return its output stream. Raises ValueError for
-        invalid input, EngineShuttingDown when draining, EngineDeadError after a failure."""
+        invalid input (an unknown ``lora_name`` too), EngineShuttingDown when draining,
+        EngineDeadError after a failure. ``lora_name``: the LoRA adapter to run with."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self._dead}")
         if not self._accepting:
@@ -150,6 +152,7 @@ class AsyncEngine:
         self.check_queue()
         params = params or SamplingParams()
         params.validate(self.sampling_limits)
+        lora = self.lora_request(lora_name)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.outputs.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -174,6 +177,7 @@ class AsyncEngine:
                 priority=priority, index=i,
             )
             req.grammar = grammars[i]
+            req.lora = lora
             if sp.prompt_logprobs is not None:
                 req.prompt_logprobs = [None]
             samples.append(self.outputs.make_sample(req, sp))
@@ -194,15 +198,54 @@ class AsyncEngine:
         return stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                       request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Leaving the loop early aborts the request."""
-        stream = await self.add_request(prompt, params, request_id=request_id, priority=priority)
+        stream = await self.add_request(prompt, params, request_id=request_id, priority=priority,
+                                        lora_name=lora_name)
         try:
             async for out in stream:
                 yield out
         finally:
             stream.close()
+
+    # -- LoRA adapters (--enable-lora) ----------------------------------------------------------
+    @property
+    def lora(self) -> Any:
+        """The adapters' registry (``executor/lora/manager.LoRAManager``), None without
+        --enable-lora."""
+        return self.runner.lora
+
+    def lora_names(self) -> list[str]:
+        return [] if self.lora is None else list(self.lora.adapters)
+
+    def lora_request(self, name: str | None) -> LoRARequest | None:
+        """The adapter ``name`` runs with (None: the base model); ValueError when unknown."""
+        if name is None:
+            return None
+        if self.lora is None:
+            raise ValueError(f"unknown LoRA adapter {name!r} (LoRA is not enabled: "
+                             "--enable-lora)")
+        return self.lora.request(name)
+
+    async def load_lora_adapter(self, name: str, path: str,
+                                base_model_name: str | None = None) -> None:
+        """Read the PEFT adapter at ``path`` (off the loop) and serve it as ``name``.
+        ValueError: LoRA not enabled, the name taken, or the adapter unreadable or too big."""
+        lora = self.lora
+        if lora is None:
+            raise ValueError("LoRA is not enabled (--enable-lora)")
+        if name in lora.adapters:
+            raise ValueError(f"The LoRA adapter `{name}` is already loaded.")
+        weights, key = await anyio.to_thread.run_sync(lora.read, path)
+        lora.register(name, path, weights, key, base_model_name)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving ``name``; KeyError when unknown. Requests already queued with it
+        finish with it."""
+        if self.lora is None:
+            raise KeyError(name)
+        self.lora.unregister(name)
 
     async def embed(self, prompts: list[list[int]], **kwargs: Any) -> Any:
         """Pooled, normalized hidden states of token-id prompts (``engine/embedding.py``)."""
