@@ -224,8 +224,10 @@ class AsyncEngine:
         if name is None:
             return None
         if self.lora is None:
-            raise ValueError(f"unknown LoRA adapter {name!r} (LoRA is not enabled: "
-                             "--enable-lora)")
+            from asyncengine.executor.lora.manager import LoRANotFound
+
+            raise LoRANotFound(f"The model `{name}` does not exist (LoRA adapters are not "
+                               "enabled: --enable-lora).")
         return self.lora.request(name)
 
     async def load_lora_adapter(self, name: str, path: str,

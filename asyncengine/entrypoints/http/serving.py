@@ -41,6 +41,7 @@ from asyncengine.entrypoints.http.params import KNOWN_PARAMS
 from asyncengine.entrypoints.http.protocol import Body, unsupported
 from asyncengine.entrypoints.http.sse import ClientGone, SSEStream, encode_json
 from asyncengine.entrypoints.http.state import STATE, served_model_names
+from asyncengine.executor.lora.manager import LoRANotFound
 
 B = TypeVar("B", bound=Body)
 
@@ -86,12 +87,27 @@ async def read_body(request: web.Request, type_: type[B]) -> B:
     return body
 
 
-def check_model(engine: AsyncEngine, name: str | None) -> None:
+def check_model(engine: AsyncEngine, name: str | None, *, lora: bool = True) -> str | None:
+    """404 ``model_not_found`` unless ``name`` is a served model name or (``lora``) a LoRA
+    adapter's; returns the adapter's name for an adapter, else None (the base model)."""
     names = served_model_names(engine)
-    if name is not None and name not in names:
-        raise APIError(404, f"The model `{name}` does not exist (this server serves "
-                            f"{', '.join(f'`{n}`' for n in names)}).", param="model",
-                       code="model_not_found")
+    if name is None or name in names:
+        return None
+    adapters = lora_names(engine)
+    if name in adapters:
+        if not lora:
+            raise APIError(400, f"The model `{name}` is a LoRA adapter: this endpoint serves "
+                                "the base model only.", param="model")
+        return name
+    raise APIError(404, f"The model `{name}` does not exist (this server serves "
+                        f"{', '.join(f'`{n}`' for n in [*names, *adapters])}).", param="model",
+                   code="model_not_found")
+
+
+def lora_names(engine: AsyncEngine) -> list[str]:
+    """The LoRA adapters served (--enable-lora), by name."""
+    names = getattr(engine, "lora_names", None)
+    return names() if names is not None else []
 
 
 def request_id(request: web.Request, prefix: str) -> str:
@@ -111,6 +127,8 @@ def to_api_error(error: Exception) -> APIError:
                         retry_after=OVERLOADED_RETRY_AFTER_S)
     if isinstance(error, EngineDeadError):
         return APIError(500, f"The engine failed: {error}")
+    if isinstance(error, LoRANotFound):  # unloaded after check_model
+        return APIError(404, str(error), param="model", code="model_not_found")
     if isinstance(error, ValueError):
         return from_value_error(error, KNOWN_PARAMS)
     return APIError(500, "Internal server error (see the server log).")
@@ -118,18 +136,21 @@ def to_api_error(error: Exception) -> APIError:
 
 async def open_streams(engine: AsyncEngine, prompts: list[str | list[int]],
                        params: SamplingParams, base_id: str,
-                       priority: int, *, deltas_only: bool = False) -> list[RequestStream]:
+                       priority: int, *, deltas_only: bool = False,
+                       lora_name: str | None = None) -> list[RequestStream]:
     """One engine request per prompt; all or none (a failure closes those already opened).
-    ``deltas_only`` for streamed responses: each output holds only what is new."""
+    ``deltas_only`` for streamed responses: each output holds only what is new.
+    ``lora_name``: the LoRA adapter the requests run with (None: the base model)."""
     streams: list[RequestStream] = []
     if request_logger.isEnabledFor(logging.INFO):
         request_logger.info("request %s: %d prompt(s), %s", base_id, len(prompts), params)
+    extra = {} if lora_name is None else {"lora_name": lora_name}
     try:
         for i, prompt in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             streams.append(await engine.add_request(
                 prompt, params if i == 0 else params.clone(), request_id=rid,
-                priority=priority, deltas_only=deltas_only))
+                priority=priority, deltas_only=deltas_only, **extra))
     except (ValueError, EngineShuttingDown, EngineOverloaded, EngineDeadError) as e:
         for s in streams:
             s.close()

@@ -34,6 +34,10 @@ from asyncengine.executor.lora.tables import LoRATables
 logger = logging.getLogger(__name__)
 
 
+class LoRANotFound(ValueError):
+    """A request named an adapter this engine does not serve (HTTP: 404 model_not_found)."""
+
+
 @dataclass(frozen=True)
 class AdapterInfo:
     name: str
@@ -72,7 +76,10 @@ class LoRAManager:
         self.num_loads = 0  # adapters read from disk (registration or after CPU eviction)
         for entry in config.lora_modules or ():
             name, path, base = parse_lora_module(entry)
-            weights, key = self.read(path)
+            try:
+                weights, key = self.read(path)
+            except ValueError as e:
+                raise ValueError(f"--lora-modules {name}: {e}") from None
             self.register(name, path, weights, key, base)
 
     # -- the registry (on the loop; reading files may run in a thread) -----------------------
@@ -102,7 +109,7 @@ class LoRAManager:
     def request(self, name: str) -> LoRARequest:
         info = self.adapters.get(name)
         if info is None:
-            raise ValueError(f"unknown LoRA adapter {name!r}")
+            raise LoRANotFound(f"The model `{name}` does not exist (no such LoRA adapter).")
         return info.request()
 
     def _remember(self, key: bytes, weights: LoRAWeights) -> None:
