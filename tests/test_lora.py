@@ -51,12 +51,20 @@ def make_adapter(base_dir: str, out: Path, rank: int, alpha: int, targets: list[
 
 
 @pytest.fixture(scope="module")
-def lora_models(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("lora")
-    paths = {"base": make_tiny_model(root / "llama", "llama")}
-    for i, (name, spec) in enumerate(ADAPTERS.items()):
-        paths[name] = make_adapter(paths["base"], root / name, *spec, seed=10 + i)
-    return paths
+def lora_families(tmp_path_factory):
+    """family -> {"base": model dir, adapter name: adapter dir}, made on first use."""
+    made: dict[str, dict[str, str]] = {}
+
+    def get(family: str) -> dict[str, str]:
+        if family not in made:
+            root = tmp_path_factory.mktemp(f"lora_{family}")
+            paths = {"base": make_tiny_model(root / family, family)}
+            for i, (name, spec) in enumerate(ADAPTERS.items()):
+                paths[name] = make_adapter(paths["base"], root / name, *spec, seed=10 + i)
+            made[family] = paths
+        return made[family]
+
+    return get
 
 
 def peft_reference(base_dir: str, adapter: str | None, prompts: list[list[int]],
@@ -120,8 +128,10 @@ def dequantized_state(engine: AsyncEngine) -> dict[str, torch.Tensor]:
     return state
 
 
-@pytest.mark.parametrize("quantization", ["none", "int4", "int8"])
-def test_mixed_batch_gives_pefts_greedy_tokens(lora_models, quantization):
+@pytest.mark.parametrize("family,quantization", [("llama", "none"), ("llama", "int4"),
+                                                 ("llama", "int8"), ("qwen3", "none")])
+def test_mixed_batch_gives_pefts_greedy_tokens(lora_families, family, quantization):
+    lora_models = lora_families(family)
     engine = engine_for(lora_models, max_loras=2, max_cpu_loras=2,
                         quantization=quantization)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
