@@ -14,6 +14,7 @@ process, platform and GC collectors), so several engines in one process never co
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -127,6 +128,7 @@ class EngineMetrics:
         self.spec_accepted_per_pos: list[int] = []
         # Tokens a KV connector loaded instead of computing (None: no connector configured).
         self.kv_connector_hits: int | None = None
+        self.lora_info: tuple[str, str, str, float] | None = None  # set_lora
 
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(self)
@@ -197,6 +199,11 @@ class EngineMetrics:
         self.stats = stats
         if kv_connector_hits is not None:
             self.kv_connector_hits = kv_connector_hits
+
+    def set_lora(self, running: list[str], waiting: list[str], max_loras: int) -> None:
+        """``vllm:lora_requests_info`` (with --enable-lora): the adapters of the running and
+        of the waiting requests; its value is the time of this update, as vLLM's."""
+        self.lora_info = (",".join(running), ",".join(waiting), str(max_loras), time.time())
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
@@ -317,6 +324,13 @@ class EngineMetrics:
                              "processed.", self.request_generation_tokens, alias=True)
         yield from histogram("iteration_tokens_total", "Histogram of number of tokens per "
                              "engine_step.", self.iteration_tokens)
+        if self.lora_info is not None:
+            running, waiting, max_lora, stamp = self.lora_info
+            g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                  labels=["max_lora", "waiting_lora_adapters",
+                                          "running_lora_adapters"])
+            g.add_metric([max_lora, waiting, running], stamp)
+            yield g
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine "
                                  "CacheConfig", labels=list(self.cache_info))
         info.add_metric(list(self.cache_info.values()), 1)

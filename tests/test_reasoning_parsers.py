@@ -17,8 +17,8 @@ import torch
 import transformers
 from asyncengine.ext.hookspecs import hookimpl
 
+from asyncengine.executor.reasoning_gate import ReasoningGate
 from asyncengine.ext.registry import new_plugin_manager, registered, resolve_reasoning_parser
-from asyncengine.ext.structured_output.reasoning_gate import ReasoningGate
 from asyncengine.text.reasoning_parsers import (
     DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser,

@@ -26,10 +26,12 @@ from asyncengine.config.sections import (
     CacheConfig,
     DeviceConfig,
     LoadConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     PluginConfig,
     SchedulerConfig,
+    validate_lora,
     validate_parallel,
 )
 from asyncengine.config.speculative import (
@@ -42,8 +44,8 @@ from asyncengine.config.values import flag, flatten, json_object, parse_size
 __all__ = [
     "ALIASES", "DEVICES", "DTYPES", "GENERATION_CONFIG_HELP", "LOAD_FORMATS", "POOLING_TYPES",
     "QUANTIZATIONS", "SECTIONS", "SECTION_TITLES", "CacheConfig", "DeviceConfig", "EngineConfig",
-    "LoadConfig", "ModelConfig", "ParallelConfig", "PluginConfig", "SchedulerConfig",
-    "SpeculativeConfig", "SpeculativeSettings", "parse_size",
+    "LoRAConfig", "LoadConfig", "ModelConfig", "ParallelConfig", "PluginConfig",
+    "SchedulerConfig", "SpeculativeConfig", "SpeculativeSettings", "parse_size",
 ]
 
 
@@ -57,6 +59,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     plugins: PluginConfig = field(default_factory=PluginConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -158,6 +161,7 @@ class EngineConfig:
             raise ValueError(f"--kv-cache-dtype {cc.kv_cache_dtype}: not supported; the KV cache "
                              "is kept in the model's dtype (only 'auto')")
         validate_parallel(self.parallel)
+        validate_lora(self.lora, self.parallel.tensor_parallel_size, self.device.compile)
         if self.device.compile and self.parallel.tensor_parallel_size > 1:
             raise ValueError("--compile: not supported with --tensor-parallel-size > 1 (the "
                              "collectives are not traced); drop one of them")

@@ -167,15 +167,39 @@ class PluginConfig:
         "help": "storage directory for the KV connector"})
 
 
+@dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (``executor/lora/``, docs/lora.md), vLLM's flags and meanings."""
+
+    enable_lora: bool = field(default=False, metadata={
+        "help": "serve PEFT LoRA adapters of the model, picked per request by their name in "
+                "`model`"})
+    lora_modules: list[str] | None = field(default=None, metadata={
+        "help": "adapters to serve from the start: name=path, or vLLM's JSON form "
+                "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'",
+        "nargs": "+"})
+    max_loras: int = field(default=1, metadata={
+        "help": "most distinct adapters in one step (slots of the batched LoRA tables); "
+                "requests for other adapters wait"})
+    max_lora_rank: int = field(default=16, metadata={
+        "help": "the largest adapter rank served (the slot tables' width)"})
+    max_cpu_loras: int | None = field(default=None, metadata={
+        "help": "adapters kept in CPU memory (an LRU; the others are read again from disk "
+                "when used) (default: --max-loras)"})
+    allow_runtime_lora_updating: bool = field(default=False, metadata={
+        "help": "enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)"})
+
+
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
             "load": LoadConfig, "device": DeviceConfig, "parallel": ParallelConfig,
-            "plugins": PluginConfig, "speculative": SpeculativeConfig}
+            "plugins": PluginConfig, "speculative": SpeculativeConfig, "lora": LoRAConfig}
 #: ``serve --help`` groups the flags the way vLLM's does.
 SECTION_TITLES = {"model": "ModelConfig", "cache": "CacheConfig",
                   "scheduler": "SchedulerConfig", "load": "LoadConfig",
                   "device": "DeviceConfig", "parallel": "ParallelConfig",
                   "plugins": "StructuredOutputsConfig and KVTransferConfig (plugins)",
-                  "speculative": "SpeculativeConfig"}
+                  "speculative": "SpeculativeConfig", "lora": "LoRAConfig"}
 
 
 def validate_parallel(pc: ParallelConfig) -> None:
@@ -194,3 +218,57 @@ def validate_parallel(pc: ParallelConfig) -> None:
     if nnodes > 1 and method is None:
         raise ValueError("--nnodes > 1 needs --distributed-init-method tcp://HOST:PORT (the "
                          "address of node 0, reachable from every node)")
+
+
+MAX_LORA_RANK = 512
+
+
+def parse_lora_module(text: Any) -> tuple[str, str, str | None]:
+    """One ``--lora-modules`` entry -> (name, path, base model name or None): ``name=path``
+    or vLLM's JSON object ``{"name": ..., "path": ..., "base_model_name": ...}``."""
+    import json
+
+    if isinstance(text, dict):
+        obj: Any = text
+    elif isinstance(text, str) and text.lstrip().startswith("{"):
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules: {text!r} is not valid JSON: {e}") from None
+    elif isinstance(text, str) and "=" in text:
+        name, _, path = text.partition("=")
+        obj = {"name": name.strip(), "path": path.strip()}
+    else:
+        raise ValueError(f"--lora-modules: expected name=path or a JSON object, got {text!r}")
+    name, path, base = obj.get("name"), obj.get("path"), obj.get("base_model_name")
+    if not (isinstance(name, str) and name and isinstance(path, str) and path):
+        raise ValueError(f"--lora-modules: {text!r} needs a non-empty name and path")
+    if base is not None and not isinstance(base, str):
+        raise ValueError(f"--lora-modules: base_model_name must be a string in {text!r}")
+    return name, path, base
+
+
+def validate_lora(lc: LoRAConfig, tensor_parallel_size: int, compile_: bool) -> None:
+    for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+        value = getattr(lc, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise ValueError(f"--{name.replace('_', '-')}: must be a positive integer, "
+                             f"got {value!r}")
+    if lc.max_lora_rank > MAX_LORA_RANK:
+        raise ValueError(f"--max-lora-rank: at most {MAX_LORA_RANK}, got {lc.max_lora_rank}")
+    if lc.max_cpu_loras is not None and lc.max_cpu_loras < lc.max_loras:
+        raise ValueError(f"--max-cpu-loras ({lc.max_cpu_loras}) must be at least --max-loras "
+                         f"({lc.max_loras})")
+    if isinstance(lc.lora_modules, str):
+        lc.lora_modules = [lc.lora_modules]
+    names = [parse_lora_module(m)[0] for m in lc.lora_modules or ()]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules: an adapter name is given twice ({', '.join(names)})")
+    if lc.lora_modules and not lc.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if lc.enable_lora and tensor_parallel_size > 1:
+        raise ValueError("--enable-lora: not supported with --tensor-parallel-size > 1")
+    if lc.enable_lora and compile_:
+        raise ValueError("--enable-lora: not supported with --compile (the adapters' batched "
+                         "op is not traced); drop one of them")

@@ -57,6 +57,17 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """The LoRA adapter a request runs with (``executor/lora/``)."""
+
+    name: str
+    # The adapter's identity (a digest of its files): the parent of the request's first
+    # block hash, so that the prefix cache never mixes adapters.
+    key: bytes
+    path: str  # where its weights are read again if they left the CPU cache
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -106,6 +117,8 @@ class Request:
 
     # Structured output: an object with the Grammar interface (asyncengine.plugins.Grammar).
     grammar: Any = None
+    # The LoRA adapter it runs with (None: the base model).
+    lora: LoRARequest | None = None
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -22,7 +22,7 @@ import anyio.abc
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.limits import INT64_MAX, INT64_MIN, SamplingLimits, show
-from asyncengine.core.request import Request, RequestStatus
+from asyncengine.core.request import LoRARequest, Request, RequestStatus
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.core.sched.interface import SchedulerStats
 from asyncengine.engine.aborts import Aborts
@@ -140,20 +140,22 @@ class AsyncEngine:
     # -- requests -------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                           request_id: str | None = None, priority: int = 0,
-                          deltas_only: bool = False,
-                          tenant: str | None = None) -> RequestStream:
+                          deltas_only: bool = False, tenant: str | None = None,
+                          lora_name: str | None = None) -> RequestStream:
         """Validate and queue a request; return its output stream. Raises ValueError for
-        invalid input, EngineShuttingDown when draining, EngineDeadError after a failure."""
+        invalid input (an unknown ``lora_name`` too), EngineShuttingDown when draining,
+        EngineDeadError after a failure. ``lora_name``: the LoRA adapter to run with."""
         self._check_open()
         self.check_queue()
         prepared = await self._prepare(prompt, params or SamplingParams(),
                                        request_id or uuid.uuid4().hex, priority, deltas_only,
-                                       tenant)
+                                       tenant, lora_name)
         return self._submit(prepared)
 
     async def add_requests(self, prompts: list[str | list[int]], params: SamplingParams, *,
                            request_id: str, priority: int = 0, deltas_only: bool = False,
-                           tenant: str | None = None) -> list[RequestStream]:
+                           tenant: str | None = None,
+                           lora_name: str | None = None) -> list[RequestStream]:
         """The engine requests of one API call (one per prompt, ids ``request_id-i`` when there
         are several), all or none: every prompt is tokenized and checked, and every grammar
         compiled, before the first one is queued, so a call refused for any of its prompts
@@ -163,7 +165,7 @@ class AsyncEngine:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
                                                         for i in range(len(prompts))]
         prepared = [await self._prepare(p, params if i == 0 else params.clone(), rid, priority,
-                                        deltas_only, tenant)
+                                        deltas_only, tenant, lora_name)
                     for i, (p, rid) in enumerate(zip(prompts, ids, strict=True))]
         streams: list[RequestStream] = []
         try:
@@ -182,14 +184,15 @@ class AsyncEngine:
             raise EngineShuttingDown("the engine is not accepting requests")
 
     async def _prepare(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int, deltas_only: bool,
-                       tenant: str | None = None) -> RequestStream:
+                       priority: int, deltas_only: bool, tenant: str | None = None,
+                       lora_name: str | None = None) -> RequestStream:
         """A request checked and ready to queue, as its (not yet registered) stream: nothing
         of the engine's state changes here."""
         params.validate(self.sampling_limits)
         if not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority must be an integer in [{INT64_MIN}, {INT64_MAX}], got "
                              f"{show(priority)}")
+        lora = self.lora_request(lora_name)
         if request_id in self.outputs.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = await tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
@@ -201,7 +204,7 @@ class AsyncEngine:
         if params.reasoning_end_token_ids and (grammars[0] is not None
                                                or params.thinking_token_budget is not None):
             # The constraint starts after the reasoning; the budget forces its end tag.
-            from asyncengine.ext.structured_output.reasoning_gate import ReasoningGate
+            from asyncengine.executor.reasoning_gate import ReasoningGate
 
             await self._structured_manager()  # the step loop masks through it
             grammars = [ReasoningGate(g, params.reasoning_end_token_ids,
@@ -221,6 +224,7 @@ class AsyncEngine:
                 priority=priority, index=i, tenant=tenant,
             )
             req.grammar = grammars[i]
+            req.lora = lora
             if sp.prompt_logprobs is not None:
                 req.prompt_logprobs = [None]
             samples.append(self.outputs.make_sample(req, sp))
@@ -247,15 +251,56 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0,
-                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+                       tenant: str | None = None,
+                       lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Leaving the loop early aborts the request."""
         stream = await self.add_request(prompt, params, request_id=request_id, priority=priority,
-                                        tenant=tenant)
+                                        tenant=tenant, lora_name=lora_name)
         try:
             async for out in stream:
                 yield out
         finally:
             stream.close()
+
+    # -- LoRA adapters (--enable-lora) ----------------------------------------------------------
+    @property
+    def lora(self) -> Any:
+        """The adapters' registry (``executor/lora/manager.LoRAManager``), None without
+        --enable-lora."""
+        return self.runner.lora
+
+    def lora_names(self) -> list[str]:
+        return [] if self.lora is None else list(self.lora.adapters)
+
+    def lora_request(self, name: str | None) -> LoRARequest | None:
+        """The adapter ``name`` runs with (None: the base model); ValueError when unknown."""
+        if name is None:
+            return None
+        if self.lora is None:
+            from asyncengine.executor.lora.manager import LoRANotFound
+
+            raise LoRANotFound(f"The model `{name}` does not exist (LoRA adapters are not "
+                               "enabled: --enable-lora).")
+        return self.lora.request(name)
+
+    async def load_lora_adapter(self, name: str, path: str,
+                                base_model_name: str | None = None) -> None:
+        """Read the PEFT adapter at ``path`` (off the loop) and serve it as ``name``.
+        ValueError: LoRA not enabled, the name taken, or the adapter unreadable or too big."""
+        lora = self.lora
+        if lora is None:
+            raise ValueError("LoRA is not enabled (--enable-lora)")
+        if name in lora.adapters:
+            raise ValueError(f"The LoRA adapter `{name}` is already loaded.")
+        weights, key = await anyio.to_thread.run_sync(lora.read, path)
+        lora.register(name, path, weights, key, base_model_name)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving ``name``; KeyError when unknown. Requests already queued with it
+        finish with it."""
+        if self.lora is None:
+            raise KeyError(name)
+        self.lora.unregister(name)
 
     async def embed(self, prompts: list[list[int]], **kwargs: Any) -> Any:
         """Pooled, normalized hidden states of token-id prompts (``engine/embedding.py``)."""

@@ -189,6 +189,10 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
                         staging=device.make_staging(),
                         sampling_method=_sampling_method(device, model.vocab_size),
                         **runner_kwargs)
+    if config.lora.enable_lora:
+        from asyncengine.executor.lora.manager import LoRAManager
+
+        runner.lora = LoRAManager(model, config.lora, device.torch_device)
     if parallel is not None:  # stop the workers at exit, unless engine.shutdown() did
         atexit.register(parallel.shutdown, runner)
     if device.type == "cuda" and parallel is None:  # graphs cannot hold the collectives yet

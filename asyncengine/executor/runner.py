@@ -85,6 +85,8 @@ class ModelRunner:
         self.sampling_method = sampling_method  # None: the device's default
         # CUDA graphs for decode steps (``cuda_graphs.CUDAGraphRunner``), set after capture.
         self.graphs: Any = None
+        # --enable-lora: the adapters' registry and slots (``lora/manager.LoRAManager``).
+        self.lora: Any = None
         # Where each request's token sits in the last prepared step's sampled ids.
         self._sample_pos: dict[str, int] = {}
         # Device side (touched by execute only): the last step's sampled ids, penalty state.
@@ -196,9 +198,11 @@ class ModelRunner:
         width = int((seq_lens.max() + bs - 1) // bs) if num_reqs else 0
         table = ib.block_table[rows, :width]
         decode_only = total == num_reqs
+        lora_slots, lora_writes = (None, None) if self.lora is None else \
+            self.lora.prepare(out.scheduled)
         graph_batch = (self.graphs.bucket_for(num_reqs)
                        if self.graphs is not None and decode_only and num_reqs and not spec
-                       else None)
+                       and lora_slots is None else None)
         meta = AttentionMetadata(
             query_start_loc=cu.tolist(),
             seq_lens=seq_lens.tolist(),
@@ -226,6 +230,8 @@ class ModelRunner:
         )
         if spec:
             inputs.spec = spec
+        if lora_slots is not None:  # LoRA: each token's adapter slot
+            inputs.lora = self.lora.step_inputs(put(np.repeat(lora_slots, lens)), lora_writes)
         if prev_dst:
             inputs.from_previous = (put(np.array(prev_dst, dtype=np.int64)),
                                     put(np.array(prev_src, dtype=np.int64)))
@@ -318,8 +324,16 @@ class ModelRunner:
             dst, src = inputs.from_previous
             inputs.input_ids[dst] = self._last_sampled[src]
         self.attn_backend.plan(inputs.attn_metadata)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                          inputs.attn_metadata, self.attn_backend)
+        if inputs.lora is None:
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                              inputs.attn_metadata, self.attn_backend)
+        tables = self.lora.tables
+        tables.begin(inputs.lora)
+        try:
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                              inputs.attn_metadata, self.attn_backend)
+        finally:
+            tables.end()
 
     def _greedy_from_hidden(self, inputs: StepInputs, hidden: torch.Tensor,
                             prompt: dict[str, list[PositionLogprobs | None]]

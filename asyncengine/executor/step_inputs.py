@@ -85,6 +85,8 @@ class StepInputs:
     spec: list[tuple[str, int, list[int]]] | None = None
     # Tensor parallelism: the workers' step message (``parallel/messages.StepMessage``).
     tp_message: Any = None
+    # LoRA: the step's per-token slots and slot writes (``lora/manager.LoRAStepInputs``).
+    lora: Any = None
 
     @property
     def blocks_host(self) -> bool:

@@ -31,10 +31,15 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
 
 def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
     """Extend ``request.block_hashes`` to cover every full block of ``request.all_token_ids``
-    (prompt and generated tokens alike) and return it."""
+    (prompt and generated tokens alike) and return it. A request with a LoRA adapter chains
+    from the adapter's key instead of ``ROOT_HASH``: its blocks are its adapter's alone."""
     hashes = request.block_hashes
     tokens = request.all_token_ids
-    parent = hashes[-1] if hashes else ROOT_HASH
+    if hashes:
+        parent = hashes[-1]
+    else:
+        lora = request.lora
+        parent = ROOT_HASH if lora is None else lora.key
     for i in range(len(hashes), len(tokens) // block_size):
         parent = hash_block_tokens(parent, tokens[i * block_size:(i + 1) * block_size])
         hashes.append(parent)

@@ -78,6 +78,12 @@ class FCFSScheduler(Scheduler):
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()
         self.kv_connector: KVConnectorLookup | None = None
+        # --max-loras: the distinct LoRA adapters of the running requests stay within it (a
+        # request for another adapter waits, and later requests may pass it meanwhile).
+        lora = getattr(config, "lora", None)
+        self.max_loras: int | None = lora.max_loras if lora is not None and \
+            lora.enable_lora else None
+        self.running_loras: dict[bytes, int] = {}  # adapter key -> running requests
 
     def set_kv_connector(self, connector: KVConnectorLookup) -> None:
         self.kv_connector = connector
@@ -144,6 +150,8 @@ class FCFSScheduler(Scheduler):
         request.status = status
         if running:
             self.running.remove(request)
+            if request.lora is not None:
+                self._lora_leaves(request)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
@@ -220,12 +228,32 @@ class FCFSScheduler(Scheduler):
         return True
 
     def _admit_waiting(self, step: _Step) -> None:
+        passed: list[Request] = []  # waiting for an adapter slot: they keep their place
         while self.waiting and step.budget > 0:
             request = self.waiting.peek()
             if request.request_id in step.preempted:
                 break  # it just gave its blocks up
+            if request.lora is not None and not self._lora_fits(request):
+                passed.append(self.waiting.pop())
+                continue
             if not self._admit(request, step):
                 break
+        for request in reversed(passed):
+            self.waiting.add_front(request)
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether ``request``'s adapter may run now (``--max-loras`` distinct ones)."""
+        loras = self.running_loras
+        return (self.max_loras is None or request.lora.key in loras
+                or len(loras) < self.max_loras)
+
+    def _lora_leaves(self, request: Request) -> None:
+        key = request.lora.key
+        left = self.running_loras.get(key, 0) - 1
+        if left > 0:
+            self.running_loras[key] = left
+        else:
+            self.running_loras.pop(key, None)
 
     def _admit(self, request: Request, step: _Step) -> bool:
         """Admit the head of the waiting queue if it fits (possibly after preempting)."""
@@ -250,6 +278,9 @@ class FCFSScheduler(Scheduler):
         num_computed = num_cached + num_external
         request.num_computed_tokens = request.num_cached_tokens = num_computed
         self.running.append(request)
+        if request.lora is not None:
+            self.running_loras[request.lora.key] = self.running_loras.get(request.lora.key,
+                                                                          0) + 1
         self._add_to_step(request, num_new, step)
         if num_external:
             first, end = num_cached // self.block_size, num_computed // self.block_size
@@ -291,6 +322,8 @@ class FCFSScheduler(Scheduler):
         if scheduled is not None:
             step.budget += scheduled.num_new_tokens
         self.running.remove(victim)
+        if victim.lora is not None:
+            self._lora_leaves(victim)
         self.kv_cache_manager.free(victim)
         victim.reset_for_recompute()
         self.waiting.add_front(victim)

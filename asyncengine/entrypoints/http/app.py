@@ -9,7 +9,7 @@ import aiohttp_cors
 from aiohttp import web
 
 from asyncengine.engine.errors import EngineOverloaded
-from asyncengine.entrypoints.http import routes
+from asyncengine.entrypoints.http import lora, routes
 from asyncengine.entrypoints.http.auth import auth_middleware
 from asyncengine.entrypoints.http.chat import create_chat_completion
 from asyncengine.entrypoints.http.completions import create_completion
@@ -82,6 +82,13 @@ BUILTIN_ROUTES = [
           CountTokensResponse, error=AnthropicError),
     Route("POST", "/v1/embeddings", create_embeddings, "Create embeddings",
           EmbeddingRequest, EmbeddingResponse),
+    Route("POST", "/v1/load_lora_adapter", lora.load_lora_adapter,
+          "Load a LoRA adapter (with runtime updating enabled)", lora.LoadLoRAAdapterRequest,
+          content_type="text/plain"),
+    Route("POST", "/v1/unload_lora_adapter", lora.unload_lora_adapter,
+          "Unload a LoRA adapter (with runtime updating enabled)",
+          lora.UnloadLoRAAdapterRequest,
+          content_type="text/plain"),
     Route("GET", "/ping", routes.ping, "Liveness for load balancers (no API key needed)",
           content_type=None),
     Route("POST", "/ping", routes.ping, "Liveness for load balancers (no API key needed)",

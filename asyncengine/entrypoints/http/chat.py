@@ -102,7 +102,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     engine = state.engine
     body = await read_body(request, ChatCompletionRequest)
-    check_model(engine, body.model)
+    lora = check_model(engine, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     most = engine.sampling_limits.max_logprobs
@@ -131,8 +131,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         structured=plan.structured_outputs or structured, limits=engine.sampling_limits)
     reasoning.apply(params, body.thinking_token_budget, "thinking_token_budget")
     call = _Chat(state, body, request_id(request, "chatcmpl"), plan, reasoning)
+    if lora is not None:  # responses name the adapter
+        call.model = lora
     streams = await open_streams(engine, [prompt], params, call.id, body.priority or 0,
-                                 deltas_only=bool(body.stream))
+                                 deltas_only=bool(body.stream), lora_name=lora)
     if body.stream:
         return await run_sse(request, streams, call.render, call.on_end,
                              render_text=call.text_renderer(params.n))

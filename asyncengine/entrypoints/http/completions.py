@@ -50,7 +50,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     engine = state.engine
     body = await read_body(request, CompletionRequest)
-    check_model(engine, body.model)
+    lora = check_model(engine, body.model)
     prompts = completion_prompts(body.prompt)
     echo = bool(body.echo)
     params = to_sampling_params(
@@ -60,8 +60,10 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         vocab_size=engine.tokenizer.vocab_size, defaults=state.generation_defaults,
         limits=engine.sampling_limits)
     call = _Completion(state, body, request_id(request, "cmpl"), params.n)
+    if lora is not None:  # responses name the adapter
+        call.model = lora
     streams = await open_streams(engine, prompts, params, call.id, body.priority or 0,
-                                 deltas_only=bool(body.stream))
+                                 deltas_only=bool(body.stream), lora_name=lora)
     if body.stream:
         return await run_sse(request, streams, call.render, call.on_end,
                              render_text=call.text_renderer())

@@ -62,7 +62,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
     state = state_of(request)
     engine = state.engine
     body = await read_body(request, EmbeddingRequest)
-    check_model(engine, body.model)
+    check_model(engine, body.model, lora=False)
     size = embedding_size(engine)
     if body.dimensions is not None and body.dimensions != size:
         raise bad_request(f"dimensions: this model's embeddings have {size} dimensions "

@@ -75,7 +75,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     engine = state.engine
     body = await read_body(request, ResponsesRequest)
-    check_model(engine, body.model)
+    lora = check_model(engine, body.model)
     refused(body)
     tools, choice = chat_tools(body)
     plan = plan_tools(tools, choice, body.parallel_tool_calls, state.settings)
@@ -105,8 +105,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         raise err from None
     reasoning.apply(params, body.thinking_token_budget, "thinking_token_budget")
     call = _Response(state, body, request_id(request, "resp"), plan, reasoning)
+    if lora is not None:  # responses name the adapter
+        call.model = lora
     streams = await open_streams(engine, [prompt], params, call.id, 0,
-                                 deltas_only=bool(body.stream))
+                                 deltas_only=bool(body.stream), lora_name=lora)
     if body.stream:
         return await run_sse(request, streams, call.render, call.on_end, done_marker=False)
     return json_response(call.final((await collect(streams))[0]))

@@ -18,26 +18,42 @@ from asyncengine.entrypoints.http.responses import (
     TokenizeResponse,
     VersionResponse,
 )
-from asyncengine.entrypoints.http.serving import check_model, json_response, read_body
+from asyncengine.entrypoints.http.serving import (
+    check_model,
+    json_response,
+    lora_names,
+    read_body,
+)
 from asyncengine.entrypoints.http.state import ServerState, state_of
 from asyncengine.entrypoints.http.tools import template_tools
 
 
 def _model_card(state: ServerState, name: str) -> ModelCard:
     engine = state.engine
+    lora = getattr(engine, "lora", None)
+    adapter = None if lora is None or name in state.served_model_names else \
+        lora.adapters.get(name)
+    if adapter is not None:  # vLLM's card of an adapter: its path, its base model
+        return ModelCard(id=name, created=state.created, owned_by="asyncengine",
+                         max_model_len=engine.max_model_len, root=adapter.path,
+                         parent=adapter.base_model_name or state.served_model_names[0])
     return ModelCard(id=name, created=state.created, owned_by="asyncengine",
                      max_model_len=engine.max_model_len, root=engine.config.model.model)
 
 
+def _model_names(state: ServerState) -> list[str]:
+    return [*state.served_model_names, *lora_names(state.engine)]
+
+
 async def list_models(request: web.Request) -> web.Response:
     state = state_of(request)
-    return json_response(ModelList([_model_card(state, n) for n in state.served_model_names]))
+    return json_response(ModelList([_model_card(state, n) for n in _model_names(state)]))
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     state = state_of(request)
     name = request.match_info["model"]
-    if name not in state.served_model_names:
+    if name not in _model_names(state):
         raise APIError(404, f"The model `{name}` does not exist.", param="model",
                        code="model_not_found")
     return json_response(_model_card(state, name))
@@ -67,8 +83,20 @@ async def metrics(request: web.Request) -> web.Response:
     transfer = getattr(state.engine, "kv_transfer", None)
     state.metrics.set_stats(state.engine.stats(), None if transfer is None
                             else transfer.num_loaded_tokens)
+    if getattr(state.engine, "lora", None) is not None:
+        state.metrics.set_lora(*lora_adapters_in_use(state.engine.scheduler),
+                               state.engine.config.lora.max_loras)
     return web.Response(body=state.metrics.render(),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def lora_adapters_in_use(scheduler) -> tuple[list[str], list[str]]:
+    """The adapters of the running and of the waiting requests, by name (at scrape time)."""
+    def names(requests) -> list[str]:
+        return sorted({r.lora.name for r in requests if r.lora is not None})
+
+    return (names(getattr(scheduler, "running", ())),
+            names(getattr(scheduler, "waiting", ())))
 
 
 def package_version() -> str:

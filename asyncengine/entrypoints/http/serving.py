@@ -42,6 +42,7 @@ from asyncengine.entrypoints.http.protocol import Body, unsupported
 from asyncengine.entrypoints.http.sse import ClientGone, SSEStream, encode_json
 from asyncengine.entrypoints.http.state import STATE, served_model_names
 from asyncengine.entrypoints.http.tenancy import current_tenant
+from asyncengine.executor.lora.manager import LoRANotFound
 
 B = TypeVar("B", bound=Body)
 
@@ -87,12 +88,27 @@ async def read_body(request: web.Request, type_: type[B]) -> B:
     return body
 
 
-def check_model(engine: AsyncEngine, name: str | None) -> None:
+def check_model(engine: AsyncEngine, name: str | None, *, lora: bool = True) -> str | None:
+    """404 ``model_not_found`` unless ``name`` is a served model name or (``lora``) a LoRA
+    adapter's; returns the adapter's name for an adapter, else None (the base model)."""
     names = served_model_names(engine)
-    if name is not None and name not in names:
-        raise APIError(404, f"The model `{name}` does not exist (this server serves "
-                            f"{', '.join(f'`{n}`' for n in names)}).", param="model",
-                       code="model_not_found")
+    if name is None or name in names:
+        return None
+    adapters = lora_names(engine)
+    if name in adapters:
+        if not lora:
+            raise APIError(400, f"The model `{name}` is a LoRA adapter: this endpoint serves "
+                                "the base model only.", param="model")
+        return name
+    raise APIError(404, f"The model `{name}` does not exist (this server serves "
+                        f"{', '.join(f'`{n}`' for n in [*names, *adapters])}).", param="model",
+                   code="model_not_found")
+
+
+def lora_names(engine: AsyncEngine) -> list[str]:
+    """The LoRA adapters served (--enable-lora), by name."""
+    names = getattr(engine, "lora_names", None)
+    return names() if names is not None else []
 
 
 def request_id(request: web.Request, prefix: str) -> str:
@@ -112,6 +128,8 @@ def to_api_error(error: Exception) -> APIError:
                         retry_after=OVERLOADED_RETRY_AFTER_S)
     if isinstance(error, EngineDeadError):
         return APIError(500, f"The engine failed: {error}")
+    if isinstance(error, LoRANotFound):  # unloaded after check_model
+        return APIError(404, str(error), param="model", code="model_not_found")
     if isinstance(error, ValueError):
         return from_value_error(error, KNOWN_PARAMS)
     return APIError(500, "Internal server error (see the server log).")
@@ -119,16 +137,19 @@ def to_api_error(error: Exception) -> APIError:
 
 async def open_streams(engine: AsyncEngine, prompts: list[str | list[int]],
                        params: SamplingParams, base_id: str,
-                       priority: int, *, deltas_only: bool = False) -> list[RequestStream]:
+                       priority: int, *, deltas_only: bool = False,
+                       lora_name: str | None = None) -> list[RequestStream]:
     """One engine request per prompt, all or none: every prompt is checked before any starts
     (``AsyncEngine.add_requests``), so a refused call leaves the engine as it was.
-    ``deltas_only`` for streamed responses: each output holds only what is new."""
+    ``deltas_only`` for streamed responses: each output holds only what is new.
+    ``lora_name``: the LoRA adapter the requests run with (None: the base model)."""
     if request_logger.isEnabledFor(logging.INFO):
         request_logger.info("request %s: %d prompt(s), %s", base_id, len(prompts), params)
+    extra = {} if lora_name is None else {"lora_name": lora_name}
     try:
         streams = await engine.add_requests(prompts, params, request_id=base_id,
                                             priority=priority, deltas_only=deltas_only,
-                                            tenant=current_tenant.get())
+                                            tenant=current_tenant.get(), **extra)
     except (ValueError, EngineShuttingDown, EngineOverloaded, EngineDeadError) as e:
         raise to_api_error(e) from None
     return streams

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from asyncengine.ext.structured_output.contract import Grammar
+from asyncengine.ext.contracts.structured_output import Grammar
 
 if TYPE_CHECKING:
     import torch

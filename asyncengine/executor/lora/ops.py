@@ -1,0 +1,101 @@
+"""The batched LoRA op: each token row adds its own adapter's update, in one call per layer.
+
+``add_lora(x, y, table, step)`` computes, in place, ``y[t] += B[s]^T (A[s] x[t])`` for every
+row ``t`` with slot ``s = step.slots[t] > 0`` (slot 0 is the base model). There is no Python
+loop over adapters:
+
+- **CPU** (float32 / bfloat16 activations): ``kernels/lora.cpp``, a gather over the slot
+  tables row by row, reading only the rows an adapter uses (``table.rows[s]``), skipping base
+  rows; threads take rows.
+- **elsewhere** (CUDA, or no C++ compiler): two dense matmuls over every slot at once,
+  ``xa = x @ A_all^T`` ([T, S * R]), masked to each row's own slot by the step's one-hot
+  ``[T, S]``, then ``y += xa @ B_all``. It costs ``S`` times the arithmetic of a per-row
+  gather, which is small beside the base matmul at the ranks served (``S = --max-loras``),
+  and it never synchronizes with the host. FlashInfer's segment GEMM
+  (``flashinfer.SegmentGEMMWrapper``, rows sorted by slot, one segment per adapter) is the
+  intended CUDA kernel for many slots; it is not wired (no GPU has run this code).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncengine.executor.kernels.build import DTYPE_CODES, load
+
+logger = logging.getLogger(__name__)
+
+_ARGS = ("const ae_t*", "ae_t*", "const float*", "const float*", "const int64_t*",
+         "const int64_t*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t")
+_KERNELS: dict[torch.dtype, object | None] = {}
+#: ``ASYNCENGINE_LORA_KERNEL=0`` takes the PyTorch path on the CPU too (for comparisons).
+USE_KERNEL = os.environ.get("ASYNCENGINE_LORA_KERNEL", "1") != "0"
+
+
+def kernel(dtype: torch.dtype) -> object | None:
+    """The compiled ``lora.cpp`` for activations of ``dtype`` (None: not buildable here)."""
+    if dtype not in _KERNELS:
+        code = DTYPE_CODES.get(dtype)
+        _KERNELS[dtype] = None if code is None else load("lora", _ARGS, code)
+    return _KERNELS[dtype]
+
+
+@dataclass
+class LoRAStep:
+    """One step's slots, on the step's device: ``slots`` [T] int64 (0: base row)."""
+
+    slots: torch.Tensor
+    num_slots: int  # S, slot 0 included
+    _onehot: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def onehot(self, dtype: torch.dtype) -> torch.Tensor:
+        """[T, S - 1]: 1 where a row uses slot s (slots 1..S-1), for the dense path."""
+        m = self._onehot.get(dtype)
+        if m is None:
+            ids = torch.arange(1, self.num_slots, device=self.slots.device)
+            m = self._onehot[dtype] = (self.slots[:, None] == ids).to(dtype)
+        return m
+
+
+@dataclass
+class SlotTable:
+    """One adapted module's slots: ``A`` [S, R, in], ``B`` [S, R, out] float32, and the rows
+    each slot uses, ``rows`` [S] int64 on the CPU (for the kernel)."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    rows: torch.Tensor
+
+    def write(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """Put an adapter's (A, B) into ``slot`` (None: the adapter leaves this module)."""
+        self.A[slot].zero_()
+        self.B[slot].zero_()
+        n = 0 if a is None else a.shape[0]
+        if n:
+            self.A[slot, :n].copy_(a)
+            self.B[slot, :n].copy_(b)
+        self.rows[slot] = n
+
+
+def add_lora(x: torch.Tensor, y: torch.Tensor, table: SlotTable, step: LoRAStep) -> None:
+    """``y[t] += B[s]^T A[s] x[t]`` for each row's slot ``s`` (in place; x [T, in], y [T, out])."""
+    T = x.shape[0]
+    if T != step.slots.shape[0] or x.dim() != 2:
+        raise ValueError(f"LoRA: {T} rows against {step.slots.shape[0]} slots")
+    if (USE_KERNEL and x.device.type == "cpu" and y.dtype == x.dtype and x.stride(-1) == 1
+            and y.stride(-1) == 1 and not torch.compiler.is_compiling()):
+        fn = kernel(x.dtype)
+        if fn is not None:
+            S, R, K = table.A.shape
+            fn(x, y, table.A, table.B, step.slots, table.rows, T, K, table.B.shape[2], R,
+               x.stride(0), y.stride(0))
+            return
+    S, R, K = table.A.shape
+    N = table.B.shape[2]
+    a = table.A[1:].reshape((S - 1) * R, K)
+    b = table.B[1:].reshape((S - 1) * R, N)
+    xa = (x.float() @ a.T).view(T, S - 1, R) * step.onehot(torch.float32)[:, :, None]
+    y += (xa.view(T, (S - 1) * R) @ b).to(y.dtype)

@@ -1,0 +1,128 @@
+"""Multi-LoRA throughput: 4 adapters mixed in one batch against the base model alone, in one
+process (a shared machine drifts: the two sides alternate, best of --rounds each).
+
+Random PEFT-format adapters (rank --rank on --targets of every layer, non-zero B) are written
+to a temporary directory for the model (the embedded SmolLM2-135M GGUF, packed int4 on the
+CPU, unless --model). Each round runs --requests greedy requests at concurrency
+--concurrency (prompts of ~40 tokens, --max-tokens tokens each, EOS ignored) through
+``AsyncEngine.generate``: on the base engine, then on an engine with ``--enable-lora
+--max-loras 4`` whose requests take the 4 adapters in turn. Prints output tokens/s of each
+and the ratio (the target is >= 0.8). Usage:
+
+    python benchmarks/lora.py [--concurrency 32] [--requests 64] [--max-tokens 64]
+                              [--rank 16] [--targets q_proj,k_proj,v_proj,o_proj]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+
+def write_adapter(directory: Path, model, rank: int, targets: list[str], seed: int) -> str:
+    import torch
+    from safetensors.torch import save_file
+
+    from asyncengine.executor.lora.peft import dims
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        shapes = {"q_proj": (attn.q_size, "self_attn", attn.qkv_proj),
+                  "k_proj": (attn.kv_size, "self_attn", attn.qkv_proj),
+                  "v_proj": (attn.kv_size, "self_attn", attn.qkv_proj),
+                  "o_proj": (None, "self_attn", attn.o_proj),
+                  "gate_proj": (mlp.intermediate_size, "mlp", mlp.gate_up_proj),
+                  "up_proj": (mlp.intermediate_size, "mlp", mlp.gate_up_proj),
+                  "down_proj": (None, "mlp", mlp.down_proj)}
+        for t in targets:
+            out, parent, module = shapes[t]
+            in_f, out_f = dims(module)
+            prefix = f"base_model.model.model.layers.{i}.{parent}.{t}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_f, generator=gen) * 0.02
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out or out_f, rank,
+                                                             generator=gen) * 0.02
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets,
+        "bias": "none"}))
+    return str(directory)
+
+
+def run(engine, prompts: list[list[int]], names: list[str | None], concurrency: int,
+        max_tokens: int) -> float:
+    import anyio
+
+    from asyncengine.core.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    produced = 0
+
+    async def worker(queue: list[int]) -> None:
+        nonlocal produced
+        while queue:
+            i = queue.pop()
+            async for out in engine.generate(prompts[i], params, lora_name=names[i]):
+                final = out
+            produced += len(final.outputs[0].token_ids)
+
+    async def main() -> float:
+        async with engine:
+            queue = list(range(len(prompts)))[::-1]
+            start = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for _ in range(concurrency):
+                    tg.start_soon(worker, queue)
+            return produced / (time.perf_counter() - start)
+
+    return anyio.run(main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from asyncengine.config import EngineConfig
+    from asyncengine.engine.engine import AsyncEngine
+
+    common = {"model": args.model, "max_num_seqs": args.concurrency,
+              "max_model_len": 512}
+    if args.num_threads:
+        common["num_threads"] = args.num_threads
+    base = AsyncEngine(EngineConfig.from_dict(common))
+    targets = args.targets.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [write_adapter(Path(tmp) / f"a{i}", base.runner.model, args.rank, targets,
+                               seed=i) for i in range(4)]
+        lora = AsyncEngine(EngineConfig.from_dict({
+            **common, "enable_lora": True, "max_loras": 4, "max_lora_rank": args.rank,
+            "lora_modules": [f"a{i}={p}" for i, p in enumerate(paths)]}))
+    words = "the quick brown fox jumps over the lazy dog while a cat sleeps".split()
+    prompts = [base.tokenizer.encode(" ".join(words[(i + j) % len(words)] for j in range(36)))
+               for i in range(args.requests)]
+    names = [f"a{i % 4}" for i in range(args.requests)]
+    best = {"base": 0.0, "lora": 0.0}
+    for r in range(args.rounds):
+        b = run(base, prompts, [None] * args.requests, args.concurrency, args.max_tokens)
+        m = run(lora, prompts, names, args.concurrency, args.max_tokens)
+        best["base"], best["lora"] = max(best["base"], b), max(best["lora"], m)
+        print(f"round {r}: base {b:.1f} tok/s, 4 adapters mixed {m:.1f} tok/s "
+              f"({m / b:.2f}x)", flush=True)
+    print(f"best: base {best['base']:.1f} tok/s, 4 adapters mixed {best['lora']:.1f} tok/s, "
+          f"ratio {best['lora'] / best['base']:.2f} (target >= 0.8)")
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--num-threads", type=int, default=None)
+    raise SystemExit(main(p.parse_args()))
