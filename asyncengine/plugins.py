@@ -16,12 +16,12 @@ plugin imports ``asyncengine.plugins`` and nothing else of asyncengine::
 
 and names that module in its distribution's entry points (group ``asyncengine``). The hooks:
 ``register_schedulers``, ``register_structured_output_backends``, ``register_kv_connectors``,
-``register_models``, ``register_reasoning_parsers`` (each ``(register)``), ``add_cli_arguments(parser, command)``,
-``register_http_routes(app, engine)``.
+``register_models``, ``register_reasoning_parsers`` (each ``(register)``),
+``add_cli_arguments(parser, command)``, ``register_http_routes(app, engine)``.
 
 Versions: :data:`CONTRACT_VERSION` is the one table of the contracts' versions (``hooks``,
-``scheduler``, ``structured_output``, ``kv_connector``, ``reasoning_parser``). A version is bumped when its contract
-changes incompatibly, including a name leaving this module; ``tests/test_plugins_api.py``
+``scheduler``, ``structured_output``, ``kv_connector``, ``reasoning_parser``). A version is
+bumped when its contract changes incompatibly, including a name leaving this module; ``tests/test_plugins_api.py``
 keeps a snapshot of the names of each version. See docs/plugins.md.
 """
 
