@@ -288,6 +288,10 @@ def test_a_conversation_survives_a_reload_rename_export_delete(new_context, serv
     assert exported["title"] == "Greetings"
     assert [m["role"] for m in exported["messages"]] == ["user", "assistant"]
     assert exported["messages"][1]["content"].strip() == answer.strip()
+    with page.expect_download() as info:
+        page.click("#export-all")
+    everything = json.loads(open(info.value.path()).read())
+    assert [c["title"] for c in everything["conversations"]] == ["Greetings"]
 
     page.click("#conversations li .delete")
     assert page.locator("#conversations li").count() == 0
@@ -314,7 +318,10 @@ HOSTILE = ('Look: <img src=x onerror="window.__pwned=1"> and <script>window.__pw
 
 
 def test_model_output_with_html_renders_as_text(new_context, server):
-    page = open_page(new_context(), server)
+    context = new_context()
+    urls = []
+    context.on("request", lambda r: urls.append(r.url))
+    page = open_page(context, server)
     body = sse(delta(role="assistant", content=""),
                delta(reasoning_content="I think <b>hard</b>"),
                *(delta(content=HOSTILE[i:i + 17]) for i in range(0, len(HOSTILE), 17)),
@@ -346,6 +353,8 @@ def test_model_output_with_html_renders_as_text(new_context, server):
     assert reasoning.locator("summary").inner_text() == "Reasoning"
     assert reasoning.locator(".reasoning-text").text_content() == "I think <b>hard</b>"
     assert reasoning.locator("b").count() == 0
+    # Nothing was fetched on the output's say-so: every request went to the server.
+    assert urls and all(u.startswith(server.base_url + "/") for u in urls), urls
 
 
 def test_server_errors_are_readable_and_401_asks_for_the_key(new_context, server):

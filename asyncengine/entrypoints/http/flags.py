@@ -28,7 +28,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    "127.0.0.1; 0.0.0.0 for every interface)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on "
-                   "every route but /health, /ping and /metrics (default: "
+                   "every route but /health, /ping, /metrics and the chat page's files (default: "
                    f"${API_KEY_ENVS[0]}, else ${API_KEY_ENVS[1]})")
     g.add_argument("--allowed-origins", default=None, metavar="LIST",
                    help="CORS: origins allowed, a JSON list or comma-separated (default: *)")
