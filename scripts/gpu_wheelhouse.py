@@ -18,7 +18,8 @@ by git) with:
 * ``MANIFEST.txt``: every file and its size.
 
 The total must stay under ``LIMIT`` bytes (60 MB). ``--dry-run`` prints the plan and
-downloads nothing. The device side is ``scripts/gpu_check.py`` (``make gpu-check``).
+downloads nothing. The device side is ``scripts/gpu_check.py`` (``make gpu-check``). Python 3.11+
+(tomllib).
 """
 
 from __future__ import annotations
@@ -120,6 +121,21 @@ def requirements(wheel: Path) -> set[str]:
     return out
 
 
+def runtime_dependencies(pyproject: Path = ROOT / "pyproject.toml") -> set[str]:
+    """The normalized names of asyncengine's runtime dependencies (``[project]
+    dependencies``)."""
+    import tomllib
+
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    return {normalize(re.split(r"[\s<>=!~(\[;]", d.strip(), maxsplit=1)[0]) for d in deps}
+
+
+def uncovered(pyproject: Path = ROOT / "pyproject.toml") -> set[str]:
+    """Runtime dependencies neither on the device image nor in ``DEVICE_LACKS``: a new one
+    must be added to one of them (the wheelhouse would miss it)."""
+    return runtime_dependencies(pyproject) - DEVICE_HAS - {normalize(n) for n in DEVICE_LACKS}
+
+
 def pins() -> list[str]:
     out = []
     for name in DEVICE_LACKS:
@@ -145,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--dry-run", action="store_true", help="print the plan, fetch nothing")
     args = parser.parse_args(argv)
+    if missing := uncovered():
+        print(f"runtime dependencies the device image may lack, not in DEVICE_LACKS: "
+              f"{', '.join(sorted(missing))}", file=sys.stderr)
+        return 1
     specs = pins()
     if args.dry_run:
         print(f"would download to {args.out}: {' '.join(specs)}")
