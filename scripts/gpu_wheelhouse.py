@@ -18,8 +18,8 @@ by git) with:
 * ``MANIFEST.txt``: every file and its size.
 
 The total must stay under ``LIMIT`` bytes (60 MB). ``--dry-run`` prints the plan and
-downloads nothing. The device side is ``scripts/gpu_check.py`` (``make gpu-check``). Python 3.11+
-(tomllib).
+downloads nothing. The device side is ``scripts/gpu_check.py`` (``make gpu-check``).
+Needs Python 3.11+ (tomllib).
 """
 
 from __future__ import annotations
