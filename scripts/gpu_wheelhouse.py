@@ -43,7 +43,9 @@ FLASHINFER = "flashinfer-python==0.7.2.post1"
 
 #: Runtime dependencies (and theirs) the device image lacks; versions: as installed here.
 DEVICE_LACKS = ("msgspec", "xgrammar", "gguf", "aiohttp-cors", "apache-tvm-ffi", "pydantic",
-                "pydantic-core", "annotated-types", "typing-inspection")
+                "pydantic-core", "annotated-types", "typing-inspection",
+                # on the device, at a version unknown here; pydantic-core needs >= 4.14.1
+                "typing-extensions")
 #: What the device image has (docs of the lent machines, 2026-11), as normalized names.
 DEVICE_HAS = frozenset("""
 aiohttp aiosignal anyio attrs certifi charset-normalizer click cuda-bindings cuda-core
