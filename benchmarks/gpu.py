@@ -336,7 +336,8 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig.from_pretrained(directory)
-    hf = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    with torch.device("cuda"):  # random init on the GPU: seconds, not a minute on the CPU
+        hf = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     theirs: dict[int, float] = {}
     for n in args.concurrency:
         ids = torch.randint(1000, 120000, (n, PROMPT_LEN), device="cuda")

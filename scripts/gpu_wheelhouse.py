@@ -19,6 +19,7 @@ by git) with:
 
 The total must stay under ``LIMIT`` bytes (60 MB). ``--dry-run`` prints the plan and
 downloads nothing. The device side is ``scripts/gpu_check.py`` (``make gpu-check``).
+Needs Python 3.11+ (tomllib).
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ FLASHINFER = "flashinfer-python==0.7.2.post1"
 
 #: Runtime dependencies (and theirs) the device image lacks; versions: as installed here.
 DEVICE_LACKS = ("msgspec", "xgrammar", "gguf", "aiohttp-cors", "apache-tvm-ffi", "pydantic",
-                "pydantic-core", "annotated-types", "typing-inspection")
+                "pydantic-core", "annotated-types", "typing-inspection",
+                # on the device, at a version unknown here; pydantic-core needs >= 4.14.1
+                "typing-extensions")
 #: What the device image has (docs of the lent machines, 2026-11), as normalized names.
 DEVICE_HAS = frozenset("""
 aiohttp aiosignal anyio attrs certifi charset-normalizer click cuda-bindings cuda-core
@@ -120,6 +123,21 @@ def requirements(wheel: Path) -> set[str]:
     return out
 
 
+def runtime_dependencies(pyproject: Path = ROOT / "pyproject.toml") -> set[str]:
+    """The normalized names of asyncengine's runtime dependencies (``[project]
+    dependencies``)."""
+    import tomllib
+
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    return {normalize(re.split(r"[\s<>=!~(\[;]", d.strip(), maxsplit=1)[0]) for d in deps}
+
+
+def uncovered(pyproject: Path = ROOT / "pyproject.toml") -> set[str]:
+    """Runtime dependencies neither on the device image nor in ``DEVICE_LACKS``: a new one
+    must be added to one of them (the wheelhouse would miss it)."""
+    return runtime_dependencies(pyproject) - DEVICE_HAS - {normalize(n) for n in DEVICE_LACKS}
+
+
 def pins() -> list[str]:
     out = []
     for name in DEVICE_LACKS:
@@ -145,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--dry-run", action="store_true", help="print the plan, fetch nothing")
     args = parser.parse_args(argv)
+    if missing := uncovered():
+        print(f"runtime dependencies the device image may lack, not in DEVICE_LACKS: "
+              f"{', '.join(sorted(missing))}", file=sys.stderr)
+        return 1
     specs = pins()
     if args.dry_run:
         print(f"would download to {args.out}: {' '.join(specs)}")

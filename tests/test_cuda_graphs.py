@@ -113,6 +113,8 @@ def gpu_path(engine: AsyncEngine, graphs: bool) -> FlashInferBackend:
                                                  model.num_kv_heads, model.head_dim,
                                                  torch.float32, "cpu")
     backend.bind_kv_cache(runner.kv_caches)
+    if hasattr(model, "attention_options"):  # as build() does: the layers' variants
+        backend.configure_layers(model.attention_options())
     runner.attn_backend = backend
     if graphs:
         runner.graphs = CUDAGraphRunner(model, backend, runner.kv_caches,
@@ -130,8 +132,9 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, th
            "The quick brown fox jumps over the lazy dog. Then the fox"]
 
 
-async def greedy(engine: AsyncEngine, prompts: list[str]) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+async def greedy(engine: AsyncEngine, prompts: list[str],
+                 max_tokens: int = 14) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     results: dict[int, list[int]] = {}
 
     async def one(i: int, prompt: str) -> None:
@@ -170,4 +173,26 @@ def test_engine_on_the_gpu_path_matches_the_cpu_engine(tiny_llama, cpu_tokens, g
         assert any(b > 1 and g.replays for b, (g, _) in engine.runner.graphs.graphs.items())
     else:
         assert backend.decode.num_plans > 0
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_gemma2_windows_and_soft_caps_on_the_gpu_path(tmp_path):
+    """Gemma 2 (a soft cap on every layer, a window of 8 on every other, a scale that is not
+    head_dim**-0.5) through FlashInfer's plan parameters (stand-in) and CUDA graphs gives the
+    CPU engine's greedy tokens, under chunked prefill, preemption and prefix hits."""
+    from tests.utils import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "gemma2", "gemma2", num_hidden_layers=2,
+                           layer_types=["sliding_attention", "full_attention"])
+    config = {"model": path, **CONFIG, "max_num_seqs": 3, "max_num_batched_tokens": 16,
+              "num_gpu_blocks_override": 6, "max_model_len": 64}
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[4]]
+    want = anyio.run(greedy, AsyncEngine(EngineConfig.from_dict(config)), prompts, 8)
+    engine = AsyncEngine(EngineConfig.from_dict(config))
+    backend = gpu_path(engine, graphs=True)
+    assert {o.window for o in backend.variants} == {8, None}  # windowed + global layers
+    assert {o.soft_cap for o in backend.variants} == {50.0}
+    assert anyio.run(greedy, engine, prompts, 8) == want
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert engine.num_free_blocks == engine.num_total_blocks

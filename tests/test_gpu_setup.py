@@ -160,14 +160,14 @@ def test_a_jit_failure_is_a_warning_under_auto_and_an_error_when_asked_for(caplo
     model = SimpleNamespace(attention_options=lambda: [])
     auto = EngineConfig.from_dict({})
     with caplog.at_level(logging.WARNING, logger="asyncengine"):
-        backend = build_module._prewarm_attention(auto, _FailingPrewarm(), model)
+        backend = build_module.prewarm_attention(auto, _FailingPrewarm(), model)
     assert backend.name == "torch_paged"
     (record,) = caplog.records
     assert "torch_paged, not flashinfer" in record.getMessage()
     assert "batch_prefill.cu: fatal error" in record.getMessage()
     explicit = EngineConfig.from_dict({"attention_backend": "flashinfer"})
     with pytest.raises(ValueError, match="--attention-backend flashinfer.*fatal error"):
-        build_module._prewarm_attention(explicit, _FailingPrewarm(), model)
+        build_module.prewarm_attention(explicit, _FailingPrewarm(), model)
 
 
 def test_sampling_backend_falls_back_with_one_warning(monkeypatch, caplog):

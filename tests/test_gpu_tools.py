@@ -100,6 +100,17 @@ def test_wheelhouse_dry_run_pins_what_the_device_lacks(capsys):
     assert extra == [wheelhouse.FLASHINFER]  # the pin and the wheelhouse agree
 
 
+def test_every_runtime_dependency_is_on_the_device_or_in_the_wheelhouse(tmp_path):
+    """A runtime dependency added to pyproject.toml must be on the GPU machine's image or in
+    the wheelhouse's list, else `make gpu-check` would fail to import asyncengine there."""
+    pytest.importorskip("tomllib")
+    assert wheelhouse.uncovered() == set()
+    fake = tmp_path / "pyproject.toml"
+    fake.write_text('[project]\ndependencies = ["torch>=2", "msgspec", "zstandard>=0.2; '
+                    'python_version>\'3\'"]\n')
+    assert wheelhouse.uncovered(fake) == {"zstandard"}
+
+
 # -- make gpu-check -------------------------------------------------------------------------------
 
 def test_gpu_check_dry_run_runs_the_issue_s_commands(tmp_path, capsys):

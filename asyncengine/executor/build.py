@@ -164,7 +164,7 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
     if hasattr(model, "attention_options"):
         attn_backend.configure_layers(model.attention_options())
     if device.type == "cuda":  # FlashInfer's JIT: now, never on the loop at the first step
-        attn_backend = _prewarm_attention(config, attn_backend, model)
+        attn_backend = prewarm_attention(config, attn_backend, model)
     if hasattr(model, "configure_context"):
         model.configure_context(max_model_len)
     num_blocks = _num_blocks(config, model, attn_backend, dtype, device, max_model_len,
@@ -350,7 +350,8 @@ def _sampling_method(device: Device, vocab_size: int) -> str | None:
     return "flashinfer"
 
 
-def _prewarm_attention(config: EngineConfig, backend: Any, model: torch.nn.Module) -> Any:
+def prewarm_attention(config: EngineConfig, backend: Any, model: torch.nn.Module, *,
+                      graphs: bool | None = None) -> Any:
     """Compile the backend's kernels (FlashInfer's JIT) at start-up. A failure under ``auto``
     falls back to torch_paged with one warning naming it; under ``--attention-backend
     flashinfer`` it is a ValueError naming the flag."""
@@ -358,7 +359,9 @@ def _prewarm_attention(config: EngineConfig, backend: Any, model: torch.nn.Modul
     if prewarm is None:
         return backend
     try:
-        seconds = prewarm(graphs=not config.model.enforce_eager)
+        if graphs is None:
+            graphs = not config.model.enforce_eager
+        seconds = prewarm(graphs=graphs)
     except Exception as e:
         reason = f"FlashInfer's kernels failed to compile or run ({_one_line(e)})"
         if config.device.attention_backend == "flashinfer":

@@ -99,6 +99,12 @@ class Worker:
                                max_pages_per_seq=-(-max_model_len // bs) + 1)
         self.backend = get_attention_backend(config.device.attention_backend,
                                              self.device.type, shape)
+        if hasattr(m, "attention_options"):  # the same layer variants as rank 0's backend
+            self.backend.configure_layers(m.attention_options())
+        if self.device.type == "cuda":  # FlashInfer's JIT now, not at the first step
+            from asyncengine.executor.build import prewarm_attention
+
+            self.backend = prewarm_attention(config, self.backend, m, graphs=False)
         self.kv_caches = self.backend.allocate_kv_cache(m.num_layers, num_blocks, bs,
                                                         m.num_kv_heads, m.head_dim, dtype,
                                                         self.device)
