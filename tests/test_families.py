@@ -96,7 +96,10 @@ def test_greedy_equals_transformers_generate(models, family, fmt):
     directory, gguf = models[family]
     if fmt == "gguf" and gguf is None:
         pytest.skip("llama.cpp's qwen2 GGUF has no sliding window")
-    check_greedy_in_the_engine(directory, directory if fmt == "safetensors" else gguf)
+    # Mistral's window is on every layer, so blocks before it go back to the pool as a
+    # request runs (core/kv/manager.py): a smaller pool still preempts.
+    extra = {"num_gpu_blocks_override": 8} if family == "mistral_sw" else {}
+    check_greedy_in_the_engine(directory, directory if fmt == "safetensors" else gguf, **extra)
 
 
 def check_greedy_in_the_engine(directory: str, model: str, **config) -> None:
