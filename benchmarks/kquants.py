@@ -9,7 +9,7 @@ own ``convert_hf_to_gguf.py`` to F16 and quantized to Q4_K_M by ``llama-quantize
 mixes Q4_K, Q6_K, Q5_0/Q8_0 and F32 as a downloaded one does.
 
     python benchmarks/kquants.py --llama-cpp DIR --llama-bin DIR [--work DIR] \\
-        [--concurrency 1 32] [--skip-serve] [--convert-path DIR]
+        [--concurrency 1 32] [--prompts-per-stream 4] [--skip-serve] [--convert-path DIR]
 
 ``--llama-cpp``: llama.cpp's sources (``convert_hf_to_gguf.py`` and its ``gguf-py``), e.g.
 the ``vendor/llama.cpp`` of the llama-cpp-python sdist; ``--llama-bin``: where
@@ -117,6 +117,8 @@ def main() -> int:
                         help="a folder added to PYTHONPATH for convert_hf_to_gguf.py")
     parser.add_argument("--work", type=Path, default=Path("/tmp/asyncengine-kquants-bench"))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--prompts-per-stream", type=int, default=4,
+                        help="requests per run: this times the concurrency, at least 8")
     parser.add_argument("--skip-serve", action="store_true",
                         help="make the file and stop")
     parser.add_argument("--asyncengine-args", default="")
@@ -134,6 +136,7 @@ def main() -> int:
             "--llama-server", str(args.llama_bin / "llama-server"),
             "--peers", "asyncengine", "llama-server",
             "--concurrency", *map(str, args.concurrency),
+            "--prompts-per-stream", str(args.prompts_per_stream),
             "--asyncengine-args", f"--tokenizer {args.work / 'tokenizer'} "
                                   + args.asyncengine_args]
     return peers.main(bench.parse_args(argv))

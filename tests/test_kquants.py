@@ -256,3 +256,19 @@ def test_bad_gguf_cli_exits_2_without_traceback(bad_files):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     assert re.search(BAD["unsupported"], r.stderr)
+
+
+def test_bfloat16_batches_match_float32():
+    """From ``TILE_ROWS`` rows, bfloat16 inputs take the tiled path (bfloat16 tiles where the
+    CPU has bfloat16 dot products): close to the float32 result, returned in bfloat16."""
+    rng = np.random.default_rng(5)
+    k, n = 512, 300
+    raw = torch.from_numpy(quantized_matrix(T.Q4_K, n, k, rng))
+    lin = kquants.GGUFLinear(k, [kquants.Part(raw, int(T.Q4_K))])
+    for m in (1, kquants.TILE_ROWS, 33):
+        x = torch.randn(m, k)
+        want = lin(x)
+        got = lin(x.bfloat16())
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, atol=0.05 * want.abs().max().item(),
+                                   rtol=0.02)

@@ -12,8 +12,10 @@ its columns of the shared output. A quantized token embedding is looked up by de
 only the rows looked up; tied to the head, the head multiplies the same bytes.
 
 Where the kernels cannot be compiled: one warning, then ``gguf.quants.dequantize`` a tile of
-rows at a time (correct, slow). From ``TILE_ROWS`` input rows on (prefill chunks), a call
-dequantizes a tile of weight rows at a time and multiplies through MKL.
+rows at a time (correct, slow). From ``TILE_ROWS`` input rows on (prefill chunks, decode
+batches of 8 and more), a call dequantizes a tile of weight rows at a time and multiplies
+through oneDNN / MKL, in bfloat16 where the CPU has bfloat16 dot products (``tile_dtype``,
+chosen and logged once at start-up).
 """
 
 from __future__ import annotations
@@ -38,10 +40,39 @@ TYPES: dict[int, tuple[str, int, int]] = {
     14: ("Q6_K", 256, 210), 23: ("IQ4_XS", 256, 136),
 }
 SUPPORTED = ", ".join(name for name, _, _ in TYPES.values())
-# From this many input rows, a call multiplies tiles of dequantized weights through MKL.
-TILE_ROWS = 64
+# From this many input rows, a call multiplies tiles of dequantized weights through oneDNN /
+# MKL instead of the packed kernel (kquant.cpp, float32 dots at ~20 GFLOP/s a thread).
+# Layer 0 of the Qwen2.5-0.5B-shaped Q4_K_M (benchmarks/kquants.py), best of 20, one thread,
+# on the loaded 2-core Zen 5 (avx512_bf16) of docs/benchmarks.md, Q5_0 gate (4.4 M weights)
+# kernel / float32 tiles / bfloat16 tiles in ms: 1 row 0.91 / 1.14 / 1.74; 4 rows 1.24 /
+# 1.58 / 1.82; 8 rows 2.05 / 1.91 / 1.82; 16 rows 2.90 / 2.56 / 1.99; 32 rows 9.3 / 13.7 /
+# 2.4 (Q6_K down alike): the tiles win from 8 rows.
+TILE_ROWS = 8
 # Weight rows per dequantized tile (a tile of 4864 inputs is ~5 MB of float32).
 _TILE = 256
+
+
+def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the tiled path (``TILE_ROWS`` rows and more), chosen once per process:
+    bfloat16 where the model runs in bfloat16 and the CPU multiplies bfloat16 natively
+    (avx512_bf16 / amx_bf16: oneDNN's bfloat16 GEMM is ~5x its float32 one there), else
+    float32 (on AVX2-only CPUs bfloat16 is emulated and slower). The packed kernel below
+    ``TILE_ROWS`` sums in float32 on every CPU: decode at small batches is bound by reading the
+    weights, and the packed bytes are 3-4x fewer than bfloat16's."""
+    global _CHOICE_LOGGED
+    from asyncengine.executor.models.loader import _cpu_has_bf16
+
+    bf16 = _cpu_has_bf16()
+    if not _CHOICE_LOGGED:
+        _CHOICE_LOGGED = True
+        logger.info("GGUF matmuls: the packed kernel below %d input rows, from there tiles of "
+                    "dequantized weights in %s (this CPU %s bfloat16 dot products)", TILE_ROWS,
+                    "bfloat16 when the model is" if bf16 else "float32",
+                    "has" if bf16 else "lacks")
+    return torch.bfloat16 if bf16 and x_dtype == torch.bfloat16 else torch.float32
+
+
+_CHOICE_LOGGED = False
 
 
 def type_name(qtype: int) -> str:
@@ -138,24 +169,37 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).float().contiguous()
-        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        x2 = x.reshape(-1, self.in_features)
+        if self.use_kernel and x2.shape[0] < TILE_ROWS:
+            x2 = x2.float().contiguous()
+            out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+            col = 0
+            for raw, qtype in self.parts():
+                packed_kernels.kquant_mm(x2, raw, qtype, out[:, col:col + raw.shape[0]])
+                col += raw.shape[0]
+        else:
+            out = self._tiled(x2)
+        if self.bias is not None:
+            out += self.bias.to(out.dtype)
+        return out.to(x.dtype).view(*lead, self.out_features)
+
+    def _tiled(self, x2: torch.Tensor) -> torch.Tensor:
+        """Many input rows (a prefill chunk, a large decode batch): a tile of weight rows
+        dequantized at a time (~1 MB), multiplied through oneDNN / MKL, in bfloat16 where the
+        CPU has bfloat16 dot products and the model runs in bfloat16 (``tile_dtype``)."""
+        dtype = tile_dtype(x2.dtype)
+        xc = x2.to(dtype).contiguous()
+        out = torch.empty(x2.shape[0], self.out_features, dtype=dtype)
+        rows = max(16, (1 << 18) // self.in_features)
         col = 0
         for raw, qtype in self.parts():
             n = raw.shape[0]
-            dest = out[:, col:col + n]
-            if self.use_kernel and x2.shape[0] < TILE_ROWS:
-                packed_kernels.kquant_mm(x2, raw, qtype, dest)
-            else:  # a tile of weight rows at a time, through MKL
-                for r in range(0, n, _TILE):
-                    ids = torch.arange(r, min(r + _TILE, n), dtype=torch.int64)
-                    w = dequantize_rows(raw, qtype, self.in_features, ids)
-                    torch.mm(x2, w.T, out=dest[:, r:r + len(ids)]) if dest.is_contiguous() \
-                        else dest[:, r:r + len(ids)].copy_(x2 @ w.T)
+            for r in range(0, n, rows):
+                ids = torch.arange(r, min(r + rows, n), dtype=torch.int64)
+                w = dequantize_rows(raw, qtype, self.in_features, ids).to(dtype)
+                out[:, col + r:col + r + len(ids)] = torch.mm(xc, w.T)
             col += n
-        if self.bias is not None:
-            out += self.bias.float()
-        return out.to(x.dtype).view(*lead, self.out_features)
+        return out
 
     def extra_repr(self) -> str:
         types = "+".join(type_name(t) for t in self.qtypes)

@@ -265,6 +265,7 @@ def _load_gguf_packed(model: nn.Module, source: ModelSource, dtype: torch.dtype)
                                                    skip=skip), None, source.name))
     logger.info("GGUF weights kept packed as stored (%s; kernels: %s)", kquants.describe(model),
                 "C++" if kquants.kernels_available() else "PyTorch, per tile")
+    kquants.tile_dtype(dtype)  # logs the start-up choice of the batch regime's path
 
 
 def _gguf_matrix_types(source: ModelSource, fmt: str) -> set[str]:
