@@ -28,7 +28,7 @@ keeps a snapshot of the names of each version. See docs/plugins.md.
 
 from __future__ import annotations
 
-from asyncengine.config import EngineConfig
+from asyncengine.config import EngineConfig, kv_connector_extra_config
 from asyncengine.core.kv.hashing import ROOT_HASH, hash_block_tokens, update_block_hashes
 from asyncengine.core.kv.manager import KVCacheManager
 from asyncengine.core.request import Logprob, PositionLogprobs, Request, RequestStatus
@@ -102,6 +102,7 @@ __all__ = [
     "KVConnector",
     "ROOT_HASH",
     "hash_block_tokens",
+    "kv_connector_extra_config",
     "update_block_hashes",
     # reasoning parser (--reasoning-parser; registered by register_reasoning_parsers)
     "ReasoningDelta",

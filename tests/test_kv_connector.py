@@ -215,3 +215,31 @@ def test_store_concurrent_writers_and_separate_models(tmp_path):
         c = SafetensorsKVConnector(config, other)
         assert c.root != root and c.lookup(req, 0) == 0
     assert json.loads((root / "store.json").read_text())["dtype"] == "float32"
+
+
+def test_the_vllm_form_of_the_configuration(tmp_path):
+    """--kv-transfer-config selects the built-in connector too, with its directory in
+    kv_connector_extra_config ("path", or vLLM's "shared_storage_path")."""
+    req = Request("r", list(range(3, 20)), SamplingParams())
+    hashes = update_block_hashes(req, 4)
+    kv = torch.randn(len(hashes), *layout().block_shape)
+    for key in ("path", "shared_storage_path"):
+        config = EngineConfig.from_dict({"kv_transfer_config": json.dumps({
+            "kv_connector": "safetensors", "kv_role": "kv_both",
+            "kv_connector_extra_config": {key: str(tmp_path / key)}})})
+        assert config.plugins.kv_connector == "safetensors"
+        connector = SafetensorsKVConnector(config, layout())
+        assert connector.root.parent == tmp_path / key
+        anyio.run(connector.save, hashes, kv)
+        assert SafetensorsKVConnector(config, layout()).lookup(req, 0) == 16
+    module_path = EngineConfig.from_dict({"kv_transfer_config": {
+        "kv_connector": "SafetensorsKVConnector",
+        "kv_connector_module_path": "asyncengine.builtins.safetensors_connector",
+        "kv_connector_extra_config": {"path": str(tmp_path)}}})
+    from asyncengine.ext import registry
+
+    assert registry.resolve_kv_connector(module_path.plugins.kv_connector) is \
+        SafetensorsKVConnector
+    with pytest.raises(ValueError, match="--kv-connector-path"):
+        SafetensorsKVConnector.validate_config(EngineConfig.from_dict({"kv_transfer_config": {
+            "kv_connector": "safetensors"}}))

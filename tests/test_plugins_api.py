@@ -95,6 +95,7 @@ SNAPSHOT: dict[tuple[str, int], dict[str, tuple[str, ...] | None]] = {
         "hash_block_tokens": None,
         "update_block_hashes": None,
         "ROOT_HASH": None,
+        "kv_connector_extra_config": None,
     },
     ("reasoning_parser", 1): {
         "ReasoningParser": ("__init__", "initial_state", "reasoning_ended_in_prompt",

@@ -33,7 +33,7 @@ import anyio.to_thread
 import safetensors.torch
 import torch
 
-from asyncengine.plugins import KVCacheLayout, KVConnector
+from asyncengine.plugins import KVCacheLayout, KVConnector, kv_connector_extra_config
 
 if TYPE_CHECKING:
     from asyncengine.plugins import EngineConfig, Request
@@ -48,13 +48,13 @@ MAX_KNOWN_HASHES = 1 << 20
 class SafetensorsKVConnector(KVConnector):
     """A directory of ``.safetensors`` KV blocks, shared by every server that can see it."""
 
-    contract_version = 1
+    contract_version = 2
 
     def __init__(self, config: EngineConfig, layout: KVCacheLayout) -> None:
         self.validate_config(config)
         self.layout = layout
         self.block_size = layout.block_size
-        base = Path(str(config.plugins.kv_connector_path)).expanduser()
+        base = Path(str(store_path(config))).expanduser()
         self.root = base / store_name(layout)
         description = json.dumps({"format": FORMAT, **layout.describe()}, indent=2,
                                   sort_keys=True)
@@ -72,9 +72,11 @@ class SafetensorsKVConnector(KVConnector):
 
     @classmethod
     def validate_config(cls, config: EngineConfig) -> None:
-        if not config.plugins.kv_connector_path:
-            raise ValueError("--kv-connector safetensors needs --kv-connector-path: the "
-                             "directory that holds the KV blocks (created if missing)")
+        path = store_path(config)
+        if not path or not isinstance(path, str):
+            raise ValueError("--kv-connector safetensors needs --kv-connector-path (or "
+                             "\"path\" in --kv-transfer-config's kv_connector_extra_config): "
+                             "the directory that holds the KV blocks (created if missing)")
 
     def block_path(self, block_hash: bytes) -> Path:
         name = block_hash.hex()
@@ -167,6 +169,14 @@ class SafetensorsKVConnector(KVConnector):
         if len(self._known) + len(block_hashes) > MAX_KNOWN_HASHES:
             self._known.clear()
         self._known.update(block_hashes)
+
+
+def store_path(config: EngineConfig) -> str | None:
+    """``--kv-connector-path``, else ``path`` (or vLLM's ``shared_storage_path``) in
+    ``--kv-transfer-config``'s ``kv_connector_extra_config``."""
+    extra = kv_connector_extra_config(config.plugins)
+    return (config.plugins.kv_connector_path or extra.get("path")
+            or extra.get("shared_storage_path"))
 
 
 def store_name(layout: KVCacheLayout) -> str:

@@ -31,6 +31,8 @@ from asyncengine.config.sections import (
     ParallelConfig,
     PluginConfig,
     SchedulerConfig,
+    kv_connector_extra_config,
+    validate_kv_transfer,
     validate_lora,
     validate_parallel,
 )
@@ -45,7 +47,8 @@ __all__ = [
     "ALIASES", "DEVICES", "DTYPES", "GENERATION_CONFIG_HELP", "LOAD_FORMATS", "POOLING_TYPES",
     "QUANTIZATIONS", "SECTIONS", "SECTION_TITLES", "CacheConfig", "DeviceConfig", "EngineConfig",
     "LoRAConfig", "LoadConfig", "ModelConfig", "ParallelConfig", "PluginConfig",
-    "SchedulerConfig", "SpeculativeConfig", "SpeculativeSettings", "parse_size",
+    "SchedulerConfig", "SpeculativeConfig", "SpeculativeSettings", "kv_connector_extra_config",
+    "parse_size",
 ]
 
 
@@ -183,6 +186,7 @@ class EngineConfig:
             self.speculative.speculative_config)
         if self.plugins.structured_output_backend == "auto":  # vLLM's default value
             self.plugins.structured_output_backend = "xgrammar"
+        validate_kv_transfer(self.plugins)
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with some leaf fields changed, by flat name."""

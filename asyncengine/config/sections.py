@@ -4,6 +4,7 @@ allowed values of its enumerated flags. Every field is one CLI flag and one YAML
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,6 +166,11 @@ class PluginConfig:
         "help": "KV connector: a registered name or pkg.module:Class"})
     kv_connector_path: str | None = field(default=None, metadata={
         "help": "storage directory for the KV connector"})
+    kv_transfer_config: dict[str, Any] | str | None = field(default=None, metadata={
+        "help": "the KV connector, the vLLM way (a JSON object): '{\"kv_connector\": \"redis\", "
+                "\"kv_role\": \"kv_both\", \"kv_connector_extra_config\": {\"url\": "
+                "\"redis://HOST:PORT\"}}'; kv_connector_module_path imports the class "
+                "kv_connector from that module"})
 
 
 @dataclass
@@ -200,6 +206,61 @@ SECTION_TITLES = {"model": "ModelConfig", "cache": "CacheConfig",
                   "device": "DeviceConfig", "parallel": "ParallelConfig",
                   "plugins": "StructuredOutputsConfig and KVTransferConfig (plugins)",
                   "speculative": "SpeculativeConfig", "lora": "LoRAConfig"}
+
+
+#: The keys of vLLM's --kv-transfer-config that asyncengine reads (others are refused, so a
+#: typo is not silently ignored).
+KV_TRANSFER_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config",
+                    "kv_connector_module_path")
+
+
+def validate_kv_transfer(pc: PluginConfig) -> None:
+    """Check ``--kv-transfer-config`` and make ``kv_connector`` name the connector it selects
+    (a registered name, or ``module:Class`` with ``kv_connector_module_path``)."""
+    flag = "--kv-transfer-config"
+    cfg = pc.kv_transfer_config
+    if cfg is None:
+        return
+    if not isinstance(cfg, dict):
+        try:
+            cfg = json.loads(cfg)
+        except (TypeError, ValueError):
+            cfg = None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{flag}: must be a JSON object, got {pc.kv_transfer_config!r}")
+        pc.kv_transfer_config = cfg
+    unknown = sorted(set(cfg) - set(KV_TRANSFER_KEYS))
+    if unknown:
+        raise ValueError(f"{flag}: unknown key(s) {unknown} (known: {', '.join(KV_TRANSFER_KEYS)})")
+    name = cfg.get("kv_connector")
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{flag}: 'kv_connector' must name the connector (a registered name "
+                         "such as safetensors or redis, or a class with kv_connector_module_path)")
+    role = cfg.get("kv_role", "kv_both")
+    if role != "kv_both":
+        raise ValueError(f"{flag}: kv_role {role!r} is not supported (only 'kv_both': one "
+                         "connector loads and saves)")
+    extra = cfg.get("kv_connector_extra_config", {})
+    if not isinstance(extra, dict):
+        raise ValueError(f"{flag}: 'kv_connector_extra_config' must be a JSON object, got "
+                         f"{extra!r}")
+    module = cfg.get("kv_connector_module_path")
+    if module is not None:
+        if not isinstance(module, str) or not module.strip() or ":" in module:
+            raise ValueError(f"{flag}: 'kv_connector_module_path' must be a module path "
+                             f"(pkg.module), got {module!r}")
+        name = f"{module.strip()}:{name.strip()}"
+    name = name.strip()
+    if pc.kv_connector not in (None, name):
+        raise ValueError(f"--kv-connector {pc.kv_connector!r} and {flag} "
+                         f"({name!r}) disagree: give one of them")
+    pc.kv_connector = name
+
+
+def kv_connector_extra_config(pc: PluginConfig) -> dict[str, Any]:
+    """The connector's own options: ``kv_connector_extra_config`` of --kv-transfer-config."""
+    cfg = pc.kv_transfer_config
+    return dict(cfg.get("kv_connector_extra_config") or {}) if isinstance(cfg, dict) else {}
 
 
 def validate_parallel(pc: ParallelConfig) -> None:
