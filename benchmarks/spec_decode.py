@@ -209,10 +209,13 @@ def main() -> int:
     parser.add_argument("--llama-spec", default=LLAMA_SPEC,
                         help=f"llama-server's speculation flags (default: {LLAMA_SPEC!r})")
     parser.add_argument("--servers", nargs="+",
-                        default=["asyncengine", "asyncengine+ngram", "llama-server",
-                                 "llama-server+ngram"])
+                        default=["asyncengine", "asyncengine+ngram", "llama-server+ngram"],
+                        help="of asyncengine, asyncengine+ngram, llama-server, "
+                             "llama-server+ngram")
     parser.add_argument("--save-result", metavar="FILE.json", default=None)
     args = parser.parse_args()
+    # A SIGTERM (timeout, kill) unwinds through the servers' clean-up.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     kinds = []
     results: dict[str, Any] = {}
     for kind in args.servers:
