@@ -102,7 +102,7 @@ def command(kind: str, args: argparse.Namespace, port: int) -> list[str]:
 
 def start(kind: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str, Any]:
     port = _free_port()
-    log = tempfile.TemporaryFile()
+    log = open(os.path.join(args.log_dir, f"spec_decode_{kind}.log"), "w+b")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(command(kind, args, port), stdout=log, stderr=subprocess.STDOUT,
                             env=env)
@@ -144,7 +144,12 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, Any]:
                     cfg = BenchConfig(base_url=servers[kind][1], endpoint="chat", num_prompts=n,
                                       concurrency=c, max_tokens=args.max_tokens,
                                       temperature=0.0)
-                    s = await run_benchmark(cfg, prompts)
+                    try:
+                        s = await run_benchmark(cfg, prompts)
+                    except RuntimeError as e:
+                        log = servers[kind][2]
+                        log.seek(0)
+                        raise RuntimeError(f"{kind}: {e}\n{log.read().decode()[-3000:]}") from e
                     if s["failed"]:
                         print(f"[{kind}] {s['failed']} failed: {s['errors'][:2]}",
                               file=sys.stderr)
@@ -213,6 +218,8 @@ def main() -> int:
                         help="of asyncengine, asyncengine+ngram, llama-server, "
                              "llama-server+ngram")
     parser.add_argument("--save-result", metavar="FILE.json", default=None)
+    parser.add_argument("--log-dir", default=tempfile.gettempdir(),
+                        help="where the servers' logs go (spec_decode_<server>.log)")
     args = parser.parse_args()
     # A SIGTERM (timeout, kill) unwinds through the servers' clean-up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
