@@ -159,8 +159,11 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, Any]:
                     t["drafts"] += s.get("spec_num_drafts", 0)
                     t["draft_tokens"] += s.get("spec_num_draft_tokens", 0)
                     t["accepted"] += s.get("spec_num_accepted_tokens", 0)
-                    print(f"[{kind}] c={c} round {r}: {s['output_throughput']:.1f} tok/s",
-                          file=sys.stderr, flush=True)
+                    acc = (f", acceptance {100 * s['spec_acceptance_rate']:.1f}%, length "
+                           f"{s['spec_acceptance_length']:.2f}" if "spec_num_drafts" in s
+                           else "")
+                    print(f"[{kind}] c={c} round {r}: {s['output_throughput']:.2f} tok/s"
+                          f"{acc}", file=sys.stderr, flush=True)
             for kind in live:
                 t = totals[kind]
                 out = {"output_throughput": t["tokens"] / t["duration"],
