@@ -125,8 +125,22 @@ def test_greedy_output_is_identical_with_drafts_accepted_and_rejected(tiny_llama
     anyio.run(main)
 
 
-def test_greedy_output_is_identical_on_the_embedded_model_with_ngram_drafts():
+def test_greedy_output_is_identical_on_the_embedded_model_with_ngram_drafts(monkeypatch):
+    """Also: the verification steps (one request, 1 + drafts query tokens) run through the
+    C++ decode stack, every draft a query row of its own, with no fallback."""
+    from asyncengine.executor.models.decode_stack import DecodeStack
     from tests.utils import embedded_gguf_path
+
+    real_run = DecodeStack.run
+    verified: list[tuple[int, bool]] = []
+
+    def run(self, h, *args):
+        out = real_run(self, h, *args)
+        if 1 < h.shape[0] <= 9:  # 1 + up to 8 drafts (a prompt is longer)
+            verified.append((h.shape[0], out is not None))
+        return out
+
+    monkeypatch.setattr(DecodeStack, "run", run)
 
     prompt = ("<|im_start|>user\nRepeat this sentence exactly: The river rose slowly "
               "through the night, and by morning the low fields were under water."
@@ -144,6 +158,7 @@ def test_greedy_output_is_identical_on_the_embedded_model_with_ngram_drafts():
                 assert pool_is_free(engine)
         assert outs[0] == outs[1]
         assert counter.accepted >= 8  # the copy is drafted and accepted
+        assert len(verified) >= counter.steps > 0 and all(ok for _, ok in verified), verified
 
     anyio.run(main)
 

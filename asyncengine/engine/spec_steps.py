@@ -17,17 +17,42 @@ from typing import Any
 from asyncengine.core.sched.interface import ModelRunnerOutput
 from asyncengine.core.spec.drafting import Drafting
 from asyncengine.core.spec.ngram import NgramProposer
+from asyncengine.executor.spec.draft_model import DraftModelProposer
 
 
-def make_drafting(config: Any) -> Drafting | None:
+def make_drafting(engine: Any) -> Drafting | None:
+    """The engine's drafting from its config's ``speculative_settings`` (None: off)."""
+    config = getattr(engine, "config", None)
     settings = getattr(config, "speculative_settings", None)
     if settings is None:
         return None
     if settings.method == "ngram":
         return Drafting(settings, NgramProposer(settings.prompt_lookup_min,
                                                 settings.prompt_lookup_max))
-    raise ValueError(f"--speculative-config: method {settings.method!r} is not available in "
-                     "this build (use \"ngram\")")
+    return Drafting(settings, _draft_model(engine, settings))
+
+
+def _draft_model(engine: Any, settings: Any) -> DraftModelProposer:
+    """Load the draft model beside the target: same device queue, its own KV cache with as
+    many blocks as the target's, the target's context length."""
+    from asyncengine.executor.build import build
+
+    config, parts = engine.config, engine.parts
+    try:
+        draft_config = config.replace(
+            model=settings.model, speculative_config=None, tokenizer=None,
+            served_model_name=None, max_model_len=parts.max_model_len,
+            num_gpu_blocks_override=parts.num_blocks, load_format="auto")
+        draft = build(draft_config)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--speculative-config: cannot load the draft model "
+                         f"{settings.model!r}: {e}") from e
+    if draft.vocab_size != parts.vocab_size:
+        raise ValueError(f"--speculative-config: the draft model's vocabulary "
+                         f"({draft.vocab_size} tokens) differs from the target's "
+                         f"({parts.vocab_size}); use a draft of the same tokenizer")
+    return DraftModelProposer(draft.runner, engine.device, draft.num_blocks,
+                              config.cache.block_size)
 
 
 def fill_spec_bitmask(loop: Any, step: Any) -> Any:

@@ -84,7 +84,7 @@ class StepLoop:
         # then update and emission (pushed SSE writes included), never the awaits between.
         self.step_cpu_s = 0.0
         # Speculative decoding: proposes drafts between steps (None: off).
-        self.drafting = make_drafting(getattr(engine, "config", None))
+        self.drafting = make_drafting(engine)
 
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
         prev: Step | None = None
@@ -152,7 +152,12 @@ class StepLoop:
         cpu = time.thread_time()
         updated = self.scheduler.update_from_output(step.out, result)
         if self.drafting is not None:
-            self.drafting.after_update(updated, self.scheduler.get_num_unfinished_requests())
+            wanting = self.drafting.after_update(
+                updated, self.scheduler.get_num_unfinished_requests())
+            if wanting:  # a draft model: its steps queue on the device behind this one
+                self.step_cpu_s += time.thread_time() - cpu
+                await self.drafting.proposer.propose_batch(wanting)
+                cpu = time.thread_time()
         if nxt is not None and nxt.grammars is not None:
             self._fill_bitmask(nxt)
         if engine.kv_transfer is not None:  # copies the blocks before the next schedule()

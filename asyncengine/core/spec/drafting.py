@@ -20,7 +20,8 @@ from asyncengine.core.request import Request, RequestStatus
 
 
 class Proposer(Protocol):
-    def propose(self, request: Request, k: int) -> list[int]: ...
+    """``propose(request, k) -> drafts`` (on the loop, cheap: the n-gram index), or
+    ``async propose_batch([(request, k), ...])`` setting ``spec_token_ids`` (device work)."""
 
 
 def can_speculate(request: Request) -> bool:
@@ -34,15 +35,21 @@ class Drafting:
         self.settings = settings
         self.proposer = proposer
 
-    def after_update(self, updated: list[Request], num_unfinished: int) -> None:
+    def after_update(self, updated: list[Request], num_unfinished: int
+                     ) -> list[tuple[Request, int]] | None:
+        """Mark the requests and propose their drafts; with a batch proposer (a draft model,
+        whose drafts are device work) return the ``(request, k)`` that want drafts instead,
+        for the loop to await ``proposer.propose_batch`` on."""
         k = self.settings.k_for_batch(num_unfinished)
         running = RequestStatus.RUNNING
         if k == 0:
             for r in updated:
                 if r.spec_wait:
                     r.spec_wait = False
-            return
-        propose = self.proposer.propose
+            return None
+        batch: list[tuple[Request, int]] | None = \
+            [] if hasattr(self.proposer, "propose_batch") else None
+        propose = getattr(self.proposer, "propose", None)
         for r in updated:
             if r.status is not running:
                 continue
@@ -55,4 +62,8 @@ class Drafting:
             room = min(k, r.max_tokens - len(r.output_token_ids) - 1,
                        r.max_model_len - len(r.all_token_ids) - 1)
             if room > 0:
-                r.spec_token_ids = propose(r, room)
+                if batch is not None:
+                    batch.append((r, room))
+                else:
+                    r.spec_token_ids = propose(r, room)
+        return batch

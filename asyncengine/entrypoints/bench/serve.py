@@ -199,9 +199,11 @@ async def _resolve_model(session: aiohttp.ClientSession, cfg: BenchConfig) -> st
     return data["data"][0]["id"]
 
 
-async def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
-    """Run the load; return the summary (``format_report`` prints it)."""
-    prompts = synthetic_prompts(cfg.num_prompts, cfg.prompt_len, cfg.seed)
+async def run_benchmark(cfg: BenchConfig, prompts: list[str] | None = None) -> dict[str, Any]:
+    """Run the load; return the summary (``format_report`` prints it). ``prompts``: the
+    requests to send (default: ``num_prompts`` synthetic ones)."""
+    if prompts is None:
+        prompts = synthetic_prompts(cfg.num_prompts, cfg.prompt_len, cfg.seed)
     rng = random.Random(cfg.seed + 1)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout)
