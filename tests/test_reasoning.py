@@ -117,6 +117,31 @@ def test_forced_tool_call_follows_the_reasoning(client):
     assert out.choices[0].finish_reason == "tool_calls"
 
 
+def test_auto_tool_call_parsed_from_the_answer_only(client):
+    """The answer is shaped (by a regex, after the reasoning) into a Hermes tool call that
+    --tool-call-parser hermes reads; the reasoning before it is not parsed for calls."""
+    call = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}'
+            r'\n</tool_call>')
+    kwargs = dict(model=server_model(client), messages=ASK, tools=TOOLS, max_tokens=60,
+                  temperature=0, extra_body={"thinking_token_budget": BUDGET,
+                                             "structured_outputs": {"regex": call}})
+    out = client.chat.completions.create(**kwargs)
+    msg = out.choices[0].message
+    assert reasoning_of(msg) and not msg.content
+    [tc] = msg.tool_calls
+    assert tc.function.name == "get_weather" and out.choices[0].finish_reason == "tool_calls"
+    reasoning, args, finish = "", "", None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            reasoning += reasoning_of(choice.delta) or ""
+            assert not choice.delta.content
+            for piece in choice.delta.tool_calls or []:
+                args += piece.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert reasoning == reasoning_of(msg) and finish == "tool_calls"
+    assert json.loads(args) == json.loads(tc.function.arguments)
+
+
 def test_budget_needs_a_non_negative_integer(client):
     with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
         client.chat.completions.create(model=server_model(client), messages=ASK, max_tokens=4,

@@ -15,10 +15,10 @@ from functools import cache
 import pytest
 import torch
 import transformers
-from asyncengine.ext.hookspecs import hookimpl
 
 from asyncengine.executor.reasoning_gate import ReasoningGate
 from asyncengine.ext.registry import new_plugin_manager, registered, resolve_reasoning_parser
+from asyncengine.plugins import hookimpl
 from asyncengine.text.reasoning_parsers import (
     DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser,

@@ -316,3 +316,29 @@ def test_manager_fill_and_apply_bitmask(manager, tokenizer):
     finish(manager.backend, digit, tokenizer)
     bitmask = manager.fill_bitmask([digit])
     assert (bitmask == -1).all()
+
+
+def test_batched_fill_reads_through_reasoning_gates(backend, tokenizer):
+    """Rows behind a reasoning model's gate (executor/reasoning_gate.py) fill as the gate says:
+    open while reasoning, the end tag's token when the budget forces it, the inner grammar's
+    tokens after the tag, in one batched fill with plain rows, equal to a row-by-row fill."""
+    from asyncengine.executor.reasoning_gate import ReasoningGate
+    from asyncengine.plugins import fill_rows
+
+    vocab = tokenizer.vocab_size + PAD
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+    digits = backend.compile_grammar("regex", "[0-9]+")
+    reasoning = ReasoningGate(digits.fresh(), end)
+    forced = ReasoningGate(digits.fresh(), end, budget=1)
+    assert forced.accept_token(end[0] + 1 if end[0] + 1 < vocab else 0)
+    answering = ReasoningGate(digits.fresh(), end)
+    for t in end:
+        assert answering.accept_token(t)
+    grammars = [reasoning, forced, answering, digits.fresh(), None]
+    batched, by_row = backend.allocate_bitmask(5), backend.allocate_bitmask(5)
+    backend.fill_bitmasks(grammars, batched)
+    fill_rows(grammars, by_row)
+    assert torch.equal(batched, by_row)
+    assert allowed(batched, 0, vocab) == set(range(vocab))
+    assert allowed(batched, 1, vocab) == {end[0]}
+    assert allowed(batched, 2, vocab) == allowed(batched, 3, vocab) != set(range(vocab))

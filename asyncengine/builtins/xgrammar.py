@@ -121,6 +121,13 @@ class XGrammarBackend(StructuredOutputBackend):
         for row, grammar in enumerate(grammars):
             if grammar is None or grammar.is_terminated():
                 continue
+            unwrap = getattr(grammar, "unwrap", None)  # a reasoning model's gate
+            if unwrap is not None:
+                inner = unwrap()
+                if inner is None:  # still reasoning: the row stays open, or forces its tag
+                    grammar.fill_bitmask(bitmask, row)
+                    continue
+                grammar = inner
             if not isinstance(grammar, XGrammarGrammar):
                 super().fill_bitmasks(grammars, bitmask)
                 return

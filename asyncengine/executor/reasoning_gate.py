@@ -81,6 +81,13 @@ class ReasoningGate(Grammar):
         if self.inner is not None and not self.inner.is_terminated():
             self.inner.fill_bitmask(bitmask, row)
 
+    def unwrap(self) -> Grammar | None:
+        """The grammar that fills this row now: the inner one once the reasoning ended; None
+        while reasoning, or with no inner grammar (then :meth:`fill_bitmask` keeps the row
+        open or forces the tag). A backend filling rows in a batch fills the inner one with
+        its own (``builtins/xgrammar.py``)."""
+        return None if self.reasoning else self.inner
+
     def is_terminated(self) -> bool:
         return not self.reasoning and self.inner is not None and self.inner.is_terminated()
 
