@@ -27,6 +27,9 @@
 #define kernel ae_decode_attention
 #include "decode_attention.cpp"
 #undef kernel
+#define kernel ae_lora
+#include "lora.cpp"
+#undef kernel
 
 // Per layer, AE_STACK_PTRS addresses (int64) in `layers` [L, AE_STACK_PTRS]:
 enum {
@@ -47,6 +50,21 @@ enum {
 template <typename P>
 static inline P* ae_ptr(const int64_t* layer, int i) { return reinterpret_cast<P*>(layer[i]); }
 
+// LoRA (--enable-lora), when lora_slots is not null: per layer, for qkv, o, gate_up, down in
+// that order, the addresses of the slot tables A, B and their rows (lora.cpp's), 12 int64s in
+// lora [L, 12]; lora_r [4] the tables' widths; lora_slots [T] each token's slot (0: base).
+// Each projection's update is added right after its matmul, as the per-op path's hooks do.
+enum { AE_LORA_QKV, AE_LORA_O, AE_LORA_GU, AE_LORA_DOWN };
+
+static inline void ae_stack_lora(const int64_t* lora, const int64_t* lora_r,
+                                 const int64_t* lora_slots, int64_t l, int m, const float* x,
+                                 float* y, int64_t T, int64_t K, int64_t N) {
+    if (lora_slots == nullptr) return;
+    const int64_t* p = lora + l * 12 + m * 3;
+    ae_lora(x, y, reinterpret_cast<const float*>(p[0]), reinterpret_cast<const float*>(p[1]),
+            lora_slots, reinterpret_cast<const int64_t*>(p[2]), T, K, N, lora_r[m], K, N);
+}
+
 // h: [T, HD] the token embeddings; out: [T, HD] the final normed hidden states (final_norm).
 // cos, sin: [T, D] (RotaryEmbedding's); slots: int64 [T] cache slots of the new tokens;
 // tables, lens, rows, split: decode_attention.cpp's (lens include the new token).
@@ -55,7 +73,9 @@ extern "C" void kernel(const float* h, float* out, const int64_t* layers, const 
                        const int64_t* tables, const int64_t* lens, const int64_t* rows,
                        int64_t L, int64_t T, int64_t HD, int64_t H, int64_t KVH, int64_t D,
                        int64_t I, int64_t BS, int64_t table_stride, int64_t split,
-                       int64_t v_off, float scale, float eps) {
+                       int64_t v_off, float scale, float eps, const int64_t* lora,
+                       const int64_t* lora_r, const int64_t* lora_slots, int64_t use_lora) {
+    if (!use_lora) lora_slots = nullptr;
     const AeWithoutGil released;  // milliseconds of work: the event loop runs meanwhile
     const int64_t QKV = (H + 2 * KVH) * D;
     static thread_local std::vector<float> buf;
@@ -79,18 +99,22 @@ extern "C" void kernel(const float* h, float* out, const int64_t* layers, const 
                         eps);
         ae_int4_mm(x, ae_ptr<const uint8_t>(w, AE_QKV_Q), ae_ptr<const uint16_t>(w, AE_QKV_SM),
                    qkv, T, QKV, HD);
+        ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_QKV, x, qkv, T, HD, QKV);
         ae_rope(qkv, cos, sin, T, H + KVH, D, QKV);  // q and k heads, in place
         ae_kv_write(qkv + H * D, qkv + (H + KVH) * D, kv, slots, T, KVH * D, QKV, QKV, v_off);
         ae_decode_attention(qkv, kv, tables, lens, rows, att, T, H, KVH, D, BS, table_stride,
                             QKV, split, scale, v_off, 0, 0.f);
         ae_int4_mm(att, ae_ptr<const uint8_t>(w, AE_O_Q), ae_ptr<const uint16_t>(w, AE_O_SM),
                    hs, T, HD, H * D);
+        ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_O, att, hs, T, H * D, HD);
         ae_rms_norm(hs, residual, ae_ptr<const float>(w, AE_POST_NORM), x, T, HD, HD, 1, eps);
         ae_int4_mm(x, ae_ptr<const uint8_t>(w, AE_GU_Q), ae_ptr<const uint16_t>(w, AE_GU_SM),
                    gu, T, 2 * I, HD);
+        ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_GU, x, gu, T, HD, 2 * I);
         ae_silu_mul(gu, act, T, I);
         ae_int4_mm(act, ae_ptr<const uint8_t>(w, AE_DOWN_Q),
                    ae_ptr<const uint16_t>(w, AE_DOWN_SM), hs, T, HD, I);
+        ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_DOWN, act, hs, T, I, HD);
     }
     ae_rms_norm(hs, residual, final_norm, out, T, HD, HD, 1, eps);
 }

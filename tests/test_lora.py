@@ -14,6 +14,7 @@ import torch
 from asyncengine.config import EngineConfig
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.engine.engine import AsyncEngine
+from asyncengine.executor.kernels import packed as packed_kernels
 from asyncengine.executor.lora import ops
 from asyncengine.executor.lora.ops import LoRAStep, SlotTable, add_lora
 from tests.test_engine import hf_greedy
@@ -153,6 +154,10 @@ def test_mixed_batch_gives_pefts_greedy_tokens(lora_families, family, quantizati
     assert len({tuple(t) for t in first}) == len(names)
     assert engine.num_free_blocks == engine.num_total_blocks
     assert engine.num_unfinished_requests == 0
+    if quantization == "int4" and packed_kernels.available("int4"):
+        # the decode steps with adapter rows ran in the C++ decode stack, with its LoRA
+        stack = engine.runner.model._stack
+        assert stack is not None and stack.lora_table is not None and stack.lora_steps > 0
 
 
 def test_kernel_equals_the_torch_path():

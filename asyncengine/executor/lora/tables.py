@@ -7,8 +7,8 @@ Every adaptable projection of the decoder (``qkv_proj``, ``o_proj``, ``gate_up_p
 gate/up). A forward hook on the projection adds the step's batched update after the base
 matmul, whatever the base weights are (float, packed int4, int8): the update reads only the
 layer's input and output. Outside a step with adapter rows (``step is None``) the hook
-returns at once; the model's C++ decode stack (``decode_stack.py``), which has no hooks, is
-bypassed only for steps that have adapter rows.
+returns at once. The model's C++ decode stack (``decode_stack.py``), which calls no modules,
+reads these tables itself and adds the same updates after its own matmuls.
 
 Everything here runs on the device's worker, in step order: a step's slot writes (an adapter
 entering a slot) are applied by that step's ``begin``, after every earlier step has run, so
@@ -51,8 +51,6 @@ class LoRATables:
         self.max_rank = max_rank
         self.tables: dict[str, SlotTable] = {}
         self.step: LoRAStep | None = None
-        self._has_stack = True
-        self._logged_bypass = False
         modules = adaptable_modules(model)
         if not modules:
             raise ValueError(f"--enable-lora: {type(model).__name__} has no projections an "
@@ -77,17 +75,6 @@ class LoRATables:
                 add_lora(x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1]), table, step)
 
         return hook
-
-    @property
-    def active(self) -> bool:
-        """Whether the step being run has adapter rows (the decoder's stack is bypassed)."""
-        if self.step is None:
-            return False
-        if not self._logged_bypass:
-            self._logged_bypass = True
-            logger.info("LoRA: steps with adapter rows take the per-layer path (the C++ decode "
-                        "stack has no LoRA); steps of base rows alone keep it")
-        return True
 
     def write(self, slot: int, weights: LoRAWeights) -> None:
         for name, table in self.tables.items():

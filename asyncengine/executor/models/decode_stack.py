@@ -29,7 +29,8 @@ from asyncengine.executor.models.int4 import DEQUANT_ROWS, Int4Linear
 _ARGS = ("const float*", "float*", "const int64_t*", "const float*", "const float*",
          "const float*", "const int64_t*", "const int64_t*", "const int64_t*", "const int64_t*",
          "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
-         "int64_t", "int64_t", "int64_t", "float", "float")
+         "int64_t", "int64_t", "int64_t", "float", "float", "const int64_t*", "const int64_t*",
+         "const int64_t*", "int64_t")
 # Addresses per layer, in decode_stack.cpp's order (its AE_STACK_PTRS); the KV cache's last.
 _PTRS = 11
 
@@ -57,6 +58,28 @@ class DecodeStack:
         self.table = torch.tensor(rows, dtype=torch.int64)  # [L, _PTRS]
         self._caches: tuple[int, ...] = ()
         self._cache_tensors: list[torch.Tensor] = []
+        # --enable-lora: each layer's slot tables (qkv, o, gate_up, down: A, B, rows), so
+        # that steps with adapter rows stay in the stack (``executor/lora/tables.py``).
+        self.lora_table = self.lora_r = None
+        self.lora_steps = 0  # steps run with adapter rows
+        self._no_lora = torch.zeros(1, dtype=torch.int64)
+        tables = getattr(getattr(model, "lora", None), "tables", None)
+        if tables is not None:
+            rows, widths = [], None
+            for i in range(self.num_layers):
+                p = f"model.layers.{i}."
+                mods = [tables.get(p + n) for n in ("self_attn.qkv_proj", "self_attn.o_proj",
+                                                    "mlp.gate_up_proj", "mlp.down_proj")]
+                if any(t is None for t in mods):
+                    rows = None
+                    break
+                rows.append([x for t in mods for x in (t.A.data_ptr(), t.B.data_ptr(),
+                                                       t.rows.data_ptr())])
+                self._pointed += [x for t in mods for x in (t.A, t.B, t.rows)]
+                widths = [t.A.shape[1] for t in mods]
+            if rows is not None:
+                self.lora_table = torch.tensor(rows, dtype=torch.int64)  # [L, 12]
+                self.lora_r = torch.tensor(widths, dtype=torch.int64)
 
     @classmethod
     def for_model(cls, model: Any) -> DecodeStack | None:
@@ -79,11 +102,15 @@ class DecodeStack:
         return None if fn is None else cls(model, fn)
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            kv_caches: list[torch.Tensor], meta: Any, backend: Any) -> torch.Tensor | None:
+            kv_caches: list[torch.Tensor], meta: Any, backend: Any,
+            lora: Any = None) -> torch.Tensor | None:
         """h: the step's embeddings [T, hidden] -> the final normed hidden states, or None
-        when this step is not one the stack runs (the caller takes the per-layer path)."""
+        when this step is not one the stack runs (the caller takes the per-layer path).
+        ``lora``: the step's ``lora.ops.LoRAStep`` when it has adapter rows."""
         T = h.shape[0]
         if T >= DEQUANT_ROWS or h.dtype != torch.float32 or not layer_ops.usable(h):
+            return None
+        if lora is not None and (self.lora_table is None or lora.slots.device.type != "cpu"):
             return None
         plan_of = getattr(backend, "decode_plan", None)
         plan = plan_of(meta, h, self.num_kv_heads) if plan_of is not None else None
@@ -98,8 +125,14 @@ class DecodeStack:
                 plan.tables, plan.lens, plan.rows, self.num_layers, T, self.hidden,
                 self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
                 meta.block_size, plan.tables.stride(0), plan.split, kv.stride(0), self.scale,
-                self.eps)
+                self.eps, *self._lora_args(lora))
         return out
+
+    def _lora_args(self, lora: Any) -> tuple[Any, ...]:
+        if lora is None:
+            return self._no_lora, self._no_lora, self._no_lora, 0
+        self.lora_steps += 1
+        return self.lora_table, self.lora_r, lora.slots.contiguous(), 1
 
     def _point_at(self, kv_caches: list[torch.Tensor]) -> None:
         """The table's last column: each layer's KV cache (re-read if the caches moved)."""

@@ -173,7 +173,7 @@ class CausalLM(nn.Module):
             logger.info("%s: fast paths it runs without: %s", spec.family,
                         "; ".join(f"{path} ({why})" for path, why in lacks.items()))
         # --enable-lora: the adapters' tables (``executor/lora/tables.py``); the decode stack
-        # has no LoRA, so steps with adapter rows take the per-layer path.
+        # adds their updates too.
         self.lora: Any = None
 
     def _rope_table(self, name: str, long_context: bool = False) -> RotaryEmbedding:
@@ -208,10 +208,11 @@ class CausalLM(nn.Module):
         if h.device.type == "cpu" and not torch.compiler.is_compiling():
             if self._stack is _UNSET:  # built at the first step: the weights are final then
                 self._stack = DecodeStack.for_model(self)
-            if self._stack is not None and (self.lora is None or not self.lora.active):
-                # every layer in one C++ call (decode_stack.py)
+            if self._stack is not None:  # every layer in one C++ call (decode_stack.py)
                 cos, sin = tables[self.spec.layers[0].rope]
-                out = self._stack.run(h, cos, sin, kv_caches, attn_metadata, attn_backend)
+                lora = None if self.lora is None else self.lora.step
+                out = self._stack.run(h, cos, sin, kv_caches, attn_metadata, attn_backend,
+                                      lora)
                 if out is not None:
                     return out
         residual = None
