@@ -161,6 +161,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompts-per-stream", type=int, default=4,
                         help="requests per run: this times the concurrency, at least 8")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="CPU threads of each server")
     parser.add_argument("--matrices", action="store_true",
                         help="time layer 0's matrices (kernel vs tiles) instead of serving")
     parser.add_argument("--skip-serve", action="store_true",
@@ -183,7 +185,7 @@ def main() -> int:
             "--llama-server", str(args.llama_bin / "llama-server"),
             "--peers", "asyncengine", "llama-server",
             "--concurrency", *map(str, args.concurrency),
-            "--prompts-per-stream", str(args.prompts_per_stream),
+            "--prompts-per-stream", str(args.prompts_per_stream), "--threads", str(args.threads),
             "--asyncengine-args", f"--tokenizer {args.work / 'tokenizer'} "
                                   + args.asyncengine_args]
     return peers.main(bench.parse_args(argv))
