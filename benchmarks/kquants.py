@@ -9,7 +9,8 @@ own ``convert_hf_to_gguf.py`` to F16 and quantized to Q4_K_M by ``llama-quantize
 mixes Q4_K, Q6_K, Q5_0/Q8_0 and F32 as a downloaded one does.
 
     python benchmarks/kquants.py --llama-cpp DIR --llama-bin DIR [--work DIR] \\
-        [--concurrency 1 32] [--prompts-per-stream 4] [--skip-serve] [--convert-path DIR]
+        [--concurrency 1 32] [--prompts-per-stream 4] [--skip-serve | --matrices] \\
+        [--convert-path DIR]
 
 ``--llama-cpp``: llama.cpp's sources (``convert_hf_to_gguf.py`` and its ``gguf-py``), e.g.
 the ``vendor/llama.cpp`` of the llama-cpp-python sdist; ``--llama-bin``: where
@@ -20,11 +21,13 @@ peers table with the ratios. Figures: docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -108,6 +111,45 @@ def file_types(path: Path) -> str:
     return ", ".join(f"{k} x{v}" for k, v in counts.most_common())
 
 
+def matrix_timing(path: Path) -> None:
+    """Layer 0's gate (Q5_0) and down (Q6_K) projections, one thread, best of 20 calls: the
+    packed kernel against float32 and bfloat16 tiles (``kquants.TILE_ROWS``' measurement)."""
+    import time
+
+    import torch
+
+    from asyncengine.executor.kernels import packed as packed_kernels
+    from asyncengine.executor.models import kquants
+    from asyncengine.executor.models.gguf import read_packed
+    from asyncengine.executor.models.loader import resolve_model
+
+    torch.set_num_threads(1)
+    source = resolve_model(str(path))
+    packed = read_packed(source.gguf_path, source.hf_config)
+
+    def best(fn: Callable[[], object], reps: int = 20) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times) * 1e3
+
+    print("rows  matrix           type   kernel ms  f32 tiles ms  bf16 tiles ms")
+    for m in (1, 4, 8, 16, 32):
+        for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+            t = packed[name]
+            lin = kquants.GGUFLinear(t.k, [kquants.Part(t.raw, t.qtype)])
+            x = torch.randn(m, t.k)
+            out = torch.empty(m, t.raw.shape[0])
+            xb = x.bfloat16()
+            kernel = best(functools.partial(packed_kernels.kquant_mm, x, t.raw, t.qtype, out))
+            f32 = best(functools.partial(lin._tiled, x))
+            bf16 = best(functools.partial(lin._tiled, xb))
+            print(f"{m:4d}  {name.split('.')[3]:15s}  {kquants.type_name(t.qtype):5s} "
+                  f"{kernel:10.3f} {f32:13.3f} {bf16:14.3f}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,6 +161,10 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompts-per-stream", type=int, default=4,
                         help="requests per run: this times the concurrency, at least 8")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="CPU threads of each server")
+    parser.add_argument("--matrices", action="store_true",
+                        help="time layer 0's matrices (kernel vs tiles) instead of serving")
     parser.add_argument("--skip-serve", action="store_true",
                         help="make the file and stop")
     parser.add_argument("--asyncengine-args", default="")
@@ -126,6 +172,9 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     path = make_q4_k_m(args.work, args.llama_cpp, args.llama_bin, args.convert_path)
     print(f"{path} ({path.stat().st_size / 2**20:.0f} MB): {file_types(path)}", flush=True)
+    if args.matrices:
+        matrix_timing(path)
+        return 0
     if args.skip_serve:
         return 0
     from asyncengine.entrypoints.bench import peers
@@ -136,7 +185,7 @@ def main() -> int:
             "--llama-server", str(args.llama_bin / "llama-server"),
             "--peers", "asyncengine", "llama-server",
             "--concurrency", *map(str, args.concurrency),
-            "--prompts-per-stream", str(args.prompts_per_stream),
+            "--prompts-per-stream", str(args.prompts_per_stream), "--threads", str(args.threads),
             "--asyncengine-args", f"--tokenizer {args.work / 'tokenizer'} "
                                   + args.asyncengine_args]
     return peers.main(bench.parse_args(argv))
