@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import re
+import sys
 import threading
+from pathlib import Path
 
 import anyio
 import jsonschema
@@ -32,9 +34,24 @@ def tokenizer():
     return load_tokenizer(str(path))
 
 
-@pytest.fixture(scope="module")
-def backend(tokenizer):
-    return XGrammarBackend(tokenizer, tokenizer.vocab_size + PAD)
+def llguidance_backend() -> type:
+    """The llguidance backend of plugins/llguidance (installed, or from the checkout)."""
+    pytest.importorskip("llguidance", reason="llguidance is not installed")
+    dist = str(Path(__file__).resolve().parents[1] / "plugins" / "llguidance")
+    if dist not in sys.path:
+        sys.path.append(dist)
+    from asyncengine_llguidance.backend import LLGuidanceBackend
+
+    return LLGuidanceBackend
+
+
+BACKENDS = {"xgrammar": lambda: XGrammarBackend, "llguidance": llguidance_backend}
+
+
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def backend(request, tokenizer):
+    """Every backend passes the same tests (the messages of invalid specs are their own)."""
+    return BACKENDS[request.param]()(tokenizer, tokenizer.vocab_size + PAD)
 
 
 def allowed(bitmask: torch.Tensor, row: int, vocab_size: int) -> set[int]:
@@ -152,20 +169,23 @@ def test_choice_escaping(backend, tokenizer):
     empty = backend.compile_grammar("choice", choices)
     finish(backend, empty, tokenizer)  # "" is a choice: EOS right away
     partial = backend.compile_grammar("choice", ["alpha", "beta"])
-    feed(backend, partial, tokenizer, "alp")
+    feed(backend, partial, tokenizer, "al")  # (llguidance then allows only "pha")
     (eos,) = tokenizer.eos_token_ids
     assert not partial.accept_token(eos)
 
 
-@pytest.mark.parametrize(("kind", "spec", "message"), [
-    ("json", {"type": "objectx"}, 'Unsupported type "objectx"'),
-    ("json", "{not json", "Failed to parse JSON"),
-    ("json", {"type": "integer", "minimum": 5, "maximum": 1}, "minimum greater than maximum"),
-    ("regex", "a(b", "parenthesis is not closed"),
-    ("grammar", "root ::= undefined_rule", 'Rule "undefined_rule" is not defined'),
-    ("grammar", "start: nope", "unknown name 'nope'"),
+@pytest.mark.parametrize(("kind", "spec", "messages"), [
+    ("json", {"type": "objectx"}, ('Unsupported type "objectx"', "Invalid type: objectx")),
+    ("json", "{not json", ("Failed to parse JSON",) * 2),
+    ("json", {"type": "integer", "minimum": 5, "maximum": 1},
+     ("minimum greater than maximum", "minimum (5) is greater than maximum (1)")),
+    ("regex", "a(b", ("parenthesis is not closed", "unclosed group")),
+    ("grammar", "root ::= undefined_rule", ('Rule "undefined_rule" is not defined',
+                                            "Rule 'undefined_rule' not found")),
+    ("grammar", "start: nope", ("unknown name 'nope'", 'unknown name: "nope"')),
 ])
-def test_invalid_specs_raise_value_error_with_the_backend_message(backend, kind, spec, message):
+def test_invalid_specs_raise_value_error_with_the_backend_message(backend, kind, spec, messages):
+    message = messages[isinstance(backend, XGrammarBackend) is False]
     with pytest.raises(ValueError, match=re.escape(message)) as info:
         backend.compile_grammar(kind, spec)
     assert ".cc:" not in str(info.value)  # no C++ source locations in user-facing errors

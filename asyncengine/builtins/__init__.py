@@ -31,6 +31,9 @@ def register_structured_output_backends(register: Register) -> None:
     from asyncengine.builtins.xgrammar import XGrammarBackend
 
     register("xgrammar", XGrammarBackend)
+    from asyncengine.builtins.auto_structured_output import AutoBackend
+
+    register("auto", AutoBackend)
 
 
 @hookimpl

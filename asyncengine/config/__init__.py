@@ -184,8 +184,6 @@ class EngineConfig:
                              "auto, vllm, or a directory holding one)")
         self.speculative_settings: SpeculativeSettings | None = parse_speculative(
             self.speculative.speculative_config)
-        if self.plugins.structured_output_backend == "auto":  # vLLM's default value
-            self.plugins.structured_output_backend = "xgrammar"
         validate_kv_transfer(self.plugins)
 
     def replace(self, **changes: Any) -> EngineConfig:

@@ -160,8 +160,9 @@ class ParallelConfig:
 @dataclass
 class PluginConfig:
     structured_output_backend: str = field(default="xgrammar", metadata={
-        "help": "structured-output backend: a registered name or pkg.module:Class (auto: "
-                "xgrammar)", "aliases": ("--guided-decoding-backend",)})
+        "help": "structured-output backend: a registered name (xgrammar; auto: xgrammar, "
+                "and llguidance for a schema xgrammar does not enforce, if installed) or "
+                "pkg.module:Class", "aliases": ("--guided-decoding-backend",)})
     kv_connector: str | None = field(default=None, metadata={
         "help": "KV connector: a registered name or pkg.module:Class"})
     kv_connector_path: str | None = field(default=None, metadata={

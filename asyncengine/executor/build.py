@@ -103,6 +103,9 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
     scheduler_cls = registry.resolve_scheduler(config.scheduler.scheduler, plugin_manager)
     so_backend_cls = registry.resolve_structured_output_backend(
         config.plugins.structured_output_backend, plugin_manager)
+    bind = getattr(so_backend_cls, "for_plugin_manager", None)
+    if bind is not None:  # a backend choosing among the registered ones (auto)
+        so_backend_cls = bind(plugin_manager)
     kv_connector_cls = _resolve_kv_connector(config, scheduler_cls, plugin_manager)
     mc = config.model
     torch.manual_seed(mc.seed)  # unseeded sampling draws from the global generator
