@@ -142,6 +142,22 @@ def test_auto_tool_call_parsed_from_the_answer_only(client):
     assert json.loads(args) == json.loads(tc.function.arguments)
 
 
+def test_min_tokens_holds_with_a_budget_alone(client, tiny_llama):
+    """The budget's gate does not end the output, so min_tokens still holds EOS back: with
+    EOS pushed to the top, the output is exactly min_tokens tokens (the reasoning cut at the
+    budget by the forced tag inside it), then EOS (counted in completion_tokens)."""
+    import transformers
+
+    eos = transformers.AutoTokenizer.from_pretrained(tiny_llama).eos_token_id
+    out = client.chat.completions.create(
+        model=server_model(client), messages=ASK, max_tokens=30, temperature=0,
+        logit_bias={str(eos): 100},
+        extra_body={"thinking_token_budget": 3, "min_tokens": 12})
+    assert out.usage.completion_tokens == 12 + 1 and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens_details.reasoning_tokens == 3
+    assert reasoning_of(out.choices[0].message)
+
+
 def test_budget_needs_a_non_negative_integer(client):
     with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
         client.chat.completions.create(model=server_model(client), messages=ASK, max_tokens=4,
