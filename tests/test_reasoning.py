@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
 
 import openai
 import pytest
@@ -164,7 +165,7 @@ def test_budget_needs_a_non_negative_integer(client):
                                        extra_body={"thinking_token_budget": -1})
 
 
-def test_thinking_off_from_the_request_over_the_server_default(client):
+def test_thinking_off_from_the_request_over_the_server_default(client, server):
     model = server_model(client)
     off = client.chat.completions.create(model=model, messages=ASK, max_tokens=6, temperature=0,
                                          extra_body={"chat_template_kwargs": {"thinking": False}})
@@ -174,6 +175,14 @@ def test_thinking_off_from_the_request_over_the_server_default(client):
     msg = off.choices[0].message
     assert msg.content and reasoning_of(msg) is None  # all of it is the answer
     assert off.usage.completion_tokens_details.reasoning_tokens == 0
+    # /tokenize renders the same prompts: the server default, then the request's override.
+    for kwargs, usage in (({}, on.usage), ({"chat_template_kwargs": {"thinking": False}},
+                                          off.usage)):
+        req = urllib.request.Request(
+            server.url("/tokenize"), data=json.dumps({"messages": ASK, **kwargs}).encode(),
+            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert json.loads(r.read())["count"] == usage.prompt_tokens
 
 
 @pytest.mark.parametrize("flags,named", [

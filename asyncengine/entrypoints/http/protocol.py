@@ -206,7 +206,7 @@ class ChatCompletionRequest(GenerationBody, kw_only=True):
 # -- tokenizer routes --------------------------------------------------------------------------
 class TokenizeRequest(Body, kw_only=True):
     """POST /tokenize: either ``prompt`` or ``messages`` (rendered with the chat template,
-    with ``tools`` when given)."""
+    with ``tools`` and ``chat_template_kwargs`` when given)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -214,6 +214,7 @@ class TokenizeRequest(Body, kw_only=True):
     tools: list[ChatTool] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = None
 
 
