@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
 
 import openai
 import pytest
@@ -142,13 +143,29 @@ def test_auto_tool_call_parsed_from_the_answer_only(client):
     assert json.loads(args) == json.loads(tc.function.arguments)
 
 
+def test_min_tokens_holds_with_a_budget_alone(client, tiny_llama):
+    """The budget's gate does not end the output, so min_tokens still holds EOS back: with
+    EOS pushed to the top, the output is exactly min_tokens tokens (the reasoning cut at the
+    budget by the forced tag inside it), then EOS (counted in completion_tokens)."""
+    import transformers
+
+    eos = transformers.AutoTokenizer.from_pretrained(tiny_llama).eos_token_id
+    out = client.chat.completions.create(
+        model=server_model(client), messages=ASK, max_tokens=30, temperature=0,
+        logit_bias={str(eos): 100},
+        extra_body={"thinking_token_budget": 3, "min_tokens": 12})
+    assert out.usage.completion_tokens == 12 + 1 and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens_details.reasoning_tokens == 3
+    assert reasoning_of(out.choices[0].message)
+
+
 def test_budget_needs_a_non_negative_integer(client):
     with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
         client.chat.completions.create(model=server_model(client), messages=ASK, max_tokens=4,
                                        extra_body={"thinking_token_budget": -1})
 
 
-def test_thinking_off_from_the_request_over_the_server_default(client):
+def test_thinking_off_from_the_request_over_the_server_default(client, server):
     model = server_model(client)
     off = client.chat.completions.create(model=model, messages=ASK, max_tokens=6, temperature=0,
                                          extra_body={"chat_template_kwargs": {"thinking": False}})
@@ -158,6 +175,14 @@ def test_thinking_off_from_the_request_over_the_server_default(client):
     msg = off.choices[0].message
     assert msg.content and reasoning_of(msg) is None  # all of it is the answer
     assert off.usage.completion_tokens_details.reasoning_tokens == 0
+    # /tokenize renders the same prompts: the server default, then the request's override.
+    for kwargs, usage in (({}, on.usage), ({"chat_template_kwargs": {"thinking": False}},
+                                          off.usage)):
+        req = urllib.request.Request(
+            server.url("/tokenize"), data=json.dumps({"messages": ASK, **kwargs}).encode(),
+            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert json.loads(r.read())["count"] == usage.prompt_tokens
 
 
 @pytest.mark.parametrize("flags,named", [

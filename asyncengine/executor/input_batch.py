@@ -127,8 +127,11 @@ class InputBatch:
         self.seeded[row] = sp.seed is not None
         self.seed[row] = sp.seed or 0
         # The grammar decides when output may end; holding EOS back for min_tokens could leave
-        # a complete grammar with no allowed token at all.
-        self.min_tokens[row] = 0 if request.grammar is not None else sp.min_tokens
+        # a complete grammar with no allowed token at all. (A reasoning gate without an inner
+        # grammar, a thinking budget alone, never ends the output: min_tokens holds.)
+        grammar = request.grammar
+        ends = grammar is not None and getattr(grammar, "inner", grammar) is not None
+        self.min_tokens[row] = 0 if ends else sp.min_tokens
         penalized = (sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
                      or sp.frequency_penalty != 0.0)
         self.penalized[row] = penalized

@@ -23,6 +23,7 @@ from asyncengine.entrypoints.http.protocol import (
     FunctionDefinition,
     FunctionName,
     NamedToolChoice,
+    TokenCount,
     ToolCall,
     ToolChoice,
 )
@@ -91,7 +92,7 @@ AnthropicToolChoice = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoi
 
 
 class ThinkingEnabled(Body, kw_only=True, tag="enabled", tag_field="type"):
-    budget_tokens: int
+    budget_tokens: TokenCount
 
 
 class ThinkingDisabled(Body, kw_only=True, tag="disabled", tag_field="type"):
@@ -130,7 +131,7 @@ class MessagesRequest(MessagesBase, kw_only=True):
     """POST /v1/messages. ``max_tokens: 0`` generates nothing (Anthropic's cache warm-up).
     ``temperature``, ``top_p`` and ``top_k`` are the older API's (and vLLM's): accepted."""
 
-    max_tokens: int
+    max_tokens: TokenCount
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

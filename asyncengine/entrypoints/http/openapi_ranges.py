@@ -132,6 +132,8 @@ def publish_served(body: type, schema: dict[str, Any], limits: SamplingLimits,
         components["ChatMessage"]["if"] = {"properties": {"role": {"not": {"const":
                                                                               "assistant"}}}}
         components["ChatMessage"]["then"] = {"properties": {"tool_calls": {"type": "null"}}}
+    if name == "MessagesRequest" and "max_tokens" in props:  # 0: Anthropic's cache warm-up
+        _bound(props["max_tokens"], ("integer",), {"minimum": 0})
     if name == "TokenizeRequest":  # exactly one of prompt and messages
         schema["oneOf"] = [
             {"required": ["prompt"], "properties": {"prompt": {"type": "string"},

@@ -27,6 +27,8 @@ Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 Count = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 PositiveCount = Annotated[int, Meta(ge=1, le=INT64_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=INT64_MAX)]  # and below the vocabulary size
+#: A token count that may be 0 (a thinking budget, Anthropic's max_tokens).
+TokenCount = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 NonEmptyStr = Annotated[str, Meta(min_length=1)]
 #: A completions prompt (an embeddings input): a string, a list of strings, a list of token
 #: ids or a list of token-id lists, none of them empty (and the lists not mixed: checked by
@@ -192,7 +194,7 @@ class ChatCompletionRequest(GenerationBody, kw_only=True):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # Reasoning models (--reasoning-parser): end the reasoning after this many tokens.
-    thinking_token_budget: int | None = None
+    thinking_token_budget: TokenCount | None = None
     include_reasoning: bool | None = None  # false: the reasoning is split off and dropped
     # Known, not implemented (a 400 when set).
     functions: list[Any] | None = None
@@ -206,7 +208,7 @@ class ChatCompletionRequest(GenerationBody, kw_only=True):
 # -- tokenizer routes --------------------------------------------------------------------------
 class TokenizeRequest(Body, kw_only=True):
     """POST /tokenize: either ``prompt`` or ``messages`` (rendered with the chat template,
-    with ``tools`` when given)."""
+    with ``tools`` and ``chat_template_kwargs`` when given)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -214,6 +216,7 @@ class TokenizeRequest(Body, kw_only=True):
     tools: list[ChatTool] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = None
 
 

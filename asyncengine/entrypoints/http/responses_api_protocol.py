@@ -27,6 +27,7 @@ from asyncengine.entrypoints.http.protocol import (
     NonEmptyStr,
     PositiveCount,
     TextPart,
+    TokenCount,
     ToolCall,
     ToolChoice,
 )
@@ -60,7 +61,7 @@ class ResponsesRequest(Body, kw_only=True):
     text: TextConfig | None = None
     reasoning: dict[str, Any] | None = None  # OpenAI's effort/summary: accepted, not used
     # vLLM's extension (--reasoning-parser): end the reasoning after this many tokens.
-    thinking_token_budget: int | None = None
+    thinking_token_budget: TokenCount | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None

@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from asyncengine.entrypoints.http.chat import render_chat
 from asyncengine.entrypoints.http.errors import APIError, bad_request
 from asyncengine.entrypoints.http.protocol import DetokenizeRequest, TokenizeRequest
+from asyncengine.entrypoints.http.reasoning import chat_template_kwargs
 from asyncengine.entrypoints.http.responses import (
     DetokenizeResponse,
     HealthResponse,
@@ -111,14 +112,16 @@ async def get_version(request: web.Request) -> web.Response:
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    engine = state_of(request).engine
+    state = state_of(request)
+    engine = state.engine
     body = await read_body(request, TokenizeRequest)
     check_model(engine, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
     if body.messages is not None:
         text = render_chat(engine, body.messages, body.add_generation_prompt is not False,
-                           tools=template_tools(body.tools))
+                           tools=template_tools(body.tools),
+                           template_kwargs=chat_template_kwargs(state, body.chat_template_kwargs))
         ids = engine.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
     else:
         ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens
