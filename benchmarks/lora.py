@@ -7,7 +7,10 @@ CPU, unless --model). Each round runs --requests greedy requests at concurrency
 --concurrency (prompts of ~40 tokens, --max-tokens tokens each, EOS ignored) through
 ``AsyncEngine.generate``: on the base engine, then on an engine with ``--enable-lora
 --max-loras 4`` whose requests take the 4 adapters in turn. Prints output tokens/s of each
-and the ratio (the target is >= 0.8). Usage:
+and the ratio (the target is >= 0.8). Then --step-rounds rounds of decode steps at batch
+--concurrency on one LoRA engine alternate between a batch of base rows and one of the 4
+adapters mixed (the same prompts), timing each step (best and median of each side): the
+cost of the adapters themselves, without the load's drift. Usage:
 
     python benchmarks/lora.py [--concurrency 32] [--requests 64] [--max-tokens 64]
                               [--rank 16] [--targets q_proj,k_proj,v_proj,o_proj]
@@ -112,7 +115,49 @@ def main(args: argparse.Namespace) -> int:
               f"({m / b:.2f}x)", flush=True)
     print(f"best: base {best['base']:.1f} tok/s, 4 adapters mixed {best['lora']:.1f} tok/s, "
           f"ratio {best['lora'] / best['base']:.2f} (target >= 0.8)")
+    if args.step_rounds:
+        step_times(lora, prompts, names, args)
     return 0
+
+
+def step_times(engine, prompts: list[list[int]], names: list[str], args) -> None:
+    """Decode steps of base rows and of adapter rows, interleaved on one engine."""
+    import statistics
+
+    from asyncengine.core.request import Request
+    from asyncengine.core.sampling_params import SamplingParams
+
+    runner = engine.runner
+    params = SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True)
+    sides = {}
+    for side in ("base", "lora"):
+        sched = engine.parts.make_scheduler()
+        for i in range(args.concurrency):
+            r = Request(f"{side}{i}", prompts[i], params, max_model_len=engine.max_model_len)
+            r.lora = engine.lora_request(names[i]) if side == "lora" else None
+            sched.add_request(r)
+        sides[side] = sched
+
+    def step(sched) -> float:
+        t = time.perf_counter()
+        out = sched.schedule()
+        sched.update_from_output(out, runner.execute(runner.prepare(out)))
+        return time.perf_counter() - t
+
+    for sched in sides.values():  # prefill, then a warm-up decode
+        for _ in range(3):
+            step(sched)
+    times: dict[str, list[float]] = {s: [] for s in sides}
+    for _ in range(args.step_rounds):
+        for side, sched in sides.items():
+            step(sched)  # not timed: the other side's rows leave the persistent batch
+            for _ in range(4):
+                times[side].append(step(sched))
+    b, m = (min(times[s]) * 1e3 for s in ("base", "lora"))
+    mb, mm = (statistics.median(times[s]) * 1e3 for s in ("base", "lora"))
+    print(f"decode step at batch {args.concurrency}: base rows best {b:.1f} ms (median "
+          f"{mb:.1f}), 4 adapters mixed best {m:.1f} ms (median {mm:.1f}); base / adapters "
+          f"{b / m:.2f} (best), {mb / mm:.2f} (median)")
 
 
 if __name__ == "__main__":
@@ -125,4 +170,5 @@ if __name__ == "__main__":
     p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--step-rounds", type=int, default=8)
     raise SystemExit(main(p.parse_args()))

@@ -51,8 +51,8 @@ template <typename P>
 static inline P* ae_ptr(const int64_t* layer, int i) { return reinterpret_cast<P*>(layer[i]); }
 
 // LoRA (--enable-lora), when lora_slots is not null: per layer, for qkv, o, gate_up, down in
-// that order, the addresses of the slot tables A, B and their rows (lora.cpp's), 12 int64s in
-// lora [L, 12]; lora_r [4] the tables' widths; lora_slots [T] each token's slot (0: base).
+// that order, the addresses of the slot tables A, B, their rows and spans (lora.cpp's), 16
+// int64s in lora [L, 16]; lora_r [4] the tables' widths; lora_slots [T] each token's slot.
 // Each projection's update is added right after its matmul, as the per-op path's hooks do.
 enum { AE_LORA_QKV, AE_LORA_O, AE_LORA_GU, AE_LORA_DOWN };
 
@@ -60,9 +60,10 @@ static inline void ae_stack_lora(const int64_t* lora, const int64_t* lora_r,
                                  const int64_t* lora_slots, int64_t l, int m, const float* x,
                                  float* y, int64_t T, int64_t K, int64_t N) {
     if (lora_slots == nullptr) return;
-    const int64_t* p = lora + l * 12 + m * 3;
+    const int64_t* p = lora + l * 16 + m * 4;
     ae_lora(x, y, reinterpret_cast<const float*>(p[0]), reinterpret_cast<const float*>(p[1]),
-            lora_slots, reinterpret_cast<const int64_t*>(p[2]), T, K, N, lora_r[m], K, N);
+            lora_slots, reinterpret_cast<const int64_t*>(p[2]),
+            reinterpret_cast<const int64_t*>(p[3]), T, K, N, lora_r[m], K, N);
 }
 
 // h: [T, HD] the token embeddings; out: [T, HD] the final normed hidden states (final_norm).

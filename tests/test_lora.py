@@ -168,7 +168,13 @@ def test_kernel_equals_the_torch_path():
     A[0] = B[0] = 0
     rows = torch.tensor([0, 12, 5, 12])
     A[2, 5:] = B[2, 5:] = 0
-    table = SlotTable(A, B, rows)
+    span = torch.zeros(S, R, 2, dtype=torch.int64)
+    span[..., 1] = N_
+    span[3, :6] = torch.tensor([0, 40])  # slot 3: rows 0-5 write columns 0-39, 6-11 the rest
+    span[3, 6:] = torch.tensor([40, N_])
+    B[3, :6, 40:] = 0
+    B[3, 6:, :40] = 0
+    table = SlotTable(A, B, rows, span)
     x = torch.randn(9, K, generator=gen)
     slots = torch.tensor([0, 1, 2, 1, 3, 0, 2, 2, 1])
     base = torch.randn(9, N_, generator=gen)

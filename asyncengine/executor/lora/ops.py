@@ -29,7 +29,8 @@ from asyncengine.executor.kernels.build import DTYPE_CODES, load
 logger = logging.getLogger(__name__)
 
 _ARGS = ("const ae_t*", "ae_t*", "const float*", "const float*", "const int64_t*",
-         "const int64_t*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t")
+         "const int64_t*", "const int64_t*", "int64_t", "int64_t", "int64_t", "int64_t",
+         "int64_t", "int64_t")
 _KERNELS: dict[torch.dtype, object | None] = {}
 #: ``ASYNCENGINE_LORA_KERNEL=0`` takes the PyTorch path on the CPU too (for comparisons).
 USE_KERNEL = os.environ.get("ASYNCENGINE_LORA_KERNEL", "1") != "0"
@@ -62,21 +63,29 @@ class LoRAStep:
 
 @dataclass
 class SlotTable:
-    """One adapted module's slots: ``A`` [S, R, in], ``B`` [S, R, out] float32, and the rows
-    each slot uses, ``rows`` [S] int64 on the CPU (for the kernel)."""
+    """One adapted module's slots: ``A`` [S, R, in], ``B`` [S, R, out] float32, and for the
+    kernel (on the CPU): the rows each slot uses, ``rows`` [S] int64, and each row's span of
+    output columns, ``span`` [S, R, 2] int64 (B is zero outside it)."""
 
     A: torch.Tensor
     B: torch.Tensor
     rows: torch.Tensor
+    span: torch.Tensor
 
-    def write(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+    def write(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None,
+              span: torch.Tensor | None = None) -> None:
         """Put an adapter's (A, B) into ``slot`` (None: the adapter leaves this module)."""
         self.A[slot].zero_()
         self.B[slot].zero_()
         n = 0 if a is None else a.shape[0]
+        self.span[slot].zero_()
         if n:
             self.A[slot, :n].copy_(a)
             self.B[slot, :n].copy_(b)
+            if span is None:
+                self.span[slot, :n, 1] = b.shape[1]
+            else:
+                self.span[slot, :n].copy_(span)
         self.rows[slot] = n
 
 
@@ -90,8 +99,8 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, table: SlotTable, step: LoRAStep)
         fn = kernel(x.dtype)
         if fn is not None:
             S, R, K = table.A.shape
-            fn(x, y, table.A, table.B, step.slots, table.rows, T, K, table.B.shape[2], R,
-               x.stride(0), y.stride(0))
+            fn(x, y, table.A, table.B, step.slots, table.rows, table.span, T, K,
+               table.B.shape[2], R, x.stride(0), y.stride(0))
             return
     S, R, K = table.A.shape
     N = table.B.shape[2]

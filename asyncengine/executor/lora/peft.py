@@ -42,14 +42,16 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weig
 @dataclass
 class LoRAWeights:
     """One adapter in the model's layout: per fused module name (``model.layers.3.self_attn.
-    qkv_proj``), ``(A [n, in], B [n, out])`` float32 on the CPU, scale folded into B."""
+    qkv_proj``), ``(A [n, in], B [n, out], span [n, 2])``, A and B float32 on the CPU (scale
+    folded into B), ``span[r]`` the output columns where row ``r`` of B may be non-zero (its
+    shard's rows of a fused projection: the kernel reads only those)."""
 
-    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     rank: int
 
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * 4 + b.numel() * 4 for a, b in self.modules.values())
+        return sum(a.numel() * 4 + b.numel() * 4 for a, b, _ in self.modules.values())
 
 
 def adapter_files(path: str) -> tuple[Path, Path]:
@@ -178,13 +180,15 @@ def load_adapter(path: str, model: Any, max_rank: int,
         in_f, out_f = dims(model.get_submodule(fused))
         n = sum(a.shape[0] for _, _, a, _ in shards)
         A, B = torch.zeros(n, in_f), torch.zeros(n, out_f)
+        span = torch.zeros(n, 2, dtype=torch.int64)
         row = 0
         for start, size, a, b in shards:
             r = a.shape[0]
             A[row:row + r] = a
             B[row:row + r, start:start + size] = b.T
+            span[row:row + r] = torch.tensor([start, start + size])
             row += r
-        modules[fused] = (A.contiguous(), B.contiguous())
+        modules[fused] = (A.contiguous(), B.contiguous(), span)
     return LoRAWeights(modules, rank)
 
 

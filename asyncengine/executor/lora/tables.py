@@ -60,7 +60,8 @@ class LoRATables:
             rank = max_rank * SHARDS[name.rsplit(".", 1)[-1]]
             table = SlotTable(torch.zeros(self.num_slots, rank, in_f, device=device),
                               torch.zeros(self.num_slots, rank, out_f, device=device),
-                              torch.zeros(self.num_slots, dtype=torch.int64))
+                              torch.zeros(self.num_slots, dtype=torch.int64),
+                              torch.zeros(self.num_slots, rank, 2, dtype=torch.int64))
             self.tables[name] = table
             module.register_forward_hook(self._hook(table))
         self.nbytes = sum(t.A.numel() * 4 + t.B.numel() * 4 for t in self.tables.values())
@@ -78,8 +79,8 @@ class LoRATables:
 
     def write(self, slot: int, weights: LoRAWeights) -> None:
         for name, table in self.tables.items():
-            a, b = weights.modules.get(name, (None, None))
-            table.write(slot, a, b)
+            a, b, span = weights.modules.get(name, (None, None, None))
+            table.write(slot, a, b, span)
 
     def begin(self, step: Any) -> None:
         """Before the forward: the step's slot writes, then its slots (None: base rows only)."""

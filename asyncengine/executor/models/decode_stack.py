@@ -58,7 +58,7 @@ class DecodeStack:
         self.table = torch.tensor(rows, dtype=torch.int64)  # [L, _PTRS]
         self._caches: tuple[int, ...] = ()
         self._cache_tensors: list[torch.Tensor] = []
-        # --enable-lora: each layer's slot tables (qkv, o, gate_up, down: A, B, rows), so
+        # --enable-lora: each layer's slot tables (qkv, o, gate_up, down: A, B, rows, span), so
         # that steps with adapter rows stay in the stack (``executor/lora/tables.py``).
         self.lora_table = self.lora_r = None
         self.lora_steps = 0  # steps run with adapter rows
@@ -73,12 +73,11 @@ class DecodeStack:
                 if any(t is None for t in mods):
                     rows = None
                     break
-                rows.append([x for t in mods for x in (t.A.data_ptr(), t.B.data_ptr(),
-                                                       t.rows.data_ptr())])
-                self._pointed += [x for t in mods for x in (t.A, t.B, t.rows)]
+                rows.append([x.data_ptr() for t in mods for x in (t.A, t.B, t.rows, t.span)])
+                self._pointed += [x for t in mods for x in (t.A, t.B, t.rows, t.span)]
                 widths = [t.A.shape[1] for t in mods]
             if rows is not None:
-                self.lora_table = torch.tensor(rows, dtype=torch.int64)  # [L, 12]
+                self.lora_table = torch.tensor(rows, dtype=torch.int64)  # [L, 16]
                 self.lora_r = torch.tensor(widths, dtype=torch.int64)
 
     @classmethod
