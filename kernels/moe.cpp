@@ -12,7 +12,7 @@
 // Two phases over the OpenMP threads, one barrier between them (on a loaded machine every
 // barrier waits for the slowest thread to be scheduled): first by (expert, gate row i with
 // up row I + i, 8 columns an item), so each item ends in its columns of a; then by output
-// columns,
+// columns, two an item,
 // each item over every active expert, so each thread owns its columns of `out` and no two
 // threads add to one value. Every weight row is read once per call whatever the number of
 // tokens routed to its expert (a quantized row is dequantized once into L1 and multiplied
@@ -50,12 +50,15 @@ struct AeExpertMat {
     }
 };
 
-// a[r][i] = silu(g[r][i]) * u[r][i] for 8 columns i of M rows (g, u: [8][M] column-major
-// in gu: gate column c at gu + c * M, up column c at gu + (8 + c) * M); a: row stride I.
+// a[r][i] = silu(g[r][i]) * u[r][i] for 8 columns i of M rows (gu: [8][M][2], gate and up
+// of column c, row r at gu + 2 (c M + r)); a: row stride I.
 static inline void ae_moe_silu8(const float* gu, float* a, int64_t M, int64_t I) {
     for (int64_t r = 0; r < M; ++r) {
         float g[8], u[8];
-        for (int c = 0; c < 8; ++c) { g[c] = gu[c * M + r]; u[c] = gu[(8 + c) * M + r]; }
+        for (int c = 0; c < 8; ++c) {
+            g[c] = gu[2 * (c * M + r)];
+            u[c] = gu[2 * (c * M + r) + 1];
+        }
 #ifdef AE_AVX2
         const __m256 gv = _mm256_loadu_ps(g);
         const __m256 ex = ae_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
@@ -95,27 +98,30 @@ extern "C" void kernel(const float* x, const int64_t* rows, const int64_t* offs,
     // team's other thread cost more than it saved (benchmarks/moe.py, docs/benchmarks.md).
     #pragma omp parallel if (work >= AE_MOE_TEAM_MIN)
     {
-        std::vector<float> buf(std::max(K, I)), gu(16 * max_rows), y(max_rows);
+        std::vector<float> buf(2 * std::max(K, I)), gu(16 * max_rows), y(2 * max_rows);
         #pragma omp for schedule(static)
         for (int64_t item = 0; item < n_active * (I / 8); ++item) {
             const int64_t e = active[item / (I / 8)], i = item % (I / 8) * 8;
             const int64_t r0 = offs[e], M = offs[e + 1] - r0;
             const float* xe = xs.data() + r0 * K;
-            for (int c = 0; c < 8; ++c) {  // gate and up of columns i .. i + 7
-                ae_dots(m13.row(e, i + c, buf.data()), xe, gu.data() + c * M, M, 1, K);
-                ae_dots(m13.row(e, I + i + c, buf.data()), xe, gu.data() + (8 + c) * M, M, 1,
-                        K);
-            }
+            for (int c = 0; c < 8; ++c)  // gate and up of columns i .. i + 7, sharing x loads
+                ae_dots2(m13.row(e, i + c, buf.data()), m13.row(e, I + i + c, buf.data() + K),
+                         xe, gu.data() + 2 * c * M, M, 2, K);
             ae_moe_silu8(gu.data(), a.data() + r0 * I + i, M, I);
         }
         // (the barrier of `omp for`: every column of `a` is done)
         #pragma omp for schedule(static)
-        for (int64_t c = 0; c < K; ++c) {
+        for (int64_t c2 = 0; c2 < K / 2; ++c2) {  // output columns c, c + 1
+            const int64_t c = 2 * c2;
             for (int64_t j = 0; j < n_active; ++j) {
                 const int64_t e = active[j], r0 = offs[e], M = offs[e + 1] - r0;
-                ae_dots(m2.row(e, c, buf.data()), a.data() + r0 * I, y.data(), M, 1, I);
-                for (int64_t r = 0; r < M; ++r)
-                    out[rows[r0 + r] * K + c] += wts[r0 + r] * y[r];
+                ae_dots2(m2.row(e, c, buf.data()), m2.row(e, c + 1, buf.data() + I),
+                         a.data() + r0 * I, y.data(), M, 2, I);
+                for (int64_t r = 0; r < M; ++r) {
+                    float* o = out + rows[r0 + r] * K + c;
+                    o[0] += wts[r0 + r] * y[2 * r];
+                    o[1] += wts[r0 + r] * y[2 * r + 1];
+                }
             }
         }
     }
