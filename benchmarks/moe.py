@@ -15,7 +15,7 @@ figure the issue asks for is the MoE / dense ratio at equal active parameters. U
 
     python benchmarks/moe.py [--batch 1 32] [--steps 20] [--experts 64] [--top-k 8]
         [--hidden 512] [--expert-intermediate 128] [--layers 8] [--no-hf]
-        [--quantization none|int8|int4]
+        [--quantization none|int8|int4] [--num-threads N]
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ def ours(path: str, batch: int, args: argparse.Namespace) -> tuple[float, float]
                "max_num_seqs": batch, "max_model_len": 1024}
     if args.quantization != "none":
         options["quantization"] = args.quantization
+    if args.num_threads:
+        options["num_threads"] = args.num_threads
     parts = build(EngineConfig.from_dict(options))
     scheduler = parts.make_scheduler()
     params = SamplingParams(temperature=0, max_tokens=args.steps + 16, ignore_eos=True)
@@ -103,6 +105,8 @@ def theirs(path: str, batch: int, args: argparse.Namespace) -> tuple[float, floa
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(path)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     ids = torch.tensor([[(7 * i + j) % 8000 + 100 for j in range(args.prompt_len)]
@@ -146,7 +150,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"batch {batch:3d} MoE / dense at equal active parameters: {ratio:.2f}x "
                   f"(best steps; medians {result['moe'][1] / result['dense'][1]:.2f}x)",
                   flush=True)
-        print(f"threads={torch.get_num_threads()} experts={args.experts} top_k={args.top_k} "
+        print(f"threads={args.num_threads or torch.get_num_threads()} experts={args.experts} "
+              f"top_k={args.top_k} "
               f"hidden={args.hidden} expert_intermediate={args.expert_intermediate} "
               f"layers={args.layers} quantization={args.quantization}")
     finally:
@@ -169,4 +174,5 @@ if __name__ == "__main__":
                         "parameters; at 49152 here it would be most of them)")
     p.add_argument("--quantization", default="none")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--num-threads", type=int, default=0, help="compute threads (0: the cores)")
     raise SystemExit(main(p.parse_args()))

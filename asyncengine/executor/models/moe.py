@@ -40,9 +40,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_ARGS = ("const float*", "const int64_t*", "const int64_t*", "const int64_t*", "const float*",
-         "const uint8_t*", "const uint8_t*", "const uint8_t*", "const uint8_t*", "float*",
-         "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t")
+_ARGS = ("const float*", "const int64_t*", "const int64_t*", "const float*", "const uint8_t*",
+         "const uint8_t*", "const uint8_t*", "const uint8_t*", "float*", "int64_t", "int64_t",
+         "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t")
 _KINDS = {"float32": 0, "int8": 1, "int4": 2}
 _warned: set[str] = set()
 
@@ -239,20 +239,16 @@ class SparseMoE(nn.Module):
     def _kernel(self, x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
                 counts: torch.Tensor) -> torch.Tensor:
         T, k = weights.shape
-        rows = order // k
         offs = torch.zeros(self.num_experts + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=offs[1:])
-        pos = torch.empty_like(order)
-        pos[order] = torch.arange(order.numel())
         out = torch.empty(T, self.hidden, dtype=torch.float32)
-        xf = x.float().contiguous()
         s13 = getattr(self, "w13_scale", self.w13)
         s2 = getattr(self, "w2_scale", self.w2)
         g13 = self.hidden // s13.shape[-1] if self.quant == "int8" else 0
         g2 = self.intermediate // s2.shape[-1] if self.quant == "int8" else 0
-        kernel()(xf, rows, offs, pos, weights.contiguous(), self.w13, s13, self.w2, s2, out,
-                 T, k, self.num_experts, self.hidden, self.intermediate, _KINDS[self.quant],
-                 g13, g2)
+        kernel()(x.float().contiguous(), order // k, offs, weights.reshape(-1)[order], self.w13,
+                 s13, self.w2, s2, out, T, k, self.num_experts, self.hidden, self.intermediate,
+                 _KINDS[self.quant], g13, g2)
         return out
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
