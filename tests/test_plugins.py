@@ -415,3 +415,11 @@ def test_health_and_metrics_read_the_scheduler_contract_only(tiny_llama):
     total = [line for line in text.splitlines()
              if line.startswith("asyncengine:kv_cache_total_blocks{")]
     assert total and float(total[0].rsplit(" ", 1)[1]) == health["num_total_blocks"]
+
+
+def test_built_in_schedulers_take_no_options(tiny_llama):
+    config = EngineConfig.from_dict({"model": tiny_llama, **ENGINE,
+                                     "scheduler_config": '{"max_skips": 3}'})
+    with pytest.raises(ValueError, match=r"--scheduler-config: the built-in scheduler 'fcfs' "
+                       r"takes no options \(got \['max_skips'\]\)"):
+        AsyncEngine(config, plugin_manager=new_plugin_manager(load_entrypoints=False))

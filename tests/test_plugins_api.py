@@ -368,3 +368,20 @@ def test_declared_versions():
     with pytest.raises(ValueError, match="written for Scheduler version 0; this asyncengine "
                        "implements version 2"):
         registry.check_contract("schedulers", V0)
+
+
+def test_docs_import_only_the_plugin_api():
+    """docs/plugins.md's code imports asyncengine.plugins, never a module behind it (the
+    engine's own API, ``from asyncengine import LLM``, is fine in the testing examples)."""
+    import re
+
+    text = (REPO / "docs" / "plugins.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 5
+    found = set()
+    for block in blocks:
+        for line in block.splitlines():
+            m = re.match(r"\s*(?:from|import)\s+(asyncengine(?:\.[\w.]+)?)\b(?!_)", line)
+            if m:
+                found.add(m.group(1))
+    assert found <= {"asyncengine", "asyncengine.plugins"}, found

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import torch
 
 from asyncengine.config import EngineConfig, parse_size
+from asyncengine.core.sched import BUILTIN_SCHEDULERS
 from asyncengine.core.sched.interface import Scheduler
 from asyncengine.executor.attention import AttentionShape, get_attention_backend
 from asyncengine.executor.device import Device, make_device
@@ -101,6 +102,10 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
     # Components named in the config are resolved (and contract-checked) before the slow
     # part, so a typo in --scheduler fails at once.
     scheduler_cls = registry.resolve_scheduler(config.scheduler.scheduler, plugin_manager)
+    if config.scheduler.scheduler_config and scheduler_cls in BUILTIN_SCHEDULERS.values():
+        raise ValueError(f"--scheduler-config: the built-in scheduler "
+                         f"{config.scheduler.scheduler!r} takes no options (got "
+                         f"{sorted(config.scheduler.scheduler_config)})")
     so_backend_cls = registry.resolve_structured_output_backend(
         config.plugins.structured_output_backend, plugin_manager)
     bind = getattr(so_backend_cls, "for_plugin_manager", None)
