@@ -4,7 +4,7 @@ process (a shared machine drifts: the two sides alternate, best of --rounds each
 Random PEFT-format adapters (rank --rank on --targets of every layer, non-zero B) are written
 to a temporary directory for the model (the embedded SmolLM2-135M GGUF, packed int4 on the
 CPU, unless --model). Each round runs --requests greedy requests at concurrency
---concurrency (prompts of ~40 tokens, --max-tokens tokens each, EOS ignored) through
+--concurrency (distinct prompts of ~40 tokens, --max-tokens tokens each, EOS ignored) through
 ``AsyncEngine.generate``: on the base engine, then on an engine with ``--enable-lora
 --max-loras 4`` whose requests take the 4 adapters in turn. Prints output tokens/s of each
 and the ratio (the target is >= 0.8). Then --step-rounds rounds of decode steps at batch
@@ -103,7 +103,9 @@ def main(args: argparse.Namespace) -> int:
             **common, "enable_lora": True, "max_loras": 4, "max_lora_rank": args.rank,
             "lora_modules": [f"a{i}={p}" for i, p in enumerate(paths)]}))
     words = "the quick brown fox jumps over the lazy dog while a cat sleeps".split()
-    prompts = [base.tokenizer.encode(" ".join(words[(i + j) % len(words)] for j in range(36)))
+    # every prompt its own (no prefix-cache hits between requests on either side)
+    prompts = [base.tokenizer.encode(f"{i}: " + " ".join(words[(i + j) % len(words)]
+                                                         for j in range(36)))
                for i in range(args.requests)]
     names = [f"a{i % 4}" for i in range(args.requests)]
     best = {"base": 0.0, "lora": 0.0}

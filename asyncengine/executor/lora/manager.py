@@ -135,8 +135,8 @@ class LoRAManager:
     # -- one step (on the loop) --------------------------------------------------------------
     def prepare(self, scheduled: list[Any]) -> tuple[np.ndarray | None,
                                                      list[tuple[int, LoRAWeights]]]:
-        """Each scheduled request's slot ([R] int64, None when none has an adapter) and the
-        slot writes this step needs."""
+        """Each token's slot ([T] int64, in the step's token order; None when no request has
+        an adapter) and the slot writes this step needs."""
         slots: np.ndarray | None = None
         taken: dict[bytes, int] = {}
         writes: list[tuple[int, LoRAWeights]] = []
@@ -150,6 +150,10 @@ class LoRAManager:
             if slot is None:
                 slot = taken[lora.key] = self._slot_for(lora, taken, writes)
             slots[i] = slot
+        if slots is not None:  # per token: a request's new tokens, or its last + its drafts
+            counts = [len(s.spec_token_ids) + 1 if getattr(s, "spec_token_ids", None)
+                      else s.num_new_tokens for s in scheduled]
+            slots = np.repeat(slots, counts)
         return slots, writes
 
     @staticmethod

@@ -4,9 +4,10 @@
 row ``t`` with slot ``s = step.slots[t] > 0`` (slot 0 is the base model). There is no Python
 loop over adapters:
 
-- **CPU** (float32 / bfloat16 activations): ``kernels/lora.cpp``, a gather over the slot
-  tables row by row, reading only the rows an adapter uses (``table.rows[s]``), skipping base
-  rows; threads take rows.
+- **CPU** (float32 / bfloat16 activations): ``kernels/lora.cpp``, segmented: the rows are
+  grouped by slot (base rows dropped) into tiles of up to 8 rows that read their adapter's
+  A and B once, only the rows it uses (``table.rows[s]``) and, of B, only each row's shard
+  columns (``table.span``); threads take tiles.
 - **elsewhere** (CUDA, or no C++ compiler): two dense matmuls over every slot at once,
   ``xa = x @ A_all^T`` ([T, S * R]), masked to each row's own slot by the step's one-hot
   ``[T, S]``, then ``y += xa @ B_all``. It costs ``S`` times the arithmetic of a per-row
