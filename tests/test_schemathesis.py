@@ -32,6 +32,8 @@ from tests.server_utils import ServerProcess
 #: Generated cases per operation and phase (coverage, fuzzing): a few hundred per operation
 #: over both runs, a few thousand in all.
 EXAMPLES = 40
+#: Generous: each run is a few thousand requests (about a minute each on 2 quiet cores).
+pytestmark = pytest.mark.timeout(1800)
 #: What a positive case may be refused for: the rules a JSON Schema cannot state.
 INEXPRESSIBLE = re.compile("|".join([
     r"maximum context length",  # the prompt's tokens, with max_tokens, against the context
