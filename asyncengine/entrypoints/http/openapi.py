@@ -165,7 +165,9 @@ def _embedding_size(engine: Any) -> int | None:
 async def openapi_json(request: web.Request) -> web.Response:
     state = state_of(request)
     settings = state.settings
-    served = Served(tuple(state.served_model_names),
+    from asyncengine.entrypoints.http.serving import lora_names
+
+    served = Served((*state.served_model_names, *lora_names(state.engine)),
                     getattr(state.engine, "max_model_len", None), _embedding_size(state.engine),
                     auto_tool_choice=bool(getattr(settings, "enable_auto_tool_choice", False)
                                           and getattr(settings, "tool_call_parser", None)))
