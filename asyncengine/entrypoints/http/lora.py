@@ -12,7 +12,7 @@ import os
 from aiohttp import web
 
 from asyncengine.entrypoints.http.errors import APIError, bad_request
-from asyncengine.entrypoints.http.protocol import Body
+from asyncengine.entrypoints.http.protocol import Body, Count
 from asyncengine.entrypoints.http.serving import read_body, served_model_names
 from asyncengine.entrypoints.http.state import state_of
 
@@ -26,7 +26,7 @@ class LoadLoRAAdapterRequest(Body, kw_only=True):
 
 class UnloadLoRAAdapterRequest(Body, kw_only=True):
     lora_name: str
-    lora_int_id: int | None = None
+    lora_int_id: Count | None = None  # vLLM's; unused (adapters are named)
 
 
 def runtime_updating(engine) -> bool:
