@@ -55,7 +55,8 @@ def schemathesis_run(server: ServerProcess, mode: str, out: Path) -> dict:
     """One CLI run; its JSON report (the HAR of every call is written beside it)."""
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", server.url("/openapi.json"),
            "--mode", mode, "--phases", "coverage,fuzzing", "--max-examples", str(EXAMPLES),
-           "--generation-deterministic", "--request-timeout", "120",
+           "--generation-deterministic", "--request-timeout", "300",
+           "--max-response-time", "300",  # n up to --max-n on a loaded 2-core machine
            "--checks", "all", "--exclude-checks",
            "positive_data_acceptance,use_after_free,ensure_resource_availability,"
            "ignored_auth,object_level_authorization",

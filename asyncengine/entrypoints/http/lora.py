@@ -35,6 +35,11 @@ def runtime_updating(engine) -> bool:
     return flag or os.environ.get(ENV, "").strip().lower() in ("1", "true")
 
 
+def updating_enabled(engine) -> bool:
+    """Whether the load/unload routes answer (/openapi.json lists them only then)."""
+    return getattr(engine, "lora", None) is not None and runtime_updating(engine)
+
+
 def _check_enabled(request: web.Request):
     engine = state_of(request).engine
     if getattr(engine, "lora", None) is None:
