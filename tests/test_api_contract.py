@@ -191,3 +191,14 @@ def test_the_document_bounds_every_integer_of_every_request_body(server):
 def _status_body(result):
     status, _, body = result
     return status, body
+
+
+def test_a_request_that_fails_alone_is_a_4xx_not_a_500():
+    # schemathesis found it: a constrained request whose sampling left no valid token ended
+    # in RequestFailed, which reached the client as a bare 500.
+    from asyncengine.engine.errors import RequestFailed
+    from asyncengine.entrypoints.http.serving import to_api_error
+
+    err = to_api_error(RequestFailed("request r failed: no valid next token"))
+    assert err.status == 400 and err.code == "request_failed"
+    assert "no valid next token" in err.message

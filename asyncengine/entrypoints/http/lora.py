@@ -12,7 +12,7 @@ import os
 from aiohttp import web
 
 from asyncengine.entrypoints.http.errors import APIError, bad_request
-from asyncengine.entrypoints.http.protocol import Body
+from asyncengine.entrypoints.http.protocol import Body, Count
 from asyncengine.entrypoints.http.serving import read_body, served_model_names
 from asyncengine.entrypoints.http.state import state_of
 
@@ -26,13 +26,18 @@ class LoadLoRAAdapterRequest(Body, kw_only=True):
 
 class UnloadLoRAAdapterRequest(Body, kw_only=True):
     lora_name: str
-    lora_int_id: int | None = None
+    lora_int_id: Count | None = None  # vLLM's; unused (adapters are named)
 
 
 def runtime_updating(engine) -> bool:
     lc = getattr(getattr(engine, "config", None), "lora", None)
     flag = bool(lc is not None and lc.allow_runtime_lora_updating)
     return flag or os.environ.get(ENV, "").strip().lower() in ("1", "true")
+
+
+def updating_enabled(engine) -> bool:
+    """Whether the load/unload routes answer (/openapi.json lists them only then)."""
+    return getattr(engine, "lora", None) is not None and runtime_updating(engine)
 
 
 def _check_enabled(request: web.Request):

@@ -36,6 +36,9 @@ class Route:
     # The Struct of each ``data:`` event when the body asks for ``"stream": true``.
     stream: type | None = None
     content_type: str | None = "application/json"  # None: an empty body
+    # Whether the served engine answers it (None: always); a route it refuses as switched
+    # off (the LoRA adapter routes without runtime updating) is left out of the document.
+    enabled: Callable[[Any], bool] | None = None
     # The Struct of this route's error bodies (None: OpenAI's ``ErrorResponse``).
     error: type | None = None
 
@@ -62,10 +65,13 @@ def _event_stream(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any
 
 def build_openapi(routes: list[Route], app: web.Application, *, version: str,
                   secured: bool, limits: SamplingLimits | None = None,
-                  served: Served | None = None) -> dict[str, Any]:
-    """The document for ``routes`` plus any other route found on ``app`` (added by plugins).
+                  served: Served | None = None, engine: Any = None) -> dict[str, Any]:
+    """The document for ``routes`` (those ``enabled`` for ``engine``) plus any other route
+    found on ``app`` (added by plugins).
     ``limits``: the served engine's (``--max-n``, ``--max-logprobs``, its vocabulary);
     ``served``: its model names and context length."""
+    switched_off = [r for r in routes if r.enabled is not None and not r.enabled(engine)]
+    routes = [r for r in routes if r not in switched_off]
     types: list[type] = [ErrorResponse]
     for r in routes:
         types += [t for t in (r.body, r.response, r.stream, r.error)
@@ -122,7 +128,7 @@ def build_openapi(routes: list[Route], app: web.Application, *, version: str,
         if secured and r.path not in PUBLIC_PATHS:
             op["security"] = [{"bearerAuth": []}]
         paths.setdefault(r.path, {})[r.method.lower()] = op
-    known = {(r.method, r.path) for r in routes}
+    known = {(r.method, r.path) for r in routes} | {(r.method, r.path) for r in switched_off}
     for resource in app.router.resources():
         path = resource.canonical
         for route in resource:
@@ -165,11 +171,14 @@ def _embedding_size(engine: Any) -> int | None:
 async def openapi_json(request: web.Request) -> web.Response:
     state = state_of(request)
     settings = state.settings
-    served = Served(tuple(state.served_model_names),
+    from asyncengine.entrypoints.http.serving import lora_names
+
+    served = Served((*state.served_model_names, *lora_names(state.engine)),
                     getattr(state.engine, "max_model_len", None), _embedding_size(state.engine),
                     auto_tool_choice=bool(getattr(settings, "enable_auto_tool_choice", False)
                                           and getattr(settings, "tool_call_parser", None)))
     doc = build_openapi(request.app[ROUTES], request.app, version=package_version(),
                         secured=state.settings.api_key is not None,
-                        limits=getattr(state.engine, "sampling_limits", None), served=served)
+                        limits=getattr(state.engine, "sampling_limits", None), served=served,
+                        engine=state.engine)
     return web.json_response(doc)

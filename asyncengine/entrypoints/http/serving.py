@@ -26,6 +26,7 @@ from asyncengine.engine.engine import (
     EngineDeadError,
     EngineOverloaded,
     EngineShuttingDown,
+    RequestFailed,
 )
 from asyncengine.engine.outputs import RequestOutput
 from asyncengine.engine.streams import RequestStream
@@ -128,6 +129,11 @@ def to_api_error(error: Exception) -> APIError:
                         retry_after=OVERLOADED_RETRY_AFTER_S)
     if isinstance(error, EngineDeadError):
         return APIError(500, f"The engine failed: {error}")
+    if isinstance(error, RequestFailed):
+        # This request alone could not go on (its grammar left no valid token, its logit
+        # biases masked every one...): the request's own constraints, not the server.
+        return APIError(400, f"The request could not be completed: {error}",
+                        code="request_failed")
     if isinstance(error, LoRANotFound):  # unloaded after check_model
         return APIError(404, str(error), param="model", code="model_not_found")
     if isinstance(error, ValueError):
@@ -210,7 +216,7 @@ async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
 
     try:
         await consume(streams, keep)
-    except EngineDeadError as e:
+    except (EngineDeadError, RequestFailed) as e:
         raise to_api_error(e) from None
     return finals  # type: ignore[return-value]
 
@@ -261,7 +267,9 @@ async def run_sse(request: web.Request, streams: list[RequestStream],
     except ClientGone:
         logger.debug("client left %s before the end of its stream", request.path)
     except Exception as e:
-        if not isinstance(e, APIError | EngineDeadError):
+        if isinstance(e, RequestFailed):
+            logger.warning("request failed while streaming %s: %s", request.path, e)
+        elif not isinstance(e, APIError | EngineDeadError):
             logger.exception("unexpected error while streaming %s", request.path)
         try:
             if render_error is None:
