@@ -186,15 +186,33 @@ static inline void kq_dequant_row(int64_t type, const uint8_t* src, float* y, in
             for (int64_t k = 0; k < K; ++k) o[k] = (uint32_t)h[k] << 16;
             return;
         }
-        case KQ_Q4_0: for (int64_t b = 0; b < K / 32; ++b) kq_block32<KQ_Q4_0>(src + 18 * b, y + 32 * b); return;
-        case KQ_Q4_1: for (int64_t b = 0; b < K / 32; ++b) kq_block32<KQ_Q4_1>(src + 20 * b, y + 32 * b); return;
-        case KQ_Q5_0: for (int64_t b = 0; b < K / 32; ++b) kq_block32<KQ_Q5_0>(src + 22 * b, y + 32 * b); return;
-        case KQ_Q5_1: for (int64_t b = 0; b < K / 32; ++b) kq_block32<KQ_Q5_1>(src + 24 * b, y + 32 * b); return;
-        case KQ_Q8_0: for (int64_t b = 0; b < K / 32; ++b) kq_block32<KQ_Q8_0>(src + 34 * b, y + 32 * b); return;
-        case KQ_Q4_K: for (int64_t b = 0; b < K / 256; ++b) kq_block_k45<false>(src + 144 * b, y + 256 * b); return;
-        case KQ_Q5_K: for (int64_t b = 0; b < K / 256; ++b) kq_block_k45<true>(src + 176 * b, y + 256 * b); return;
-        case KQ_Q6_K: for (int64_t b = 0; b < K / 256; ++b) kq_block_q6k(src + 210 * b, y + 256 * b); return;
-        case KQ_IQ4_XS: for (int64_t b = 0; b < K / 256; ++b) kq_block_iq4xs(src + 136 * b, y + 256 * b); return;
+        case KQ_Q4_0:
+            for (int64_t b = 0; b < K / 32; ++b) kq_block32<KQ_Q4_0>(src + 18 * b, y + 32 * b);
+            return;
+        case KQ_Q4_1:
+            for (int64_t b = 0; b < K / 32; ++b) kq_block32<KQ_Q4_1>(src + 20 * b, y + 32 * b);
+            return;
+        case KQ_Q5_0:
+            for (int64_t b = 0; b < K / 32; ++b) kq_block32<KQ_Q5_0>(src + 22 * b, y + 32 * b);
+            return;
+        case KQ_Q5_1:
+            for (int64_t b = 0; b < K / 32; ++b) kq_block32<KQ_Q5_1>(src + 24 * b, y + 32 * b);
+            return;
+        case KQ_Q8_0:
+            for (int64_t b = 0; b < K / 32; ++b) kq_block32<KQ_Q8_0>(src + 34 * b, y + 32 * b);
+            return;
+        case KQ_Q4_K:
+            for (int64_t b = 0; b < K / 256; ++b) kq_block_k45<false>(src + 144 * b, y + 256 * b);
+            return;
+        case KQ_Q5_K:
+            for (int64_t b = 0; b < K / 256; ++b) kq_block_k45<true>(src + 176 * b, y + 256 * b);
+            return;
+        case KQ_Q6_K:
+            for (int64_t b = 0; b < K / 256; ++b) kq_block_q6k(src + 210 * b, y + 256 * b);
+            return;
+        case KQ_IQ4_XS:
+            for (int64_t b = 0; b < K / 256; ++b) kq_block_iq4xs(src + 136 * b, y + 256 * b);
+            return;
         default: return;
     }
 }

@@ -5,8 +5,10 @@ A Q4_K_M file mixes types per tensor (Q4_K for most matrices, Q6_K for the head 
 attn_v / ffn_down, Q5_0 / Q8_0 where a row is not a multiple of 256, F32 norms). Each matrix
 here is its file bytes, uint8 ``[rows, row bytes]``, read straight from the file into place
 (no float copy, ever: the model's float linears are never written, then dropped), and
-multiplied in place by ``kernels/kquant.cpp``, which dequantizes one weight row at a time into
-L1 (bit-exact with ``gguf.quants.dequantize``) and multiplies in float32. A fused projection
+multiplied in place by ``kernels/kquant.cpp``: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 by byte dot
+products over activations rounded to int8 twice per block (``int4.py``'s scheme, exact to
+~1.5e-5 of a block's maximum), the other types by dequantizing one weight row at a time into
+L1 (bit-exact with ``gguf.quants.dequantize``) and multiplying in float32. A fused projection
 (q/k/v, gate/up) whose parts differ in type keeps each part in its own type; each part writes
 its columns of the shared output. A quantized token embedding is looked up by dequantizing
 only the rows looked up; tied to the head, the head multiplies the same bytes.
