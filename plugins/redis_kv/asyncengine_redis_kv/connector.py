@@ -116,7 +116,8 @@ class RedisKVConnector(KVConnector):
         self._known: set[bytes] = set()
         self._probed: OrderedDict[bytes, None] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()
-        self._clients: dict[int, redis.asyncio.Redis] = {}  # per event loop
+        self._async_client: redis.asyncio.Redis | None = None  # of the loop below
+        self._client_loop: asyncio.AbstractEventLoop | None = None
         self._down_since: float | None = None
         self._next_try = 0.0
         self.num_loaded_blocks = 0
@@ -154,14 +155,13 @@ class RedisKVConnector(KVConnector):
     def _client(self) -> redis.asyncio.Redis:
         """The asyncio client of the running event loop (its connections belong to it)."""
         loop = asyncio.get_running_loop()
-        client = self._clients.get(id(loop))
-        if client is None:
-            for old in self._clients.values():  # an earlier loop has ended: drop its pool
-                old.connection_pool.reset()
-            self._clients.clear()
-            client = self._clients[id(loop)] = redis.asyncio.Redis.from_url(
+        if self._client_loop is not loop or self._async_client is None:
+            if self._async_client is not None:  # an earlier loop has ended: drop its pool
+                self._async_client.connection_pool.reset()
+            self._client_loop = loop
+            self._async_client = redis.asyncio.Redis.from_url(
                 self.url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout)
-        return client
+        return self._async_client
 
     def _read_index(self) -> None:
         """The hashes this store holds, at start-up (a blocking SCAN, before serving)."""

@@ -117,8 +117,9 @@ def test_a_flooding_tenant_does_not_starve_a_light_one(tiny_llama):
 
     # The same flood under FCFS: the light tenant waits behind the 30 heavy requests.
     fcfs = AsyncEngine(config.replace(scheduler="fcfs"), plugin_manager=pm)
-    starved, steps = anyio.run(lambda: light_ttft(fcfs, flood=True, limit=2 * alone))
-    assert starved == float("inf") and steps > 2 * alone_steps
+    # (It would wait for ~30 x 200 / 4 = 1500 heavy decode steps.)
+    starved, _ = anyio.run(lambda: light_ttft(fcfs, flood=True, limit=2 * alone))
+    assert starved == float("inf")
 
 
 def make_request(rid: str, tenant: str | None, n: int = 4) -> Request:
