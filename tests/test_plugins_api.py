@@ -385,3 +385,13 @@ def test_docs_import_only_the_plugin_api():
             if m:
                 found.add(m.group(1))
     assert found <= {"asyncengine", "asyncengine.plugins"}, found
+
+
+def test_a_bad_kv_transfer_config_on_the_command_line_names_the_flag():
+    result = subprocess.run(
+        [sys.executable, "-m", "asyncengine", "serve", "--kv-transfer-config",
+         '{"kv_connector": "redis", "kv_role": "kv_producer"}'],
+        capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "--kv-transfer-config: kv_role 'kv_producer' is not supported" in result.stderr
+    assert "Traceback" not in result.stderr
