@@ -10,7 +10,8 @@ CPU, unless --model). Each round runs --requests greedy requests at concurrency
 and the ratio (the target is >= 0.8). Then --step-rounds rounds of decode steps at batch
 --concurrency on one LoRA engine alternate between a batch of base rows and one of the 4
 adapters mixed (the same prompts), timing each step (best and median of each side): the
-cost of the adapters themselves, without the load's drift. Usage:
+cost of the adapters themselves, without the load's drift. ``--kernel`` times one batched
+LoRA call against the int4 matmul of the same projection instead. Usage:
 
     python benchmarks/lora.py [--concurrency 32] [--requests 64] [--max-tokens 64]
                               [--rank 16] [--targets q_proj,k_proj,v_proj,o_proj]
@@ -86,7 +87,47 @@ def run(engine, prompts: list[list[int]], names: list[str | None], concurrency: 
     return anyio.run(main)
 
 
+def kernel_only(args: argparse.Namespace) -> int:
+    """``--kernel``: one batched LoRA call against the packed int4 matmul of the same
+    projection, SmolLM2-135M's qkv_proj (576 -> 960), --concurrency rows over 4 adapters of
+    rank --rank on q, k and v (3 x rank rows of the slot table)."""
+    import torch
+
+    from asyncengine.executor.lora.ops import LoRAStep, SlotTable, add_lora
+    from asyncengine.executor.models.int4 import Int4Linear
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    S, R, K, N, T = 5, 3 * args.rank, 576, 960, args.concurrency
+    A, B = torch.randn(S, R, K) * 0.01, torch.randn(S, R, N) * 0.01
+    A[0] = B[0] = 0
+    span = torch.zeros(S, R, 2, dtype=torch.int64)
+    for j, (lo, hi) in enumerate(((0, 576), (576, 768), (768, 960))):  # q, k, v columns
+        span[:, j * args.rank:(j + 1) * args.rank] = torch.tensor([lo, hi])
+    table = SlotTable(A, B, torch.tensor([0] + [R] * 4), span)
+    x, y = torch.randn(T, K), torch.randn(T, N)
+    step = LoRAStep(torch.arange(T) % 4 + 1, S)
+    base = Int4Linear(torch.randn(N, K) * 0.05)
+
+    def best_us(f, n: int = 50) -> float:
+        f()
+        best = float("inf")
+        for _ in range(7):
+            t = time.perf_counter()
+            for _ in range(n):
+                f()
+            best = min(best, (time.perf_counter() - t) / n)
+        return best * 1e6
+
+    lo, b = best_us(lambda: add_lora(x, y, table, step)), best_us(lambda: base(x))
+    print(f"qkv_proj at {T} rows: batched LoRA (4 adapters, rank {args.rank}) {lo:.0f} us, "
+          f"int4 matmul {b:.0f} us: the adapters add {lo / b:.0%} to this projection")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.kernel:
+        return kernel_only(args)
     from asyncengine.config import EngineConfig
     from asyncengine.engine.engine import AsyncEngine
 
@@ -173,4 +214,6 @@ if __name__ == "__main__":
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--step-rounds", type=int, default=8)
+    p.add_argument("--kernel", action="store_true",
+                   help="time one batched LoRA call against the int4 matmul only")
     raise SystemExit(main(p.parse_args()))
