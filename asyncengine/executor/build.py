@@ -22,6 +22,8 @@ from asyncengine.config import EngineConfig, parse_size
 from asyncengine.core.sched import BUILTIN_SCHEDULERS
 from asyncengine.core.sched.interface import Scheduler
 from asyncengine.executor.attention import AttentionShape, get_attention_backend
+from asyncengine.executor.attention.prewarm import one_line as _one_line
+from asyncengine.executor.attention.prewarm import prewarm_attention
 from asyncengine.executor.device import Device, make_device
 from asyncengine.executor.kv_sizing import (
     MemorySnapshot,
@@ -356,39 +358,6 @@ def _sampling_method(device: Device, vocab_size: int) -> str | None:
         logger.warning("sampling backend torch, not flashinfer: %s", reason)
         return None
     return "flashinfer"
-
-
-def prewarm_attention(config: EngineConfig, backend: Any, model: torch.nn.Module, *,
-                      graphs: bool | None = None) -> Any:
-    """Compile the backend's kernels (FlashInfer's JIT) at start-up. A failure under ``auto``
-    falls back to torch_paged with one warning naming it; under ``--attention-backend
-    flashinfer`` it is a ValueError naming the flag."""
-    prewarm = getattr(backend, "prewarm", None)
-    if prewarm is None:
-        return backend
-    try:
-        if graphs is None:
-            graphs = not config.model.enforce_eager
-        seconds = prewarm(graphs=graphs)
-    except Exception as e:
-        reason = f"FlashInfer's kernels failed to compile or run ({_one_line(e)})"
-        if config.device.attention_backend == "flashinfer":
-            raise ValueError(f"--attention-backend flashinfer: {reason}; use torch_paged or "
-                             "auto") from e
-        logger.warning("attention backend torch_paged, not flashinfer: %s", reason)
-        from asyncengine.executor.attention.torch_paged import TorchPagedBackend
-
-        backend = TorchPagedBackend()
-        if hasattr(model, "attention_options"):
-            backend.configure_layers(model.attention_options())
-        return backend
-    logger.info("%s attention kernels compiled and loaded in %.1f s", backend.name, seconds)
-    return backend
-
-
-def _one_line(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip().splitlines()
-    return text[0][:300] if text else type(e).__name__
 
 
 def backend_names(runner: Any) -> dict[str, str]:

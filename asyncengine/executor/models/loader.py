@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncengine.executor.cpu_flags import cpu_has_bf16 as _cpu_has_bf16
 from asyncengine.executor.models.registry import BUILTIN_MODELS, architecture_of
 
 logger = logging.getLogger(__name__)
@@ -181,20 +182,6 @@ def pick_dtype(dtype_flag: str, device: str) -> torch.dtype:
     if cuda:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return CPU_AUTO_DTYPE if _cpu_has_bf16() else torch.float32
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu_has_bf16() -> bool:
-    """Whether the CPU has bfloat16 dot products; ``ASYNCENGINE_CPU_BF16=0`` says no (``auto``
-    then means float32 on any CPU, as the test suite runs)."""
-    if os.environ.get("ASYNCENGINE_CPU_BF16") == "0":
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,

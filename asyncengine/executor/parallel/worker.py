@@ -102,7 +102,7 @@ class Worker:
         if hasattr(m, "attention_options"):  # the same layer variants as rank 0's backend
             self.backend.configure_layers(m.attention_options())
         if self.device.type == "cuda":  # FlashInfer's JIT now, not at the first step
-            from asyncengine.executor.build import prewarm_attention
+            from asyncengine.executor.attention.prewarm import prewarm_attention
 
             self.backend = prewarm_attention(config, self.backend, m, graphs=False)
         self.kv_caches = self.backend.allocate_kv_cache(m.num_layers, num_blocks, bs,
