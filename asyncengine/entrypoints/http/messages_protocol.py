@@ -10,9 +10,9 @@ turn's reasoning: dropped, as chat templates drop it). Anything else (images, do
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from msgspec import Struct, field
+from msgspec import Meta, Struct, field
 
 from asyncengine.entrypoints.http.errors import bad_request
 from asyncengine.entrypoints.http.protocol import (
@@ -68,7 +68,7 @@ class Tool(Body, kw_only=True):
     name: str
     input_schema: dict[str, Any]
     description: str | None = None
-    type: str | None = None  # "custom"; server tools (web search...) are refused
+    type: Literal["custom"] | None = None  # server tools (web search...) are refused
 
 
 class ToolChoiceAuto(Body, kw_only=True, tag="auto", tag_field="type"):
@@ -119,9 +119,9 @@ class OutputConfig(Body, kw_only=True):
 
 class MessagesBase(Body, kw_only=True):
     model: str | None = None
-    messages: list[MessageIn]
+    messages: Annotated[list[MessageIn], Meta(min_length=1)]
     system: str | list[TextBlockIn] | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Meta(min_length=1)] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
