@@ -179,7 +179,8 @@ def chat_messages(body: MessagesBase) -> list[ChatMessage]:
                 messages.append(ChatMessage(role="tool", content=content or "",
                                             tool_call_id=block.tool_use_id))
             # thinking / redacted_thinking: an earlier turn's reasoning, dropped
-        if texts or calls or m.role == "assistant":
+        results = any(isinstance(b, ToolResultBlockIn) for b in m.content)
+        if texts or calls or m.role == "assistant" or not results:  # a turn, even if empty
             messages.append(ChatMessage(role=m.role, content="\n".join(texts) or (
                 None if calls else ""), tool_calls=calls or None))
     return messages

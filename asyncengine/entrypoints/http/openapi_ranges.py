@@ -116,6 +116,12 @@ def publish_served(body: type, schema: dict[str, Any], limits: SamplingLimits,
         props.update({k: v for k, v in REFUSED_ACCEPTS.items() if k in props})
         if "input" in props:
             _items_of_input(props["input"], components)
+        if "tools" in props:  # function tools only (chat_tools)
+            props["tools"] = {"anyOf": [{"type": "null"}, {"type": "array", "minItems": 1,
+                                                          "items": {
+                "type": "object", "required": ["type", "name"],
+                "properties": {"type": {"const": "function"}, "name": {"type": "string"},
+                               "parameters": {"type": "object"}}}}]}
     if name == "EmbeddingRequest" and served.embedding_size and "dimensions" in props:
         props["dimensions"] = {"anyOf": [{"const": served.embedding_size}, {"type": "null"}],
                                "description": "only the model's own size (no shortening)"}
@@ -125,7 +131,8 @@ def publish_served(body: type, schema: dict[str, Any], limits: SamplingLimits,
             "required": ["stream"], "properties": {"stream": {"const": True}}}]}
     if dependent:
         schema["dependentSchemas"] = dependent
-    if not served.auto_tool_choice and name in ("ChatCompletionRequest", "MessagesRequest"):
+    if not served.auto_tool_choice and name in ("ChatCompletionRequest", "MessagesRequest",
+                                                "CountTokensRequest"):
         # Without a tool parser the server cannot read a call the model chose to make: no
         # "auto", and tools come with a tool choice (their default is "auto").
         if "tool_choice" in props:
@@ -142,12 +149,16 @@ def publish_served(body: type, schema: dict[str, Any], limits: SamplingLimits,
             _drop_refs(props["thinking"], {"ThinkingEnabled"})
     if "StructuredOutputs" in components:
         _exactly_one(components["StructuredOutputs"])
-    if "MessageIn" in components:  # tool results are the user's
+    if "MessageIn" in components:  # tool results are the user's, tool uses the assistant's
+        def without(kind: str) -> dict[str, Any]:
+            return {"properties": {"content": {"anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"not": {"required": ["type"], "properties": {
+                    "type": {"const": kind}}}}}]}}}
+
         components["MessageIn"]["if"] = {"properties": {"role": {"const": "assistant"}}}
-        components["MessageIn"]["then"] = {"properties": {"content": {"anyOf": [
-            {"type": "string"},
-            {"type": "array", "items": {"not": {"required": ["type"], "properties": {
-                "type": {"const": "tool_result"}}}}}]}}}
+        components["MessageIn"]["then"] = without("tool_result")
+        components["MessageIn"]["else"] = without("tool_use")
     if "TextFormat" in components:  # a json_schema format carries its schema
         components["TextFormat"]["if"] = {"required": ["type"],
                                           "properties": {"type": {"const": "json_schema"}}}
