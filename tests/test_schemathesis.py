@@ -31,7 +31,7 @@ from tests.server_utils import ServerProcess
 
 #: Generated cases per operation and phase (coverage, fuzzing): a few hundred per operation
 #: over both runs, a few thousand in all.
-EXAMPLES = 40
+EXAMPLES = 20
 #: Generous: each run is a few thousand requests (about a minute each on 2 quiet cores).
 pytestmark = pytest.mark.timeout(1800)
 #: What a positive case may be refused for: the rules a JSON Schema cannot state.
@@ -42,6 +42,7 @@ INEXPRESSIBLE = re.compile("|".join([
     r"min_tokens .* must not exceed max_tokens",
     r"seed \+ n - 1",
     r"Cannot apply the chat template",
+    r"which is not in tools",  # tool_choice naming a function the request's tools lack
     r"structured_outputs|guided_|response_format|text\.format|output_config",
 ]), re.I)
 

@@ -10,9 +10,9 @@ turn's reasoning: dropped, as chat templates drop it). Anything else (images, do
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from msgspec import Struct, field
+from msgspec import Meta, Struct, field
 
 from asyncengine.entrypoints.http.errors import bad_request
 from asyncengine.entrypoints.http.protocol import (
@@ -68,7 +68,7 @@ class Tool(Body, kw_only=True):
     name: str
     input_schema: dict[str, Any]
     description: str | None = None
-    type: str | None = None  # "custom"; server tools (web search...) are refused
+    type: Literal["custom"] | None = None  # server tools (web search...) are refused
 
 
 class ToolChoiceAuto(Body, kw_only=True, tag="auto", tag_field="type"):
@@ -119,9 +119,9 @@ class OutputConfig(Body, kw_only=True):
 
 class MessagesBase(Body, kw_only=True):
     model: str | None = None
-    messages: list[MessageIn]
+    messages: Annotated[list[MessageIn], Meta(min_length=1)]
     system: str | list[TextBlockIn] | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Meta(min_length=1)] | None = None
     tool_choice: AnthropicToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
@@ -179,7 +179,8 @@ def chat_messages(body: MessagesBase) -> list[ChatMessage]:
                 messages.append(ChatMessage(role="tool", content=content or "",
                                             tool_call_id=block.tool_use_id))
             # thinking / redacted_thinking: an earlier turn's reasoning, dropped
-        if texts or calls or m.role == "assistant":
+        results = any(isinstance(b, ToolResultBlockIn) for b in m.content)
+        if texts or calls or m.role == "assistant" or not results:  # a turn, even if empty
             messages.append(ChatMessage(role=m.role, content="\n".join(texts) or (
                 None if calls else ""), tool_calls=calls or None))
     return messages

@@ -176,7 +176,8 @@ async def openapi_json(request: web.Request) -> web.Response:
     served = Served((*state.served_model_names, *lora_names(state.engine)),
                     getattr(state.engine, "max_model_len", None), _embedding_size(state.engine),
                     auto_tool_choice=bool(getattr(settings, "enable_auto_tool_choice", False)
-                                          and getattr(settings, "tool_call_parser", None)))
+                                          and getattr(settings, "tool_call_parser", None)),
+                    reasoning=bool(getattr(settings, "reasoning_parser", None)))
     doc = build_openapi(request.app[ROUTES], request.app, version=package_version(),
                         secured=state.settings.api_key is not None,
                         limits=getattr(state.engine, "sampling_limits", None), served=served,

@@ -70,6 +70,7 @@ class Served:
     max_model_len: int | None = None
     embedding_size: int | None = None
     auto_tool_choice: bool = False  # --enable-auto-tool-choice with a --tool-call-parser
+    reasoning: bool = False  # --reasoning-parser
 
 
 #: The fields that count generated tokens: at most the context less one prompt token.
@@ -115,14 +116,49 @@ def publish_served(body: type, schema: dict[str, Any], limits: SamplingLimits,
         props.update({k: v for k, v in REFUSED_ACCEPTS.items() if k in props})
         if "input" in props:
             _items_of_input(props["input"], components)
+        if "tools" in props:  # function tools only (chat_tools)
+            props["tools"] = {"anyOf": [{"type": "null"}, {"type": "array", "minItems": 1,
+                                                          "items": {
+                "type": "object", "required": ["type", "name"],
+                "properties": {"type": {"const": "function"}, "name": {"type": "string"},
+                               "parameters": {"type": "object"}}}}]}
     if name == "EmbeddingRequest" and served.embedding_size and "dimensions" in props:
         props["dimensions"] = {"anyOf": [{"const": served.embedding_size}, {"type": "null"}],
                                "description": "only the model's own size (no shortening)"}
     dependent = {k: v for k, v in _DEPENDENT.items() if k in props}
+    if "stream_options" in props and "stream" in props:
+        dependent["stream_options"] = {"anyOf": [_unset("stream_options"), {
+            "required": ["stream"], "properties": {"stream": {"const": True}}}]}
     if dependent:
         schema["dependentSchemas"] = dependent
-    if "tool_choice" in props and name == "ChatCompletionRequest" and not served.auto_tool_choice:
-        _drop_auto(props["tool_choice"], components)
+    if not served.auto_tool_choice and name in ("ChatCompletionRequest", "MessagesRequest",
+                                                "CountTokensRequest"):
+        # Without a tool parser the server cannot read a call the model chose to make: no
+        # "auto", and tools come with a tool choice (their default is "auto").
+        if "tool_choice" in props:
+            _drop_auto(props["tool_choice"], components)
+        if "tools" in props:
+            dependent["tools"] = {"anyOf": [_unset("tools"), {
+                "required": ["tool_choice"],
+                "properties": {"tool_choice": {"not": {"type": "null"}}}}]}
+            schema["dependentSchemas"] = dependent
+    if not served.reasoning:  # thinking needs --reasoning-parser
+        if "thinking_token_budget" in props:
+            props["thinking_token_budget"] = {"type": "null"}
+        if "thinking" in props:
+            _drop_refs(props["thinking"], {"ThinkingEnabled"})
+    if "StructuredOutputs" in components:
+        _exactly_one(components["StructuredOutputs"])
+    if "MessageIn" in components:  # tool results are the user's, tool uses the assistant's
+        def without(kind: str) -> dict[str, Any]:
+            return {"properties": {"content": {"anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"not": {"required": ["type"], "properties": {
+                    "type": {"const": kind}}}}}]}}}
+
+        components["MessageIn"]["if"] = {"properties": {"role": {"const": "assistant"}}}
+        components["MessageIn"]["then"] = without("tool_result")
+        components["MessageIn"]["else"] = without("tool_use")
     if "TextFormat" in components:  # a json_schema format carries its schema
         components["TextFormat"]["if"] = {"required": ["type"],
                                           "properties": {"type": {"const": "json_schema"}}}
@@ -143,10 +179,38 @@ def publish_served(body: type, schema: dict[str, Any], limits: SamplingLimits,
 
 
 def _drop_auto(prop: dict[str, Any], components: dict[str, Any]) -> None:
-    """``tool_choice`` without ``"auto"``: the server answers it only with a tool parser."""
+    """``tool_choice`` without ``"auto"`` (OpenAI's string, Anthropic's ``{"type": "auto"}``):
+    the server answers it only with a tool parser."""
     for option in _options(prop):
         if "enum" in option:
             option["enum"] = [v for v in option["enum"] if v != "auto"]
+    _drop_refs(prop, {"ToolChoiceAuto"})
+
+
+def _drop_refs(prop: dict[str, Any], names: set[str]) -> None:
+    """Remove the options of a (nested, tagged) union that refer to components ``names``."""
+    for option in _options(prop):
+        if "anyOf" in option:
+            option["anyOf"] = [o for o in option["anyOf"]
+                               if o.get("$ref", "").rsplit("/", 1)[-1] not in names]
+            mapping = option.get("discriminator", {}).get("mapping", {})
+            for tag in [t for t, ref in mapping.items() if ref.rsplit("/", 1)[-1] in names]:
+                del mapping[tag]
+
+
+def _exactly_one(schema: dict[str, Any]) -> None:
+    """vLLM's ``structured_outputs``: exactly one field set (not null; ``json_object`` true)."""
+    keys = list(schema.get("properties", {}))
+
+    def unset(k: str) -> dict[str, Any]:
+        return {"anyOf": [{"type": "null"}, {"const": False}]} if k == "json_object" \
+            else {"type": "null"}
+
+    def chosen(k: str) -> dict[str, Any]:
+        return {"const": True} if k == "json_object" else {"not": {"type": "null"}}
+
+    schema["oneOf"] = [{"required": [k], "properties": {
+        **{o: unset(o) for o in keys if o != k}, k: chosen(k)}} for k in keys]
 
 
 def _unset(name: str, neutral: Any = None) -> dict[str, Any]:

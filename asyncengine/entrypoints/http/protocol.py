@@ -75,7 +75,7 @@ class StructuredOutputs(Body, kw_only=True):
     json: dict[str, Any] | str | None = None
     json_object: bool | None = None
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Annotated[list[str], Meta(min_length=1)] | None = None
     grammar: str | None = None
 
 
@@ -109,7 +109,7 @@ class GenerationBody(Body, kw_only=True):
     # vLLM's older names for structured outputs (mapped onto ``structured_outputs``)
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[str], Meta(min_length=1)] | None = None
     guided_grammar: str | None = None
     # Known, would change the result, not implemented: a 400 when set (see ``unsupported``).
     best_of: PositiveCount | None = None
