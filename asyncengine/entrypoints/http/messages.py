@@ -114,8 +114,6 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     prompt = engine.tokenizer.encode(text, add_special_tokens=False)
     call = _Message(state, request_id(request, "msg").replace("msg-", "msg_", 1), plan,
                     reasoning)
-    if body.max_tokens == 0:  # Anthropic's cache warm-up: nothing is generated
-        return await call.empty(request, len(prompt), bool(body.stream))
     structured = plan.structured_outputs
     fmt = body.output_config.format if body.output_config is not None else None
     if fmt is not None:
@@ -134,7 +132,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
             top_p=d.get("top_p", 1.0) if body.top_p is None else body.top_p,
             top_k=d.get("top_k", 0) if body.top_k is None else body.top_k,
             min_p=d.get("min_p", 0.0), repetition_penalty=d.get("repetition_penalty", 1.0),
-            max_tokens=body.max_tokens, stop=list(body.stop_sequences or []),
+            max_tokens=body.max_tokens or None, stop=list(body.stop_sequences or []),
             structured_outputs=structured)
         params.validate(engine.sampling_limits)
     except ValueError as e:
@@ -143,6 +141,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         reasoning.apply(params, budget, "thinking.budget_tokens")
     except APIError as e:
         raise bad_request(e.message, "thinking") from None
+    if body.max_tokens == 0:  # Anthropic's cache warm-up: checked as any request, not run
+        return await call.empty(request, len(prompt), bool(body.stream))
     streams = await open_streams(engine, [prompt], params, call.id, 0,
                                  deltas_only=bool(body.stream))
     if body.stream:

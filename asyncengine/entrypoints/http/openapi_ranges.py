@@ -131,8 +131,13 @@ def publish_served(body: type, schema: dict[str, Any], limits: SamplingLimits,
             "required": ["stream"], "properties": {"stream": {"const": True}}}]}
     if dependent:
         schema["dependentSchemas"] = dependent
+    if not served.auto_tool_choice and name == "ResponsesRequest" and "tool_choice" in props:
+        props["tool_choice"] = {"anyOf": [
+            {"enum": ["none", "required"]}, {"type": "null"},
+            {"type": "object", "required": ["type", "name"], "properties": {
+                "type": {"const": "function"}, "name": {"type": "string"}}}]}
     if not served.auto_tool_choice and name in ("ChatCompletionRequest", "MessagesRequest",
-                                                "CountTokensRequest"):
+                                                "CountTokensRequest", "ResponsesRequest"):
         # Without a tool parser the server cannot read a call the model chose to make: no
         # "auto", and tools come with a tool choice (their default is "auto").
         if "tool_choice" in props:

@@ -106,6 +106,9 @@ def _pick(obj: Any, t: mi.UnionType) -> mi.Type | None:
             if isinstance(member, mi.StructType):
                 if member.tag_field is None or obj.get(member.tag_field) == member.tag:
                     return member
+        for member in t.types:  # a tagged object without its tag: _walk refuses it
+            if isinstance(member, mi.StructType) and member.tag_field not in obj:
+                return member
     elif isinstance(obj, list):
         for member in t.types:
             if isinstance(member, mi.ListType):
