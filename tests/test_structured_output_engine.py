@@ -80,9 +80,19 @@ def parses_arithmetic(text: str, *, ops: str = "+-*/") -> bool:
     return expr() and pos == len(text)
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(model=None)
+def _backends() -> list:
+    """xgrammar (built in) and llguidance (plugins/llguidance, installed by make install):
+    every test below runs on both."""
+    import importlib.util
+
+    missing = importlib.util.find_spec("asyncengine_llguidance") is None
+    return ["xgrammar", pytest.param("llguidance", marks=pytest.mark.skipif(
+        missing, reason="the asyncengine-llguidance distribution is not installed"))]
+
+
+@pytest.fixture(scope="module", params=_backends())
+def llm(request):
+    return LLM(model=None, structured_output_backend=request.param)
 
 
 def chat(llm: LLM, text: str) -> str:
@@ -205,12 +215,13 @@ def test_free_requests_are_unaffected_by_constrained_neighbours(batch, llm):
     assert [o.outputs[0].token_ids for o in alone] == mixed
 
 
+#: Each invalid spec, and what its ValueError says, whichever backend compiles it: the kind of
+#: constraint, and the part at fault.
 INVALID = [
     (SO(json={"type": "object", "properties": {"a": {"type": "nonsense"}}}),
-     'invalid JSON schema: Unsupported type "nonsense"'),
-    (SO(regex="[a-z"), "invalid regex: "),
-    (SO(grammar="root ::= missing"), 'invalid grammar: EBNF parser error at line 1, column 10: '
-     'Rule "missing" is not defined'),
+     r"invalid JSON schema: .*nonsense"),
+    (SO(regex="[a-z"), r"invalid regex: "),
+    (SO(grammar="root ::= missing"), r"invalid grammar: .*missing"),
 ]
 
 
@@ -218,7 +229,7 @@ def test_invalid_spec_is_a_value_error_from_add_request(llm):
     async def main():
         async with llm.engine:
             for spec, message in INVALID:
-                with pytest.raises(ValueError, match=re.escape(message)):
+                with pytest.raises(ValueError, match=message):
                     await llm.engine.add_request("hi", SamplingParams(structured_outputs=spec))
             assert llm.engine.stats().num_waiting == 0
             # The engine goes on serving after rejecting them.
