@@ -51,11 +51,26 @@ def wheel_env(tmp_path_factory) -> tuple[Path, Path]:
     # environment's (torch, transformers, ...): add those, after the venv's own.
     purelib = run(str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"
                   ).stdout.strip()
+    # The test environment's own editable asyncengine (a meta-path finder that a .pth file
+    # installs) is left out, so that nothing but the wheel can provide the package.
     dirs = [d for d in site.getsitepackages() if Path(d).is_dir()]
-    Path(purelib, "_outer_env.pth").write_text(
-        "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in dirs) + "\n")
+    Path(purelib, "_outer_env.py").write_text(
+        "import os, site, sys\n"
+        f"for d in {dirs!r}:\n"
+        "    if d not in sys.path:\n"
+        "        sys.path.append(d)\n"
+        "    for name in sorted(os.listdir(d)):\n"
+        "        if name.endswith('.pth') and not name.startswith(\n"
+        "                ('__editable__.asyncengine-', '__editable__.asyncengine_spf-')):\n"
+        "            site.addpackage(d, name, None)\n")
+    Path(purelib, "_outer_env.pth").write_text("import _outer_env\n")
+    # --ignore-installed: the test environment's asyncengine 0.1.0 is visible from the new one,
+    # and pip would otherwise take it for this wheel, already installed.
     run(sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
-        "--no-index", str(wheel), *map(str, (root / "dist").glob("asyncengine_spf-*.whl")))
+        "--no-index", "--ignore-installed", str(wheel),
+        *map(str, (root / "dist").glob("asyncengine_spf-*.whl")))
+    if not (Path(purelib) / "asyncengine" / "plugins.py").is_file():
+        raise RuntimeError(f"the wheel was not installed into {purelib}")
     return python, wheel
 
 
