@@ -19,6 +19,9 @@
 #if defined(AE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
 #define AE_MOE_512 1
+#ifndef AE_MOE_HINT
+#define AE_MOE_HINT _MM_HINT_T0
+#endif
 
 // Lane i = the sum of v[i]'s 16 lanes.
 static inline __m512 ae_sum16(const __m512* v) {
@@ -105,7 +108,7 @@ static inline void ae_tile_f32(const float* w, int64_t K, const float* const* x,
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
         const __mmask16 mask = ae_mask16(K - k);
-        for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)(pf + j * K + k), _MM_HINT_T0);
+        for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)(pf + j * K + k), AE_MOE_HINT);
         __m512 wv[4];
         for (int j = 0; j < 4; ++j) wv[j] = _mm512_maskz_loadu_ps(mask, w + j * K + k);
         for (int m = 0; m < MR; ++m) {
@@ -132,7 +135,7 @@ static inline void ae_tile_q8(const int8_t* w, const float* s, int64_t K, const 
             const __mmask32 mask = end - k >= 32 ? ~(__mmask32)0
                                                  : (__mmask32)(((uint64_t)1 << (end - k)) - 1);
             if ((k & 63) == 0)
-                for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)(pf + j * K + k), _MM_HINT_T0);
+                for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)(pf + j * K + k), AE_MOE_HINT);
             __m512i wv[4];
             for (int j = 0; j < 4; ++j)
                 wv[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, w + j * K + k));
@@ -187,7 +190,7 @@ static inline void ae_tile_q4(const uint8_t* w, const uint16_t* sm, int64_t K,
             const bool one = b + 1 == blocks;
             if ((b & 3) == 0)
                 for (int j = 0; j < 4; ++j)
-                    _mm_prefetch((const char*)(pf + j * (K / 2) + 16 * b), _MM_HINT_T0);
+                    _mm_prefetch((const char*)(pf + j * (K / 2) + 16 * b), AE_MOE_HINT);
             const __m512i idx = _mm512_inserti64x4(
                 _mm512_set1_epi32((int)(4 * u)), _mm256_set1_epi32((int)(4 * u + 2)), 1);
             const __mmask64 xm = one ? (__mmask64)0xffffffffu : ~(__mmask64)0;
