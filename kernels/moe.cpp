@@ -99,7 +99,9 @@ static inline void ae_moe_tile(const AeExpertMat& mat, int64_t e, int64_t n, con
         const float* x[4];
         for (int m = 0; m < mr; ++m) x[m] = in.f + idx[m] * in.stride;
         const float* w = reinterpret_cast<const float*>(mat.w) + row * K;
-        by_rows([&](auto c) { ae_tile_f32<decltype(c)::value>(w, K, x, w + AE_MOE_AHEAD * K, res); });
+        by_rows([&](auto c) {
+            ae_tile_f32<decltype(c)::value>(w, K, x, w + AE_MOE_AHEAD * K, res);
+        });
     } else if (mat.kind == AE_MOE_INT8) {
         const int16_t* x[4];
         for (int m = 0; m < mr; ++m) x[m] = in.h + idx[m] * in.stride;

@@ -16,8 +16,9 @@
 // the byte sums converted to float per block pair (16 lanes, 8 per block) and weighted by
 // s_b; the min term from the block sums of x, stored divided by d / 256 (`xb`).
 #pragma once
-#if defined(AE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512VNNI__)
+// AE_MOE_NO512: without them (tests/test_moe.py builds the portable path so).
+#if !defined(AE_MOE_NO512) && defined(AE_AVX2) && defined(__AVX512F__) && \
+    defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define AE_MOE_512 1
 #ifndef AE_MOE_HINT
 #define AE_MOE_HINT _MM_HINT_T0
@@ -135,7 +136,8 @@ static inline void ae_tile_q8(const int8_t* w, const float* s, int64_t K, const 
             const __mmask32 mask = end - k >= 32 ? ~(__mmask32)0
                                                  : (__mmask32)(((uint64_t)1 << (end - k)) - 1);
             if ((k & 63) == 0)
-                for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)(pf + j * K + k), AE_MOE_HINT);
+                for (int j = 0; j < 4; ++j)
+                    _mm_prefetch((const char*)(pf + j * K + k), AE_MOE_HINT);
             __m512i wv[4];
             for (int j = 0; j < 4; ++j)
                 wv[j] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, w + j * K + k));
@@ -161,9 +163,11 @@ static inline __m512i ae_unpack_q4x2(const uint8_t* p, bool one) {
     const __m256i bytes = one ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)p))
                               : _mm256_loadu_si256((const __m256i*)p);
     const __m256i m = _mm256_set1_epi8(0x0f);
-    const __m256i lo = _mm256_and_si256(bytes, m), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m);
-    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // lo b, lo b+1, hi b, hi b+1
-    return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));              // lo b, hi b, lo b+1, hi b+1
+    const __m256i lo = _mm256_and_si256(bytes, m);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m);
+    // 128-bit lanes: lo b, lo b+1, hi b, hi b+1 -> lo b, hi b, lo b+1, hi b+1
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
 }
 
 // int4: rows w[j K / 2] (j < 4) with (scale, min) pairs sm[j blocks 2]; res[4 m + j].

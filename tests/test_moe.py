@@ -180,6 +180,33 @@ def test_expert_tiles_against_a_float_reference(method, shape, monkeypatch):
     assert len(calls) == 5  # one kernel call each
 
 
+@pytest.mark.parametrize("method", ["float32", "int8", "int4"])
+def test_the_portable_path_without_the_512_bit_tiles(method, tmp_path, monkeypatch):
+    """The kernel built without its AVX-512 tiles (``AE_MOE_NO512``: the AVX2 / plain C++
+    path of CPUs without VNNI) gives the dequantized weights' output too."""
+    import shutil
+
+    from asyncengine.executor.kernels import build
+
+    shutil.copytree(build.kernel_dir(), tmp_path / "k")
+    src = tmp_path / "k" / "moe.cpp"
+    src.write_text("#define AE_MOE_NO512 1\n" + src.read_text())
+    portable = build.load("moe", moe._ARGS, None, tmp_path / "k")
+    assert portable is not None
+    monkeypatch.setattr(moe, "kernel", lambda: portable)
+    flag, none = torch.zeros(1), torch.zeros(2, dtype=torch.int64)
+    portable(flag, none, none, flag, none, none, none, none, flag, 0, 1, 1, 8, 8, 0, 0, 0)
+    assert flag.item() == 0
+    layer = _layer()
+    if method != "float32":
+        layer.quantize_experts(method)
+    w13, w2 = layer.dequantized("w13"), layer.dequantized("w2")
+    for T in (1, 3, 40):
+        x = torch.randn(T, 64, generator=torch.Generator().manual_seed(T))
+        torch.testing.assert_close(layer(x), _reference(layer, x, w13, w2).float(), atol=2e-5,
+                                   rtol=1e-4)
+
+
 def test_the_cpu_with_vnni_takes_the_512_bit_tiles():
     """Where the CPU has AVX-512 VNNI (inductor builds the kernels for this CPU), the kernel
     reports its 512-bit tiles compiled in; elsewhere the AVX2 / plain C++ path runs."""
