@@ -17,11 +17,12 @@
 // of tokens routed to its expert: a tile of a few weight rows is multiplied against all of
 // them, 4 at a time.
 //
-// With AVX-512 and VNNI (moe512.h) the tiles are 512-bit: float32 FMAs, and for int8 (a scale
-// per row) and int4 experts byte dot products against input rows rounded to int8 (each token
-// once for every expert it goes to), so that a quantized expert costs its bytes, not a
-// dequantization into float. Elsewhere (AVX2 or plain C++; int8 with a scale per block) each
-// quantized row is dequantized once into L1 and multiplied against the group's rows.
+// With AVX-512 and VNNI (moe512.h) the tiles are 512-bit: float32 FMAs; int8 experts as int16
+// and int4 experts as byte dot products against the input rows rounded once per call (each
+// token once for every expert it goes to), so that a quantized expert costs its bytes, not a
+// dequantization into float. Elsewhere (AVX2 or plain C++) each quantized row is dequantized
+// once into L1 and multiplied against the group's rows. int8 scales: one per row
+// (--quantization int8) or per block of 32 (a GGUF file's Q8_0 experts).
 #define kernel ae_int4_mm
 #include "int4.cpp"
 #undef kernel
@@ -106,10 +107,15 @@ static inline void ae_moe_tile(const AeExpertMat& mat, int64_t e, int64_t n, con
         const int16_t* x[4];
         for (int m = 0; m < mr; ++m) x[m] = in.h + idx[m] * in.stride;
         const int8_t* w = reinterpret_cast<const int8_t*>(mat.w) + row * K;
-        const float* s = reinterpret_cast<const float*>(mat.s) + row;
-        by_rows([&](auto c) {
-            ae_tile_q8<decltype(c)::value>(w, s, K, x, fac, w + AE_MOE_AHEAD * K, res);
-        });
+        const float* s = reinterpret_cast<const float*>(mat.s) + row * (K / mat.group);
+        if (mat.group == K)
+            by_rows([&](auto c) {
+                ae_tile_q8<decltype(c)::value, false>(w, s, K, x, fac, w + AE_MOE_AHEAD * K, res);
+            });
+        else
+            by_rows([&](auto c) {
+                ae_tile_q8<decltype(c)::value, true>(w, s, K, x, fac, w + AE_MOE_AHEAD * K, res);
+            });
     } else {
         const int8_t* q[4];
         const int8_t* r[4];
@@ -241,9 +247,10 @@ extern "C" void kernel(const float* x, const int64_t* rows, const int64_t* offs,
         return;
     }
 #ifdef AE_MOE_512
-    if (K % 4 == 0 && I % 8 == 0 && (kind == AE_MOE_F32 || (kind == AE_MOE_INT8 && g13 == K &&
-                                                            g2 == I) ||
-                                     (kind == AE_MOE_INT4 && K % 32 == 0 && I % 32 == 0))) {
+    const bool blocks32 = K % 32 == 0 && I % 32 == 0;
+    if (K % 4 == 0 && I % 8 == 0 &&
+        (kind == AE_MOE_F32 || (kind == AE_MOE_INT4 && blocks32) ||
+         (kind == AE_MOE_INT8 && ((g13 == K && g2 == I) || (g13 == 32 && g2 == 32 && blocks32))))) {
         ae_moe512(x, rows, offs, wts, AeExpertMat{kind, 2 * I, K, g13, w13, s13},
                   AeExpertMat{kind, K, I, g2, w2, s2}, out, T, k, E);
         return;

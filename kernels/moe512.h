@@ -120,18 +120,20 @@ static inline void ae_tile_f32(const float* w, int64_t K, const float* const* x,
     _mm512_storeu_ps(res, ae_sum16(acc));
 }
 
-// int8, a scale per row: rows w[j K] (j < 4), scales s[j], against int16 inputs x[m] (factor
-// fac[m]); res[4 m + j]. The int32 lanes take K / 16 products of at most 127 x 32767 each: they
-// go to float every 4096 inputs.
-template <int MR>
+// int8: rows w[j K] (j < 4) with a scale per row (s[j], PER_BLOCK false) or per block of 32
+// (s[j K / 32 + b], GGUF's Q8_0), against int16 inputs x[m] (factor fac[m]); res[4 m + j].
+// Per row the int32 lanes take K / 16 products of at most 127 x 32767 each: they go to float
+// every 4096 inputs (every block with its scale where PER_BLOCK).
+template <int MR, bool PER_BLOCK>
 static inline void ae_tile_q8(const int8_t* w, const float* s, int64_t K, const int16_t* const* x,
                               const float* fac, const int8_t* pf, float* res) {
     __m512 f[16];
     for (int i = 0; i < 16; ++i) f[i] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < K; c += 4096) {
+    const int64_t chunk = PER_BLOCK ? 32 : 4096;
+    for (int64_t c = 0; c < K; c += chunk) {
         __m512i acc[4 * MR];
         for (int i = 0; i < 4 * MR; ++i) acc[i] = _mm512_setzero_si512();
-        const int64_t end = std::min<int64_t>(K, c + 4096);
+        const int64_t end = std::min<int64_t>(K, c + chunk);
         for (int64_t k = c; k < end; k += 32) {
             const __mmask32 mask = end - k >= 32 ? ~(__mmask32)0
                                                  : (__mmask32)(((uint64_t)1 << (end - k)) - 1);
@@ -147,11 +149,21 @@ static inline void ae_tile_q8(const int8_t* w, const float* s, int64_t K, const 
                     acc[4 * m + j] = _mm512_dpwssd_epi32(acc[4 * m + j], xv, wv[j]);
             }
         }
-        for (int i = 0; i < 4 * MR; ++i) f[i] = _mm512_add_ps(f[i], _mm512_cvtepi32_ps(acc[i]));
+        if (PER_BLOCK) {
+            for (int j = 0; j < 4; ++j) {
+                const __m512 sb = _mm512_set1_ps(s[j * (K / 32) + c / 32]);
+                for (int m = 0; m < MR; ++m)
+                    f[4 * m + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[4 * m + j]), sb,
+                                                   f[4 * m + j]);
+            }
+        } else {
+            for (int i = 0; i < 4 * MR; ++i)
+                f[i] = _mm512_add_ps(f[i], _mm512_cvtepi32_ps(acc[i]));
+        }
     }
     float t[16];
     _mm512_storeu_ps(t, ae_sum16(f));
-    const __m128 sv = _mm_loadu_ps(s);
+    const __m128 sv = PER_BLOCK ? _mm_set1_ps(1.f) : _mm_loadu_ps(s);
     for (int m = 0; m < MR; ++m)
         _mm_storeu_ps(res + 4 * m, _mm_mul_ps(_mm_mul_ps(sv, _mm_set1_ps(fac[m])),
                                               _mm_loadu_ps(t + 4 * m)));

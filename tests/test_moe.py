@@ -113,6 +113,25 @@ def _reference(layer: SparseMoE, x: torch.Tensor, w13: torch.Tensor,
     return want
 
 
+def _quantize(layer: SparseMoE, method: str) -> None:
+    """``method``: float32 (nothing), int8 / int4 (``quantize_experts``), or int8-blocks: int8
+    with a scale per block of 32 inputs, as a GGUF file's Q8_0 experts are kept."""
+    if method == "float32":
+        return
+    floats = {name: getattr(layer, name).data.clone() for name in ("w13", "w2")}
+    layer.quantize_experts(method.split("-")[0])
+    if method != "int8-blocks":
+        return
+    for name, w in floats.items():
+        E, N, K = w.shape
+        blocks = w.view(E, N, K // 32, 32)
+        scale = blocks.abs().amax(-1, keepdim=True) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        setattr(layer, name, torch.round(blocks / scale).clamp(-127, 127).to(torch.int8)
+                .view(E, N, K))
+        setattr(layer, f"{name}_scale", scale.view(E, N, K // 32))
+
+
 @pytest.mark.parametrize("method", ["float32", "int8", "int4"])
 def test_packed_experts_equal_their_dequantized_weights(method):
     """The kernel on packed experts equals, per token, a plain reference loop over the
@@ -134,7 +153,7 @@ def test_packed_experts_equal_their_dequantized_weights(method):
             assert (layer(x) - want).norm() / want.norm() < 1e-3
 
 
-@pytest.mark.parametrize("method", ["float32", "int8", "int4"])
+@pytest.mark.parametrize("method", ["float32", "int8", "int8-blocks", "int4"])
 @pytest.mark.parametrize("shape", [(64, 8, 512, 128), (8, 2, 72, 40), (6, 2, 96, 32)],
                          ids=["qwen3-moe-shaped", "ragged", "odd-blocks"])
 def test_expert_tiles_against_a_float_reference(method, shape, monkeypatch):
@@ -148,12 +167,10 @@ def test_expert_tiles_against_a_float_reference(method, shape, monkeypatch):
     E, k, H, n_inter = shape
     layer = _layer(E, k, H, n_inter)
     float13, float2 = layer.w13.data.clone(), layer.w2.data.clone()
-    if method != "float32":
-        layer.quantize_experts(method)
-    if method == "int4" and not (H % 32 == 0 and n_inter % 32 == 0):
-        assert layer.quant == "float32"  # int4 takes multiples of 32 only
-        return
-    assert layer.quant == method
+    if method in ("int4", "int8-blocks") and not (H % 32 == 0 and n_inter % 32 == 0):
+        return  # blocks of 32 need multiples of 32
+    _quantize(layer, method)
+    assert layer.quant == method.split("-")[0]
     w13, w2 = layer.dequantized("w13"), layer.dequantized("w2")
     calls = []
     real = moe.kernel()
@@ -175,12 +192,12 @@ def test_expert_tiles_against_a_float_reference(method, shape, monkeypatch):
         budget = ((exact - _reference(layer, x, float13, float2)).norm()
                   / exact.norm()).item()
         assert own < 1e-3, (T, own)
-        assert budget < {"int8": 0.03, "int4": 0.3}[method], (T, budget)
+        assert budget < {"int8": 0.03, "int8-blocks": 0.03, "int4": 0.3}[method], (T, budget)
         assert own < 0.05 * budget, (T, own, budget)
     assert len(calls) == 5  # one kernel call each
 
 
-@pytest.mark.parametrize("method", ["float32", "int8", "int4"])
+@pytest.mark.parametrize("method", ["float32", "int8", "int8-blocks", "int4"])
 def test_the_portable_path_without_the_512_bit_tiles(method, tmp_path, monkeypatch):
     """The kernel built without its AVX-512 tiles (``AE_MOE_NO512``: the AVX2 / plain C++
     path of CPUs without VNNI) gives the dequantized weights' output too."""
@@ -198,8 +215,7 @@ def test_the_portable_path_without_the_512_bit_tiles(method, tmp_path, monkeypat
     portable(flag, none, none, flag, none, none, none, none, flag, 0, 1, 1, 8, 8, 0, 0, 0)
     assert flag.item() == 0
     layer = _layer()
-    if method != "float32":
-        layer.quantize_experts(method)
+    _quantize(layer, method)
     w13, w2 = layer.dequantized("w13"), layer.dequantized("w2")
     for T in (1, 3, 40):
         x = torch.randn(T, 64, generator=torch.Generator().manual_seed(T))
@@ -236,6 +252,35 @@ def test_int4_and_int8_experts_stay_near_the_float_model(models):
         got = PagedRunner(model).step({"r": tokens})["r"]
         err = (got - want).abs().mean() / want.abs().mean()
         assert err < tol, (method, err)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_quantized_gguf_experts_are_kept_as_stored(models, tmp_path, qtype):
+    """A GGUF file with Q8_0 (Q4_0) matrices and experts runs them packed by default: the
+    experts on the file's own blocks (int8 with its scale per block of 32), their weights
+    exactly the file's (what ``--quantization none`` dequantizes), not a re-quantization of
+    them; the logits stay near the dequantized model's, the same greedy tokens."""
+    gguf = make_tiny_gguf(models["qwen3_moe"][0], tmp_path / f"{qtype}.gguf", quant=qtype)
+    packed = load_model(resolve_model(gguf), "auto", torch.float32, "cpu", quantization="auto")
+    plain = load_model(resolve_model(gguf), "auto", torch.float32, "cpu", quantization="none")
+    method = {"Q8_0": "int8", "Q4_0": "int4"}[qtype]
+    pairs = list(zip([m for m in packed.modules() if isinstance(m, SparseMoE)],
+                     [m for m in plain.modules() if isinstance(m, SparseMoE)], strict=True))
+    assert pairs
+    for mine, theirs in pairs:
+        assert mine.quant == method and theirs.quant == "float32"
+        if method == "int8":
+            assert mine.w13_scale.shape == (8, 2 * mine.intermediate, mine.hidden // 32)
+        for name in ("w13", "w2"):
+            assert torch.equal(mine.dequantized(name), getattr(theirs, name).data), name
+    tokens = torch.randint(0, 49152, (12,), generator=torch.Generator().manual_seed(3))
+    want = PagedRunner(plain).step({"r": tokens})["r"]
+    got = PagedRunner(packed).step({"r": tokens})["r"]
+    # Q4_0: the logits head is int8, quantized from the file's Q4_0 embedding (--quantization
+    # int4's head), which moves the logits by ~0.5%; Q8_0's head is the embedding's own blocks
+    tol = {"Q8_0": 2e-3, "Q4_0": 0.02}[qtype]
+    assert ((got - want).abs().mean() / want.abs().mean()).item() < tol
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_each_family_says_which_fast_path_it_lacks_in_one_line(caplog):

@@ -162,12 +162,14 @@ _GGUF_MOE_NAMES = {("mlp.experts", "down_proj"): "ffn_down_exps.weight",
                    ("mlp.shared_expert_gate", "weight"): "ffn_gate_inp_shexp.weight"}
 
 
-def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[str]) -> str:
+def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[str],
+                   quant: str | None = None) -> str:
     """Convert a tiny safetensors model (``make_tiny_model``) to an F32 GGUF file, the way
     llama.cpp's converter does: llama's q/k rows permuted for its RoPE, Llama 3 RoPE scaling as
     a ``rope_freqs`` tensor; Gemma's norms stored as ``1 + w`` with its soft-caps and window;
-    Phi-3's partial rotary and LongRoPE factor tensors. No tokenizer inside. Returns the
-    file's path."""
+    Phi-3's partial rotary and LongRoPE factor tensors. No tokenizer inside. ``quant``: a
+    GGML type (``Q8_0``, ``Q4_0``, ...) for every matrix and stack of experts whose rows are
+    whole blocks (norms stay F32). Returns the file's path."""
     import gguf
     import numpy as np
     import torch
@@ -223,6 +225,13 @@ def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[st
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
 
+    def add(name: str, x: np.ndarray) -> None:
+        qtype = gguf.GGMLQuantizationType[quant] if quant else None
+        if qtype is None or x.ndim < 2 or x.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+            w.add_tensor(name, x)
+            return
+        w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+
     def permute(x: np.ndarray, n: int) -> np.ndarray:  # llama.cpp's q/k row order
         return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
@@ -244,8 +253,8 @@ def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[st
                 x = permute(x, kv_heads)
             if module == "mlp.experts" and kind == "gate_up_proj":  # stacked [E, 2 I, H]
                 gate, up = np.split(x, 2, axis=1)
-                w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
-                w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
+                add(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+                add(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
                 continue
             gguf_name = f"blk.{i}.{_GGUF_MOE_NAMES.get((module, kind)) or names[module]}"
             gguf_name += "" if (module, kind) in _GGUF_MOE_NAMES else f".{kind}"
@@ -257,7 +266,7 @@ def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[st
                          "lm_head.weight": "output.weight"}[name]
             if arch.startswith("gemma") and name == "model.norm.weight":
                 x = x + 1.0
-        w.add_tensor(gguf_name, np.ascontiguousarray(x))
+        add(gguf_name, np.ascontiguousarray(x))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

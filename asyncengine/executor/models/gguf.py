@@ -316,7 +316,8 @@ def iter_gguf_tensors(path: str, config: Any, grids: dict[str, QuantGrid] | None
     """Yield (transformers name, float32 tensor) for every tensor of a GGUF file, streaming.
 
     ``grids``, when given, receives the grid (``quant_grid``) of every Q4_0 / Q4_1 / Q8_0
-    matrix by transformers name, its rows in the yielded tensor's order. ``skip``: names not
+    matrix (or stack of experts' matrices, its rows expert by expert) by transformers name,
+    its rows in the yielded tensor's order. ``skip``: names not
     to yield (the matrices ``read_packed`` keeps packed)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -340,7 +341,8 @@ def iter_gguf_tensors(path: str, config: Any, grids: dict[str, QuantGrid] | None
 
             kquants.check_type(path, t.name, t.ggml_type, t.dims[0])
             raise
-        grid = quant_grid(raw, qtype) if grids is not None and len(t.dims) == 2 else None
+        # matrices, and a mixture's stacked experts ([experts * rows, row bytes])
+        grid = quant_grid(raw, qtype) if grids is not None and len(t.dims) in (2, 3) else None
         if t.name == ROPE_FREQS:
             yield ROPE_FREQS, torch.from_numpy(np.array(w, dtype=np.float32))  # a copy
             continue

@@ -256,14 +256,15 @@ def _load_gguf_packed(model: nn.Module, source: ModelSource, dtype: torch.dtype)
 
 
 def _gguf_matrix_types(source: ModelSource, fmt: str) -> set[str]:
-    """The GGML types of a GGUF file's matrices (empty for other formats)."""
+    """The GGML types of a GGUF file's matrices and stacked experts (empty for other
+    formats)."""
     if fmt != "gguf":
         return set()
     from asyncengine.executor.models.gguf import read_header
     from asyncengine.executor.models.kquants import type_name
 
     return {type_name(t.ggml_type) for t in read_header(source.gguf_path).tensors
-            if len(t.dims) == 2}
+            if len(t.dims) in (2, 3)}  # matrices and a mixture's stacked experts
 
 
 def _load_format(source: ModelSource, load_format: str) -> str:

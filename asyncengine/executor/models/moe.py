@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -164,9 +164,12 @@ class SparseMoE(nn.Module):
 
     # -- quantization --------------------------------------------------------------------
     @torch.no_grad()
-    def quantize_experts(self, method: str) -> None:
+    def quantize_experts(self, method: str, grids: dict[str, Any] | None = None) -> None:
         """Pack the experts as ``--quantization int8 / int4`` packs linear layers: int8 per
-        output channel, int4 per block of 32 inputs (scale, min) (``int4.py``)."""
+        output channel, int4 per block of 32 inputs (scale, min) (``int4.py``). ``grids``: a
+        GGUF file's ``QuantGrid`` by checkpoint name relative to this module
+        (``experts.gate_proj.weight``): Q8_0 experts (int8) or Q4_0 / Q4_1 ones (int4) are
+        kept exactly as the file stores them, int8 with its scale per block of 32."""
         if method not in ("int8", "int4") or self.quant != "float32":
             return
         from asyncengine.executor.models.int4 import quantize_int4
@@ -179,18 +182,34 @@ class SparseMoE(nn.Module):
         for name in ("w13", "w2"):
             w = getattr(self, name).data.float()
             E, N, K = w.shape
-            if method == "int8":  # per output channel, as quantization.quantize_int8
+            grid = self._file_grid(name, grids or {}, "q8" if method == "int8" else "q4")
+            if method == "int8" and grid is not None:  # the file's Q8_0 blocks
+                packed, scale = grid[1].to(torch.int8), grid[0].float()
+            elif method == "int8":  # per output channel, as quantization.quantize_int8
                 amax = w.abs().amax(dim=2, keepdim=True)
                 scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
                 packed = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
             else:
-                q, s, mn = quantize_int4(w.reshape(E * N, K))
+                flat = None if grid is None else tuple(g.reshape(E * N, K // 32) for g in grid)
+                q, s, mn = quantize_int4(w.reshape(E * N, K), flat)
                 packed = packed_kernels.pack_int4(q).view(E, N, K // 2)
                 scale = torch.stack([s, mn], dim=-1).view(E, N, K // 32, 2)
             delattr(self, name)
             self.register_buffer(name, packed.contiguous())
             self.register_buffer(f"{name}_scale", scale.contiguous())
         self.quant = method
+
+    def _file_grid(self, name: str, grids: dict[str, Any], kind: str
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(scale, other) of stack ``name`` (w13: gate rows then up rows; w2) as [E, N, ...]
+        from the file's grids of kind ``kind``, or None unless every part has one."""
+        parts = ["gate_proj", "up_proj"] if name == "w13" else ["down_proj"]
+        found = [grids.get(f"experts.{p}.weight") for p in parts]
+        if not all(g is not None and g.kind == kind for g in found):
+            return None
+        E = self.num_experts
+        return tuple(torch.cat([torch.from_numpy(getattr(g, f)).reshape(E, -1, *getattr(
+            g, f).shape[1:]) for g in found], dim=1) for f in ("scale", "other"))
 
     def dequantized(self, name: str, experts: torch.Tensor | None = None) -> torch.Tensor:
         """Expert weights ``name`` (w13, w2) as float32 [E', N, K] (``experts``: which)."""
@@ -201,8 +220,8 @@ class SparseMoE(nn.Module):
             return w.float()
         s = getattr(self, f"{name}_scale")
         s = s if experts is None else s[experts]
-        if self.quant == "int8":
-            return w.float() * s.float()
+        if self.quant == "int8":  # a scale per row, or per block of 32 (Q8_0)
+            return w.float() * s.float().repeat_interleave(w.shape[-1] // s.shape[-1], dim=-1)
         q = packed_kernels.unpack_int4(w.reshape(-1, w.shape[-1])).float()
         E, N = w.shape[:2]
         K = q.shape[1]

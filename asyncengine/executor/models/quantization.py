@@ -155,9 +155,11 @@ def quantize_model(model: nn.Module, method: str, grids: dict[str, Any] | None =
                     prefix = f"{qual}." if qual else ""
                     grid = _q8_grid(grids, [f"{prefix}{p}.weight" for p in _shards(name)])
                     setattr(parent, name, Int8Linear(child.weight.data, child.bias, grid))
-    for module in model.modules():  # the experts of a mixture (``moe.py``)
+    for qual, module in model.named_modules():  # the experts of a mixture (``moe.py``)
         if hasattr(module, "quantize_experts"):
-            module.quantize_experts(method)
+            prefix = f"{qual}."
+            module.quantize_experts(method, {n[len(prefix):]: g for n, g in grids.items()
+                                             if n.startswith(prefix)})
     _quantize_head(model, grids)
     if not any(m.use_kernel for m in model.modules() if isinstance(m, Int8Linear)):
         logger.warning("--quantization %s: the packed CPU kernels are not available here; the "
