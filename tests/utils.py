@@ -169,7 +169,8 @@ def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[st
     a ``rope_freqs`` tensor; Gemma's norms stored as ``1 + w`` with its soft-caps and window;
     Phi-3's partial rotary and LongRoPE factor tensors. No tokenizer inside. ``quant``: a
     GGML type (``Q8_0``, ``Q4_0``, ...) for every matrix and stack of experts whose rows are
-    whole blocks (norms stay F32). Returns the file's path."""
+    whole blocks (norms and a mixture's routers stay F32, as llama-quantize leaves them).
+    Returns the file's path."""
     import gguf
     import numpy as np
     import torch
@@ -227,7 +228,8 @@ def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[st
 
     def add(name: str, x: np.ndarray) -> None:
         qtype = gguf.GGMLQuantizationType[quant] if quant else None
-        if qtype is None or x.ndim < 2 or x.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        if (qtype is None or x.ndim < 2 or x.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]
+                or "ffn_gate_inp" in name):  # llama-quantize leaves the routers as they are
             w.add_tensor(name, x)
             return
         w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)

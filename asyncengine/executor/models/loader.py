@@ -263,8 +263,10 @@ def _gguf_matrix_types(source: ModelSource, fmt: str) -> set[str]:
     from asyncengine.executor.models.gguf import read_header
     from asyncengine.executor.models.kquants import type_name
 
+    # matrices and a mixture's stacked experts; not its routers (``ffn_gate_inp``), which
+    # llama-quantize leaves in float and which stay float in the model whatever the method
     return {type_name(t.ggml_type) for t in read_header(source.gguf_path).tensors
-            if len(t.dims) in (2, 3)}  # matrices and a mixture's stacked experts
+            if len(t.dims) in (2, 3) and "ffn_gate_inp" not in t.name}
 
 
 def _load_format(source: ModelSource, load_format: str) -> str:
