@@ -10,12 +10,14 @@ Qwen3 with one MLP of ``top_k * expert_intermediate``: the same parameters per t
 (the router's ``experts x hidden`` aside). Per model and concurrency (--batch: 1 and 32) it
 prints decode tokens per second: asyncengine's decode steps measured directly (scheduler,
 runner, update; prompts of --prompt-len tokens prefilled first; the best and the median of
---steps steps), and transformers' own forward with its KV cache over the same shapes. The
-figure the issue asks for is the MoE / dense ratio at equal active parameters. Usage:
+--steps steps), and transformers' own forward with its KV cache over the same shapes (float32
+rows only). The figure the issue asks for is the MoE / dense ratio at equal active parameters,
+like with like: each --quantization row quantizes both models the same way (float32, or int8 /
+int4 for every linear layer and the experts). Usage:
 
     python benchmarks/moe.py [--batch 1 32] [--steps 20] [--experts 64] [--top-k 8]
         [--hidden 512] [--expert-intermediate 128] [--layers 8] [--no-hf]
-        [--quantization none|int8|int4] [--num-threads N]
+        [--quantization none int8 int4] [--num-threads N]
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def make_models(root: Path, args: argparse.Namespace) -> dict[str, str]:
     return paths
 
 
-def ours(path: str, batch: int, args: argparse.Namespace) -> tuple[float, float]:
+def ours(path: str, batch: int, args: argparse.Namespace,
+         quantization: str) -> tuple[float, float]:
     """(best, median) decode step seconds of asyncengine at ``batch`` requests."""
     from asyncengine.config import EngineConfig
     from asyncengine.core.request import Request
@@ -68,8 +71,8 @@ def ours(path: str, batch: int, args: argparse.Namespace) -> tuple[float, float]
 
     options = {"model": path, "dtype": "float32", "load_format": "dummy",
                "max_num_seqs": batch, "max_model_len": 1024}
-    if args.quantization != "none":
-        options["quantization"] = args.quantization
+    if quantization != "none":
+        options["quantization"] = quantization
     if args.num_threads:
         options["num_threads"] = args.num_threads
     parts = build(EngineConfig.from_dict(options))
@@ -130,30 +133,28 @@ def main(args: argparse.Namespace) -> int:
     root = Path(tempfile.mkdtemp(prefix="ae-moe-bench-"))
     try:
         paths = make_models(root, args)
-        rows = []
-        for batch in args.batch:
-            result = {}
-            for name in ("moe", "dense"):
-                best, median = ours(paths[name], batch, args)
-                result[name] = batch / best, batch / median
-                line = (f"batch {batch:3d} {name:5s} asyncengine: {batch / best:8.1f} tok/s best "
-                        f"({batch / median:.1f} median)")
-                if not args.no_hf:
-                    hf_best, hf_median = theirs(paths[name], batch, args)
-                    result[f"hf_{name}"] = batch / hf_best, batch / hf_median
-                    line += (f"   transformers: {batch / hf_best:8.1f} tok/s best "
-                             f"({batch / hf_median:.1f} median), asyncengine "
-                             f"{hf_best / best:.2f}x")
-                print(line, flush=True)
-            ratio = result["moe"][0] / result["dense"][0]
-            rows.append((batch, ratio, result))
-            print(f"batch {batch:3d} MoE / dense at equal active parameters: {ratio:.2f}x "
-                  f"(best steps; medians {result['moe'][1] / result['dense'][1]:.2f}x)",
-                  flush=True)
+        for quantization in args.quantization:
+            for batch in args.batch:
+                result = {}
+                for name in ("moe", "dense"):
+                    best, median = ours(paths[name], batch, args, quantization)
+                    result[name] = batch / best, batch / median
+                    line = (f"{quantization:4s} batch {batch:3d} {name:5s} asyncengine: "
+                            f"{batch / best:8.1f} tok/s best ({batch / median:.1f} median)")
+                    if not args.no_hf and quantization == "none":
+                        hf_best, hf_median = theirs(paths[name], batch, args)
+                        line += (f"   transformers: {batch / hf_best:8.1f} tok/s best "
+                                 f"({batch / hf_median:.1f} median), asyncengine "
+                                 f"{hf_best / best:.2f}x")
+                    print(line, flush=True)
+                ratio = result["moe"][0] / result["dense"][0]
+                print(f"{quantization:4s} batch {batch:3d} MoE / dense at equal active "
+                      f"parameters: {ratio:.2f}x (best steps; medians "
+                      f"{result['moe'][1] / result['dense'][1]:.2f}x)", flush=True)
         print(f"threads={args.num_threads or torch.get_num_threads()} experts={args.experts} "
               f"top_k={args.top_k} "
               f"hidden={args.hidden} expert_intermediate={args.expert_intermediate} "
-              f"layers={args.layers} quantization={args.quantization}")
+              f"layers={args.layers}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
@@ -172,7 +173,9 @@ if __name__ == "__main__":
     p.add_argument("--vocab", type=int, default=8192,
                    help="the logits head's rows (Qwen3-MoE's head is ~10%% of its active "
                         "parameters; at 49152 here it would be most of them)")
-    p.add_argument("--quantization", default="none")
+    p.add_argument("--quantization", nargs="+", default=["none"],
+                   choices=["none", "int8", "int4"],
+                   help="each a row: both models' weights (dense and experts) so quantized")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--num-threads", type=int, default=0, help="compute threads (0: the cores)")
     raise SystemExit(main(p.parse_args()))

@@ -12,17 +12,23 @@
 // Two phases over the OpenMP threads, one barrier between them (on a loaded machine every
 // barrier waits for the slowest thread to be scheduled): first by (expert, gate row i with
 // up row I + i, 8 columns an item), so each item ends in its columns of a; then by output
-// columns, two an item,
-// each item over every active expert, so each thread owns its columns of `out` and no two
-// threads add to one value. Every weight row is read once per call whatever the number of
-// tokens routed to its expert (a quantized row is dequantized once into L1 and multiplied
-// against all of them).
+// columns, each thread over every active expert, so each thread owns its columns of `out` and
+// no two threads add to one value. Every weight row is read once per call whatever the number
+// of tokens routed to its expert: a tile of a few weight rows is multiplied against all of
+// them, 4 at a time.
+//
+// With AVX-512 and VNNI (moe512.h) the tiles are 512-bit: float32 FMAs, and for int8 (a scale
+// per row) and int4 experts byte dot products against input rows rounded to int8 (each token
+// once for every expert it goes to), so that a quantized expert costs its bytes, not a
+// dequantization into float. Elsewhere (AVX2 or plain C++; int8 with a scale per block) each
+// quantized row is dequantized once into L1 and multiplied against the group's rows.
 #define kernel ae_int4_mm
 #include "int4.cpp"
 #undef kernel
 #define kernel ae_int8_mm
 #include "int8.cpp"
 #undef kernel
+#include "moe512.h"
 
 enum { AE_MOE_F32 = 0, AE_MOE_INT8 = 1, AE_MOE_INT4 = 2 };
 #ifndef AE_MOE_TEAM_MIN
@@ -70,6 +76,152 @@ static inline void ae_moe_silu8(const float* gu, float* a, int64_t M, int64_t I)
     }
 }
 
+#ifdef AE_MOE_512
+#include <type_traits>
+#ifndef AE_MOE_AHEAD
+#define AE_MOE_AHEAD 8  // weight rows fetched ahead of the tile
+#endif
+// res[4 m + j] = row n + j of expert e of `mat` . input row idx[m], for j < 4, m < mr (<= 4).
+static inline void ae_moe_tile(const AeExpertMat& mat, int64_t e, int64_t n, const AeTileIn& in,
+                               const int64_t* idx, int mr, float* res) {
+    const int64_t row = e * mat.N + n, K = mat.K;
+    auto by_rows = [mr](auto f) {
+        switch (mr) {
+            case 4: f(std::integral_constant<int, 4>{}); break;
+            case 3: f(std::integral_constant<int, 3>{}); break;
+            case 2: f(std::integral_constant<int, 2>{}); break;
+            default: f(std::integral_constant<int, 1>{}); break;
+        }
+    };
+    float fac[4];
+    for (int m = 0; m < mr; ++m) fac[m] = in.fac ? in.fac[idx[m]] : 0.f;
+    if (mat.kind == AE_MOE_F32) {
+        const float* x[4];
+        for (int m = 0; m < mr; ++m) x[m] = in.f + idx[m] * in.stride;
+        const float* w = reinterpret_cast<const float*>(mat.w) + row * K;
+        by_rows([&](auto c) { ae_tile_f32<decltype(c)::value>(w, K, x, w + AE_MOE_AHEAD * K, res); });
+    } else if (mat.kind == AE_MOE_INT8) {
+        const int16_t* x[4];
+        for (int m = 0; m < mr; ++m) x[m] = in.h + idx[m] * in.stride;
+        const int8_t* w = reinterpret_cast<const int8_t*>(mat.w) + row * K;
+        const float* s = reinterpret_cast<const float*>(mat.s) + row;
+        by_rows([&](auto c) {
+            ae_tile_q8<decltype(c)::value>(w, s, K, x, fac, w + AE_MOE_AHEAD * K, res);
+        });
+    } else {
+        const int8_t* q[4];
+        const int8_t* r[4];
+        const float* xb[4];
+        for (int m = 0; m < mr; ++m) {
+            q[m] = in.q + idx[m] * in.stride;
+            r[m] = in.r + idx[m] * in.stride;
+            xb[m] = in.xb + idx[m] * in.xb_stride;
+        }
+        const uint8_t* w = mat.w + row * (K / 2);
+        const uint16_t* sm = reinterpret_cast<const uint16_t*>(mat.s) + row * (K / 16);
+        by_rows([&](auto c) {
+            ae_tile_q4<decltype(c)::value>(w, sm, K, q, r, xb, fac, w + AE_MOE_AHEAD * (K / 2),
+                                           res);
+        });
+    }
+}
+
+// Rows [0, n) of x [n, K] rounded for the tiles of `kind` (int8: int16; int4: twice to int8),
+// into q / f, described by `in`.
+static inline void ae_moe_round(const float* x, int64_t n, int64_t K, int64_t kind,
+                                std::vector<int8_t>& q, std::vector<float>& f, AeTileIn& in) {
+    in = AeTileIn{x, nullptr, nullptr, nullptr, nullptr, nullptr, K, 0};
+    if (kind == AE_MOE_F32) return;
+    q.resize(2 * n * K);
+    if (kind == AE_MOE_INT8) {
+        f.resize(n);
+        int16_t* h = reinterpret_cast<int16_t*>(q.data());
+        in.h = h;
+        in.fac = f.data();
+        for (int64_t t = 0; t < n; ++t) ae_round16_row(x + t * K, K, h + t * K, f.data() + t);
+        return;
+    }
+    const int64_t xbs = (K / 16 + 15) / 16 * 16;
+    f.resize(n * (1 + xbs));
+    in = AeTileIn{x, nullptr, q.data(), q.data() + n * K, f.data(), f.data() + n, K, xbs};
+    for (int64_t t = 0; t < n; ++t)
+        ae_round_row512(x + t * K, K, q.data() + t * K, q.data() + (n + t) * K, f.data() + t,
+                        f.data() + n + t * xbs, xbs);
+}
+
+// The kernel below on 512-bit tiles (see the top of this file).
+static void ae_moe512(const float* x, const int64_t* rows, const int64_t* offs, const float* wts,
+                      const AeExpertMat& m13, const AeExpertMat& m2, float* out, int64_t T,
+                      int64_t k, int64_t E) {
+    const int64_t K = m13.K, I = m2.K, kind = m13.kind, R = T * k;
+    std::vector<int64_t> active;
+    int64_t max_rows = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        if (offs[e + 1] > offs[e]) active.push_back(e);
+        max_rows = std::max(max_rows, offs[e + 1] - offs[e]);
+    }
+    const int64_t n_active = (int64_t)active.size();
+    std::vector<int8_t> xq;
+    std::vector<float> xf, a(R * I);
+    AeTileIn in13;
+    ae_moe_round(x, T, K, kind, xq, xf, in13);  // each token once for all its experts
+    std::memset(out, 0, T * K * sizeof(float));
+    const int64_t work = n_active * 3 * I * K;
+    const AeWithoutGil released(work >= AE_RELEASE_GIL_ELEMENTS);
+    #pragma omp parallel if (work >= AE_MOE_TEAM_MIN)
+    {
+        std::vector<float> h(16 * max_rows);  // per row: gate of 8 columns, then up
+        float res[16];
+        int64_t idx[4];
+        #pragma omp for schedule(static)
+        for (int64_t item = 0; item < n_active * (I / 8); ++item) {
+            const int64_t e = active[item / (I / 8)], i = item % (I / 8) * 8;
+            const int64_t r0 = offs[e], M = offs[e + 1] - r0;
+            for (int64_t half = 0; half < 2; ++half)
+                for (int64_t j0 = 0; j0 < 8; j0 += 4)
+                    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                        const int mr = (int)std::min<int64_t>(4, M - m0);
+                        for (int m = 0; m < mr; ++m) idx[m] = rows[r0 + m0 + m];
+                        ae_moe_tile(m13, e, half * I + i + j0, in13, idx, mr, res);
+                        for (int m = 0; m < mr; ++m)
+                            _mm_storeu_ps(h.data() + (m0 + m) * 16 + half * 8 + j0,
+                                          _mm_loadu_ps(res + 4 * m));
+                    }
+            for (int64_t r = 0; r < M; ++r) {
+                const float* g = h.data() + r * 16;
+                float* ar = a.data() + (r0 + r) * I + i;
+                const __m256 gv = _mm256_loadu_ps(g);
+                const __m256 ex = ae_exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+                _mm256_storeu_ps(ar, _mm256_mul_ps(
+                    _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), ex)),
+                    _mm256_loadu_ps(g + 8)));
+            }
+        }
+        // (the barrier of `omp for`: every column of `a` is done); each thread its columns
+        std::vector<int8_t> aq;
+        std::vector<float> af;
+        AeTileIn in2;
+        ae_moe_round(a.data(), R, I, kind, aq, af, in2);
+        const int64_t tiles = K / 4, nt = ae_team_size(), t = ae_thread_num();
+        const int64_t c0 = tiles * t / nt * 4, c1 = tiles * (t + 1) / nt * 4;
+        for (int64_t j = 0; j < n_active; ++j) {
+            const int64_t e = active[j], r0 = offs[e], M = offs[e + 1] - r0;
+            for (int64_t c = c0; c < c1; c += 4)
+                for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                    const int mr = (int)std::min<int64_t>(4, M - m0);
+                    for (int m = 0; m < mr; ++m) idx[m] = r0 + m0 + m;
+                    ae_moe_tile(m2, e, c, in2, idx, mr, res);
+                    for (int m = 0; m < mr; ++m) {
+                        float* o = out + rows[r0 + m0 + m] * K + c;
+                        _mm_storeu_ps(o, _mm_fmadd_ps(_mm_set1_ps(wts[r0 + m0 + m]),
+                                                      _mm_loadu_ps(res + 4 * m), _mm_loadu_ps(o)));
+                    }
+                }
+        }
+    }
+}
+#endif
+
 // x: float [T, K]; rows: int64 [R] (R = T * k) token of each assignment sorted by expert;
 // offs: int64 [E + 1]; wts: float [R] each sorted assignment's routing weight. w13/s13,
 // w2/s2: the expert weights (kind: 0 float32, 1 int8 with groups g13 / g2 of inputs per
@@ -78,6 +230,23 @@ extern "C" void kernel(const float* x, const int64_t* rows, const int64_t* offs,
                        const float* wts, const uint8_t* w13, const uint8_t* s13,
                        const uint8_t* w2, const uint8_t* s2, float* out, int64_t T, int64_t k,
                        int64_t E, int64_t K, int64_t I, int64_t kind, int64_t g13, int64_t g2) {
+    if (T == 0) {  // the query: whether the 512-bit tiles are compiled in
+#ifdef AE_MOE_512
+        out[0] = 1.f;
+#else
+        out[0] = 0.f;
+#endif
+        return;
+    }
+#ifdef AE_MOE_512
+    if (K % 4 == 0 && I % 8 == 0 && (kind == AE_MOE_F32 || (kind == AE_MOE_INT8 && g13 == K &&
+                                                            g2 == I) ||
+                                     (kind == AE_MOE_INT4 && K % 32 == 0 && I % 32 == 0))) {
+        ae_moe512(x, rows, offs, wts, AeExpertMat{kind, 2 * I, K, g13, w13, s13},
+                  AeExpertMat{kind, K, I, g2, w2, s2}, out, T, k, E);
+        return;
+    }
+#endif
     const int64_t R = T * k;
     std::vector<int64_t> active;
     int64_t max_rows = 0;

@@ -24,6 +24,7 @@ Weights are stacked per expert: ``w13`` [E, 2 I, H] (gate rows, then up rows) an
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -50,6 +51,18 @@ _warned: set[str] = set()
 def kernel() -> object | None:
     """The compiled ``moe.cpp`` kernel, or None where it does not build."""
     return build.load("moe", _ARGS)
+
+
+@functools.cache
+def wide_tiles() -> bool:
+    """Whether the kernel has its AVX-512 tiles compiled in (float32 FMAs, int16 / byte dot
+    products for int8 / int4 experts: ``kernels/moe512.h``); a call with no tokens asks."""
+    k = kernel()
+    if k is None:
+        return False
+    flag, none = torch.zeros(1), torch.zeros(2, dtype=torch.int64)
+    k(flag, none, none, flag, none, none, none, none, flag, 0, 1, 1, 8, 8, 0, 0, 0)
+    return bool(flag[0])
 
 
 # checkpoint name of a per-expert projection -> (stack, which rows of it)
