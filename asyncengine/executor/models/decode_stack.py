@@ -109,7 +109,8 @@ class DecodeStack:
         T = h.shape[0]
         if T >= DEQUANT_ROWS or h.dtype != torch.float32 or not layer_ops.usable(h):
             return None
-        if lora is not None and (self.lora_table is None or lora.slots.device.type != "cpu"):
+        if lora is not None and (self.lora_table is None or lora.slots.device.type != "cpu"
+                                 or lora.segments is not None):
             return None
         plan_of = getattr(backend, "decode_plan", None)
         plan = plan_of(meta, h, self.num_kv_heads) if plan_of is not None else None
