@@ -3,11 +3,15 @@
 // A Llama-family decode step through every decoder layer in one call: the layer kernels of
 // this folder, called in sequence from C++ instead of ~15 Python / PyTorch calls per layer.
 // Each is the same kernel the per-op path calls (included here under its own name), with the
-// same arguments, so the result is the per-op path's to the bit. Float32 activations, int4
-// weights (int4.cpp's layout), T decode tokens (one per request, rows 0 .. T-1 in order).
+// same arguments, so the result is the per-op path's to the bit. Float32 activations, T
+// decode tokens (one per request, rows 0 .. T-1 in order). The matmuls: int4 weights
+// (int4.cpp's layout) here; decode_stack_kq.cpp defines AE_STACK_KQ and its own ae_stack_mm
+// (GGUF blocks kept packed, kquant.cpp, with a bias) and then includes this file.
+#ifndef AE_STACK_KQ
 #define kernel ae_int4_mm
 #include "int4.cpp"
 #undef kernel
+#endif
 #define kernel ae_rms_norm
 #include "rms_norm.cpp"
 #undef kernel
@@ -31,6 +35,7 @@
 #include "lora.cpp"
 #undef kernel
 
+#ifndef AE_STACK_KQ
 // Per layer, AE_STACK_PTRS addresses (int64) in `layers` [L, AE_STACK_PTRS]:
 enum {
     AE_IN_NORM,      // input_layernorm weight [HD]
@@ -46,6 +51,18 @@ enum {
     AE_KV,           // the layer's KV cache [2, blocks, BS, KVH, D]; V at + v_off elements
     AE_STACK_PTRS
 };
+#define AE_QKV AE_QKV_Q
+#define AE_O AE_O_Q
+#define AE_GU AE_GU_Q
+#define AE_DOWN AE_DOWN_Q
+
+// y [T, N] = x [T, K] @ W.T for the projection whose addresses start at layer[at].
+static inline void ae_stack_mm(const int64_t* layer, int at, const float* x, float* y,
+                               int64_t T, int64_t N, int64_t K) {
+    ae_int4_mm(x, reinterpret_cast<const uint8_t*>(layer[at]),
+               reinterpret_cast<const uint16_t*>(layer[at + 1]), y, T, N, K);
+}
+#endif
 
 template <typename P>
 static inline P* ae_ptr(const int64_t* layer, int i) { return reinterpret_cast<P*>(layer[i]); }
@@ -98,23 +115,19 @@ extern "C" void kernel(const float* h, float* out, const int64_t* layers, const 
         else  // residual += h; x = norm(residual)
             ae_rms_norm(hs, residual, ae_ptr<const float>(w, AE_IN_NORM), x, T, HD, HD, 1,
                         eps);
-        ae_int4_mm(x, ae_ptr<const uint8_t>(w, AE_QKV_Q), ae_ptr<const uint16_t>(w, AE_QKV_SM),
-                   qkv, T, QKV, HD);
+        ae_stack_mm(w, AE_QKV, x, qkv, T, QKV, HD);
         ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_QKV, x, qkv, T, HD, QKV);
         ae_rope(qkv, cos, sin, T, H + KVH, D, QKV);  // q and k heads, in place
         ae_kv_write(qkv + H * D, qkv + (H + KVH) * D, kv, slots, T, KVH * D, QKV, QKV, v_off);
         ae_decode_attention(qkv, kv, tables, lens, rows, att, T, H, KVH, D, BS, table_stride,
                             QKV, split, scale, v_off, 0, 0.f);
-        ae_int4_mm(att, ae_ptr<const uint8_t>(w, AE_O_Q), ae_ptr<const uint16_t>(w, AE_O_SM),
-                   hs, T, HD, H * D);
+        ae_stack_mm(w, AE_O, att, hs, T, HD, H * D);
         ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_O, att, hs, T, H * D, HD);
         ae_rms_norm(hs, residual, ae_ptr<const float>(w, AE_POST_NORM), x, T, HD, HD, 1, eps);
-        ae_int4_mm(x, ae_ptr<const uint8_t>(w, AE_GU_Q), ae_ptr<const uint16_t>(w, AE_GU_SM),
-                   gu, T, 2 * I, HD);
+        ae_stack_mm(w, AE_GU, x, gu, T, 2 * I, HD);
         ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_GU, x, gu, T, HD, 2 * I);
         ae_silu_mul(gu, act, T, I);
-        ae_int4_mm(act, ae_ptr<const uint8_t>(w, AE_DOWN_Q),
-                   ae_ptr<const uint16_t>(w, AE_DOWN_SM), hs, T, HD, I);
+        ae_stack_mm(w, AE_DOWN, act, hs, T, HD, I);
         ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_DOWN, act, hs, T, I, HD);
     }
     ae_rms_norm(hs, residual, final_norm, out, T, HD, HD, 1, eps);
