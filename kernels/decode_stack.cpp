@@ -7,7 +7,12 @@
 // decode tokens (one per request, rows 0 .. T-1 in order). The matmuls: int4 weights
 // (int4.cpp's layout) here; decode_stack_kq.cpp defines AE_STACK_KQ and its own ae_stack_mm
 // (GGUF blocks kept packed, kquant.cpp, with a bias) and then includes this file.
+// Activations in the layer kernels' element type ae_t (common.h): float32, or bfloat16 for the
+// GGUF stack (a bfloat16 model: its matmuls take float32 copies, as GGUFLinear's forward does).
 #ifndef AE_STACK_KQ
+#if AE_DTYPE != 0
+#error "the int4 decode stack is float32 only"
+#endif
 #define kernel ae_int4_mm
 #include "int4.cpp"
 #undef kernel
@@ -74,8 +79,8 @@ static inline P* ae_ptr(const int64_t* layer, int i) { return reinterpret_cast<P
 enum { AE_LORA_QKV, AE_LORA_O, AE_LORA_GU, AE_LORA_DOWN };
 
 static inline void ae_stack_lora(const int64_t* lora, const int64_t* lora_r,
-                                 const int64_t* lora_slots, int64_t l, int m, const float* x,
-                                 float* y, int64_t T, int64_t K, int64_t N) {
+                                 const int64_t* lora_slots, int64_t l, int m, const ae_t* x,
+                                 ae_t* y, int64_t T, int64_t K, int64_t N) {
     if (lora_slots == nullptr) return;
     const int64_t* p = lora + l * 16 + m * 4;
     ae_lora(x, y, reinterpret_cast<const float*>(p[0]), reinterpret_cast<const float*>(p[1]),
@@ -86,8 +91,8 @@ static inline void ae_stack_lora(const int64_t* lora, const int64_t* lora_r,
 // h: [T, HD] the token embeddings; out: [T, HD] the final normed hidden states (final_norm).
 // cos, sin: [T, D] (RotaryEmbedding's); slots: int64 [T] cache slots of the new tokens;
 // tables, lens, rows, split: decode_attention.cpp's (lens include the new token).
-extern "C" void kernel(const float* h, float* out, const int64_t* layers, const float* final_norm,
-                       const float* cos, const float* sin, const int64_t* slots,
+extern "C" void kernel(const ae_t* h, ae_t* out, const int64_t* layers, const ae_t* final_norm,
+                       const ae_t* cos, const ae_t* sin, const int64_t* slots,
                        const int64_t* tables, const int64_t* lens, const int64_t* rows,
                        int64_t L, int64_t T, int64_t HD, int64_t H, int64_t KVH, int64_t D,
                        int64_t I, int64_t BS, int64_t table_stride, int64_t split,
@@ -96,24 +101,24 @@ extern "C" void kernel(const float* h, float* out, const int64_t* layers, const 
     if (!use_lora) lora_slots = nullptr;
     const AeWithoutGil released;  // milliseconds of work: the event loop runs meanwhile
     const int64_t QKV = (H + 2 * KVH) * D;
-    static thread_local std::vector<float> buf;
+    static thread_local std::vector<ae_t> buf;
     const int64_t need = T * (3 * HD + QKV + H * D + 3 * I);
     if ((int64_t)buf.size() < need) buf.resize(need);
-    float* residual = buf.data();
-    float* x = residual + T * HD;       // a norm's output, the next matmul's input
-    float* hs = x + T * HD;             // a sublayer's output
-    float* qkv = hs + T * HD;
-    float* att = qkv + T * QKV;
-    float* gu = att + T * H * D;
-    float* act = gu + T * 2 * I;
-    std::memcpy(residual, h, T * HD * sizeof(float));
+    ae_t* residual = buf.data();
+    ae_t* x = residual + T * HD;       // a norm's output, the next matmul's input
+    ae_t* hs = x + T * HD;             // a sublayer's output
+    ae_t* qkv = hs + T * HD;
+    ae_t* att = qkv + T * QKV;
+    ae_t* gu = att + T * H * D;
+    ae_t* act = gu + T * 2 * I;
+    std::memcpy(residual, h, T * HD * sizeof(ae_t));
     for (int64_t l = 0; l < L; ++l) {
         const int64_t* w = layers + l * AE_STACK_PTRS;
-        float* kv = ae_ptr<float>(w, AE_KV);
+        ae_t* kv = ae_ptr<ae_t>(w, AE_KV);
         if (l == 0)
-            ae_rms_norm(h, residual, ae_ptr<const float>(w, AE_IN_NORM), x, T, HD, HD, 0, eps);
+            ae_rms_norm(h, residual, ae_ptr<const ae_t>(w, AE_IN_NORM), x, T, HD, HD, 0, eps);
         else  // residual += h; x = norm(residual)
-            ae_rms_norm(hs, residual, ae_ptr<const float>(w, AE_IN_NORM), x, T, HD, HD, 1,
+            ae_rms_norm(hs, residual, ae_ptr<const ae_t>(w, AE_IN_NORM), x, T, HD, HD, 1,
                         eps);
         ae_stack_mm(w, AE_QKV, x, qkv, T, QKV, HD);
         ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_QKV, x, qkv, T, HD, QKV);
@@ -123,7 +128,7 @@ extern "C" void kernel(const float* h, float* out, const int64_t* layers, const 
                             QKV, split, scale, v_off, 0, 0.f);
         ae_stack_mm(w, AE_O, att, hs, T, HD, H * D);
         ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_O, att, hs, T, H * D, HD);
-        ae_rms_norm(hs, residual, ae_ptr<const float>(w, AE_POST_NORM), x, T, HD, HD, 1, eps);
+        ae_rms_norm(hs, residual, ae_ptr<const ae_t>(w, AE_POST_NORM), x, T, HD, HD, 1, eps);
         ae_stack_mm(w, AE_GU, x, gu, T, 2 * I, HD);
         ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_GU, x, gu, T, HD, 2 * I);
         ae_silu_mul(gu, act, T, I);

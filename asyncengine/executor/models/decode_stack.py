@@ -1,4 +1,5 @@
-"""A decode step's decoder layers in one C++ call (CPU, eager, float32, int4 or GGUF weights).
+"""A decode step's decoder layers in one C++ call (CPU, eager; int4 weights in float32, GGUF
+weights kept packed in float32 or bfloat16).
 
 At one decode token a SmolLM2-135M step is 30 layers of ~15 calls each (4 int4 matmuls, the
 norms, RoPE, the K/V write, attention, SiLU * up) with the module calls, views and
@@ -27,12 +28,12 @@ from typing import Any
 import torch
 
 from asyncengine.executor.kernels import layer_ops
-from asyncengine.executor.kernels.build import load
+from asyncengine.executor.kernels.build import DTYPE_CODES, load
 from asyncengine.executor.models import kquants
 from asyncengine.executor.models.int4 import DEQUANT_ROWS, Int4Linear
 
-_ARGS = ("const float*", "float*", "const int64_t*", "const float*", "const float*",
-         "const float*", "const int64_t*", "const int64_t*", "const int64_t*", "const int64_t*",
+_ARGS = ("const ae_t*", "ae_t*", "const int64_t*", "const ae_t*", "const ae_t*",
+         "const ae_t*", "const int64_t*", "const int64_t*", "const int64_t*", "const int64_t*",
          "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
          "int64_t", "int64_t", "int64_t", "float", "float", "const int64_t*", "const int64_t*",
          "const int64_t*", "int64_t")
@@ -48,9 +49,11 @@ _KQ_PTRS = 2 + 4 * _KQ_PROJ + 1
 class DecodeStack:
     """The model's layers as one table of addresses, for ``decode_stack.cpp``."""
 
-    def __init__(self, model: Any, fn: Any, kquant: bool = False) -> None:
+    def __init__(self, model: Any, fn: Any, kquant: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.fn = fn
         self.kquant = kquant
+        self.dtype = dtype  # of the activations, norms and KV cache (bfloat16: GGUF only)
         # the most tokens a step may have: the matmul kernels' packed range
         self.max_rows = kquants.TILE_ROWS if kquant else DEQUANT_ROWS
         self.num_layers = model.num_layers
@@ -86,7 +89,7 @@ class DecodeStack:
         self.lora_steps = 0  # steps run with adapter rows
         self._no_lora = torch.zeros(1, dtype=torch.int64)
         tables = getattr(getattr(model, "lora", None), "tables", None)
-        if tables is not None:
+        if tables is not None and not kquant:  # GGUF: steps with adapter rows go per layer
             rows, widths = [], None
             for i in range(self.num_layers):
                 p = f"model.layers.{i}."
@@ -116,14 +119,21 @@ class DecodeStack:
                                   and lin.packed.is_contiguous()
                                   and lin.scale_min.is_contiguous() for lin in linears):
             return None
-        for layer in model.model.layers:
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms):
-                return None
-        if model.model.norm.weight.dtype != torch.float32:
+        # float32; a GGUF model also in bfloat16 (its matmuls take float32 copies, as
+        # GGUFLinear's do), biases included
+        dtype = model.model.norm.weight.dtype
+        if dtype not in ((torch.float32, torch.bfloat16) if kquant else (torch.float32,)):
             return None
-        fn = load("decode_stack_kq" if kquant else "decode_stack", _ARGS, 0)
-        return None if fn is None else cls(model, fn, kquant)
+        for layer in model.model.layers:
+            tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if kquant:
+                tensors += [lin.bias for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                            if lin.bias is not None]
+            if any(w.dtype != dtype or w.device.type != "cpu" for w in tensors):
+                return None
+        fn = load("decode_stack_kq" if kquant else "decode_stack", _ARGS, DTYPE_CODES[dtype])
+        return None if fn is None else cls(model, fn, kquant, dtype)
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             kv_caches: list[torch.Tensor], meta: Any, backend: Any,
@@ -132,7 +142,7 @@ class DecodeStack:
         when this step is not one the stack runs (the caller takes the per-layer path).
         ``lora``: the step's ``lora.ops.LoRAStep`` when it has adapter rows."""
         T = h.shape[0]
-        if T >= self.max_rows or h.dtype != torch.float32 or not layer_ops.usable(h):
+        if T >= self.max_rows or h.dtype != self.dtype or not layer_ops.usable(h):
             return None
         if lora is not None and (self.lora_table is None or lora.slots.device.type != "cpu"):
             return None
@@ -141,10 +151,10 @@ class DecodeStack:
         if plan is None:
             return None
         kv = kv_caches[0]
-        if kv.dtype != torch.float32 or kv.stride(0) != kv_caches[-1].stride(0):
+        if kv.dtype != self.dtype or kv.stride(0) != kv_caches[-1].stride(0):
             return None
         self._point_at(kv_caches)
-        out = torch.empty(T, self.hidden, dtype=torch.float32)
+        out = torch.empty(T, self.hidden, dtype=self.dtype)
         self.fn(h.contiguous(), out, self.table, self.final_norm, cos, sin, meta.slot_mapping,
                 plan.tables, plan.lens, plan.rows, self.num_layers, T, self.hidden,
                 self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
@@ -162,7 +172,7 @@ class DecodeStack:
         """The table's last column: each layer's KV cache (re-read if the caches moved)."""
         ptrs = tuple(c.data_ptr() for c in kv_caches)
         if ptrs != self._caches:
-            if len(ptrs) != self.num_layers or any(c.dtype != torch.float32 or
+            if len(ptrs) != self.num_layers or any(c.dtype != self.dtype or
                                                    not c.is_contiguous() for c in kv_caches):
                 raise ValueError("the KV caches do not match the model's layers")
             self.table[:, -1] = torch.tensor(ptrs, dtype=torch.int64)
@@ -175,12 +185,12 @@ def _int4(lin: Int4Linear) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _kq_ok(lin: Any) -> bool:
     """Whether ``lin`` is a GGUFLinear that decode_stack_kq.cpp multiplies as GGUFLinear does:
-    through its kernel, at most _KQ_PARTS parts, contiguous rows, a float32 bias or none."""
+    through its kernel, at most _KQ_PARTS parts, contiguous rows, a contiguous bias or none."""
     if not (isinstance(lin, kquants.GGUFLinear) and lin.use_kernel
             and len(lin.qtypes) <= _KQ_PARTS):
         return False
     bias = lin.bias
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+    if bias is not None and not bias.is_contiguous():
         return False
     return all(raw.is_contiguous() for raw, _ in lin.parts())
 
