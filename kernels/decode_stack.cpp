@@ -3,11 +3,20 @@
 // A Llama-family decode step through every decoder layer in one call: the layer kernels of
 // this folder, called in sequence from C++ instead of ~15 Python / PyTorch calls per layer.
 // Each is the same kernel the per-op path calls (included here under its own name), with the
-// same arguments, so the result is the per-op path's to the bit. Float32 activations, int4
-// weights (int4.cpp's layout), T decode tokens (one per request, rows 0 .. T-1 in order).
+// same arguments, so the result is the per-op path's to the bit. Float32 activations, T
+// decode tokens (one per request, rows 0 .. T-1 in order). The matmuls: int4 weights
+// (int4.cpp's layout) here; decode_stack_kq.cpp defines AE_STACK_KQ and its own ae_stack_mm
+// (GGUF blocks kept packed, kquant.cpp, with a bias) and then includes this file.
+// Activations in the layer kernels' element type ae_t (common.h): float32, or bfloat16 for the
+// GGUF stack (a bfloat16 model: its matmuls take float32 copies, as GGUFLinear's forward does).
+#ifndef AE_STACK_KQ
+#if AE_DTYPE != 0
+#error "the int4 decode stack is float32 only"
+#endif
 #define kernel ae_int4_mm
 #include "int4.cpp"
 #undef kernel
+#endif
 #define kernel ae_rms_norm
 #include "rms_norm.cpp"
 #undef kernel
@@ -31,6 +40,7 @@
 #include "lora.cpp"
 #undef kernel
 
+#ifndef AE_STACK_KQ
 // Per layer, AE_STACK_PTRS addresses (int64) in `layers` [L, AE_STACK_PTRS]:
 enum {
     AE_IN_NORM,      // input_layernorm weight [HD]
@@ -46,6 +56,18 @@ enum {
     AE_KV,           // the layer's KV cache [2, blocks, BS, KVH, D]; V at + v_off elements
     AE_STACK_PTRS
 };
+#define AE_QKV AE_QKV_Q
+#define AE_O AE_O_Q
+#define AE_GU AE_GU_Q
+#define AE_DOWN AE_DOWN_Q
+
+// y [T, N] = x [T, K] @ W.T for the projection whose addresses start at layer[at].
+static inline void ae_stack_mm(const int64_t* layer, int at, const float* x, float* y,
+                               int64_t T, int64_t N, int64_t K) {
+    ae_int4_mm(x, reinterpret_cast<const uint8_t*>(layer[at]),
+               reinterpret_cast<const uint16_t*>(layer[at + 1]), y, T, N, K);
+}
+#endif
 
 template <typename P>
 static inline P* ae_ptr(const int64_t* layer, int i) { return reinterpret_cast<P*>(layer[i]); }
@@ -57,8 +79,8 @@ static inline P* ae_ptr(const int64_t* layer, int i) { return reinterpret_cast<P
 enum { AE_LORA_QKV, AE_LORA_O, AE_LORA_GU, AE_LORA_DOWN };
 
 static inline void ae_stack_lora(const int64_t* lora, const int64_t* lora_r,
-                                 const int64_t* lora_slots, int64_t l, int m, const float* x,
-                                 float* y, int64_t T, int64_t K, int64_t N) {
+                                 const int64_t* lora_slots, int64_t l, int m, const ae_t* x,
+                                 ae_t* y, int64_t T, int64_t K, int64_t N) {
     if (lora_slots == nullptr) return;
     const int64_t* p = lora + l * 16 + m * 4;
     ae_lora(x, y, reinterpret_cast<const float*>(p[0]), reinterpret_cast<const float*>(p[1]),
@@ -69,8 +91,8 @@ static inline void ae_stack_lora(const int64_t* lora, const int64_t* lora_r,
 // h: [T, HD] the token embeddings; out: [T, HD] the final normed hidden states (final_norm).
 // cos, sin: [T, D] (RotaryEmbedding's); slots: int64 [T] cache slots of the new tokens;
 // tables, lens, rows, split: decode_attention.cpp's (lens include the new token).
-extern "C" void kernel(const float* h, float* out, const int64_t* layers, const float* final_norm,
-                       const float* cos, const float* sin, const int64_t* slots,
+extern "C" void kernel(const ae_t* h, ae_t* out, const int64_t* layers, const ae_t* final_norm,
+                       const ae_t* cos, const ae_t* sin, const int64_t* slots,
                        const int64_t* tables, const int64_t* lens, const int64_t* rows,
                        int64_t L, int64_t T, int64_t HD, int64_t H, int64_t KVH, int64_t D,
                        int64_t I, int64_t BS, int64_t table_stride, int64_t split,
@@ -79,42 +101,38 @@ extern "C" void kernel(const float* h, float* out, const int64_t* layers, const 
     if (!use_lora) lora_slots = nullptr;
     const AeWithoutGil released;  // milliseconds of work: the event loop runs meanwhile
     const int64_t QKV = (H + 2 * KVH) * D;
-    static thread_local std::vector<float> buf;
+    static thread_local std::vector<ae_t> buf;
     const int64_t need = T * (3 * HD + QKV + H * D + 3 * I);
     if ((int64_t)buf.size() < need) buf.resize(need);
-    float* residual = buf.data();
-    float* x = residual + T * HD;       // a norm's output, the next matmul's input
-    float* hs = x + T * HD;             // a sublayer's output
-    float* qkv = hs + T * HD;
-    float* att = qkv + T * QKV;
-    float* gu = att + T * H * D;
-    float* act = gu + T * 2 * I;
-    std::memcpy(residual, h, T * HD * sizeof(float));
+    ae_t* residual = buf.data();
+    ae_t* x = residual + T * HD;       // a norm's output, the next matmul's input
+    ae_t* hs = x + T * HD;             // a sublayer's output
+    ae_t* qkv = hs + T * HD;
+    ae_t* att = qkv + T * QKV;
+    ae_t* gu = att + T * H * D;
+    ae_t* act = gu + T * 2 * I;
+    std::memcpy(residual, h, T * HD * sizeof(ae_t));
     for (int64_t l = 0; l < L; ++l) {
         const int64_t* w = layers + l * AE_STACK_PTRS;
-        float* kv = ae_ptr<float>(w, AE_KV);
+        ae_t* kv = ae_ptr<ae_t>(w, AE_KV);
         if (l == 0)
-            ae_rms_norm(h, residual, ae_ptr<const float>(w, AE_IN_NORM), x, T, HD, HD, 0, eps);
+            ae_rms_norm(h, residual, ae_ptr<const ae_t>(w, AE_IN_NORM), x, T, HD, HD, 0, eps);
         else  // residual += h; x = norm(residual)
-            ae_rms_norm(hs, residual, ae_ptr<const float>(w, AE_IN_NORM), x, T, HD, HD, 1,
+            ae_rms_norm(hs, residual, ae_ptr<const ae_t>(w, AE_IN_NORM), x, T, HD, HD, 1,
                         eps);
-        ae_int4_mm(x, ae_ptr<const uint8_t>(w, AE_QKV_Q), ae_ptr<const uint16_t>(w, AE_QKV_SM),
-                   qkv, T, QKV, HD);
+        ae_stack_mm(w, AE_QKV, x, qkv, T, QKV, HD);
         ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_QKV, x, qkv, T, HD, QKV);
         ae_rope(qkv, cos, sin, T, H + KVH, D, QKV);  // q and k heads, in place
         ae_kv_write(qkv + H * D, qkv + (H + KVH) * D, kv, slots, T, KVH * D, QKV, QKV, v_off);
         ae_decode_attention(qkv, kv, tables, lens, rows, att, T, H, KVH, D, BS, table_stride,
                             QKV, split, scale, v_off, 0, 0.f);
-        ae_int4_mm(att, ae_ptr<const uint8_t>(w, AE_O_Q), ae_ptr<const uint16_t>(w, AE_O_SM),
-                   hs, T, HD, H * D);
+        ae_stack_mm(w, AE_O, att, hs, T, HD, H * D);
         ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_O, att, hs, T, H * D, HD);
-        ae_rms_norm(hs, residual, ae_ptr<const float>(w, AE_POST_NORM), x, T, HD, HD, 1, eps);
-        ae_int4_mm(x, ae_ptr<const uint8_t>(w, AE_GU_Q), ae_ptr<const uint16_t>(w, AE_GU_SM),
-                   gu, T, 2 * I, HD);
+        ae_rms_norm(hs, residual, ae_ptr<const ae_t>(w, AE_POST_NORM), x, T, HD, HD, 1, eps);
+        ae_stack_mm(w, AE_GU, x, gu, T, 2 * I, HD);
         ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_GU, x, gu, T, HD, 2 * I);
         ae_silu_mul(gu, act, T, I);
-        ae_int4_mm(act, ae_ptr<const uint8_t>(w, AE_DOWN_Q),
-                   ae_ptr<const uint16_t>(w, AE_DOWN_SM), hs, T, HD, I);
+        ae_stack_mm(w, AE_DOWN, act, hs, T, HD, I);
         ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_DOWN, act, hs, T, I, HD);
     }
     ae_rms_norm(hs, residual, final_norm, out, T, HD, HD, 1, eps);

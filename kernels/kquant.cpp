@@ -2,9 +2,10 @@
 #include "kquant.h"
 #include <vector>
 
-// Input rows up to which Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 take the byte dot products (the
-// Python side sends fewer than kquants.TILE_ROWS = 8 rows here).
+// Input rows up to which Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K take the byte
+// dot products (the Python side sends fewer than kquants.TILE_ROWS = 8 rows here).
 #define AE_SMALL_ROWS 8
+#include "kquant_small.h"
 
 #ifdef AE_AVX2
 // The 32 quants of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block as bytes in element order (0..31): low
@@ -79,8 +80,9 @@ static void kq_small_q32(const float* x, const uint8_t* w, float* out, int64_t M
 // x float [M, K]; w: N rows of kq_row_bytes(type, K) bytes; out: float with row stride ldo
 // (a part of a fused projection writes its own columns of the shared output).
 //
-// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 at few input rows: byte dot products over int8-rounded
-// activations (kq_small_q32, exact to that rounding, ~1.5e-5 of each block's maximum).
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K at few input rows: byte dot products
+// over int8-rounded activations (kq_small_q32, kquant_small.h's kq_small_k; exact to that
+// rounding, ~1.5e-5 of each block's maximum).
 // Otherwise each weight row is dequantized once per call into a buffer that stays in L1
 // (bit-exact, kquant.h) and multiplied in float32 against every input row; from two input
 // rows on, two weight rows share each input load (ae_dots2). The weights
@@ -95,6 +97,10 @@ extern "C" void kernel(const float* x, const uint8_t* w, float* out, int64_t M, 
     if (M <= AE_SMALL_ROWS && (type == KQ_Q4_0 || type == KQ_Q4_1 || type == KQ_Q5_0
                                || type == KQ_Q5_1 || type == KQ_Q8_0)) {
         kq_small_q32(x, w, out, M, N, K, ldo, type, rb);
+        return;
+    }
+    if (M <= AE_SMALL_ROWS && (type == KQ_Q4_K || type == KQ_Q5_K || type == KQ_Q6_K)) {
+        kq_small_k(x, w, out, M, N, K, ldo, type, rb);
         return;
     }
 #endif

@@ -3,7 +3,8 @@
 It implements the slice of FlashInfer's Python API the engine uses, with FlashInfer's
 documented semantics and naive torch code: paged prefill/decode wrappers (``plan`` then
 ``run`` over an "NHD" ``(k_cache, v_cache)`` pair; causal masks aligned to the end of each
-request's keys; fixed buffers in CUDA-graph mode, which ``run`` then reads), and the sampling
+request's keys; fixed buffers in CUDA-graph mode, which ``run`` then reads), the segment
+GEMM the LoRA path runs (``SegmentGEMMWrapper``), and the sampling
 functions (deterministic: the argmax of what top-k would keep). It also checks the contract
 the engine relies on to never synchronize with the device: indptr and last-page-length
 arrays arrive on the host, as int32.
@@ -133,11 +134,57 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
                    page_size, False, sm_scale, window_left, logits_soft_cap)
 
 
+class SegmentGEMMWrapper:
+    """``flashinfer.SegmentGEMMWrapper`` (0.7): ``run`` computes ``y[seg] = x[seg] @ W``,
+    ``W = weights[weight_indices[i]]`` read as ``(d_out, d_in)`` when ``weight_column_major``
+    else ``(d_in, d_out)``, into a zeroed output (the CUTLASS kernel accumulates into it).
+    It checks what the kernels need: one fp dtype for x and the weights (float32 allowed
+    here, for float32 comparisons on the CPU), every dimension a multiple of 8, int64
+    ``seg_indptr`` [batch_size + 1] and ``weight_indices`` [batch_size] on x's device (read
+    by the device: the engine must never need them on the host). ``calls`` records
+    ``(num_rows, batch_size, weight_column_major)``."""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, backend: str = "auto") -> None:
+        self.workspace = float_workspace_buffer
+        self.calls: list[tuple[int, int, bool]] = []
+
+    def run(self, x: torch.Tensor, weights: torch.Tensor, batch_size: int,
+            weight_column_major: bool, out: torch.Tensor | None = None,
+            seg_lens: torch.Tensor | None = None, seg_indptr: torch.Tensor | None = None,
+            weight_indices: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2 or weights.dim() != 3 or x.dtype != weights.dtype:
+            raise AssertionError(f"x {x.dtype} {tuple(x.shape)}, weights {weights.dtype} "
+                                 f"{tuple(weights.shape)}")
+        if not isinstance(batch_size, int):
+            raise AssertionError("batch_size must be a host int")
+        if any(d % 8 for d in (*weights.shape[1:], x.shape[1])):
+            raise AssertionError(f"dimensions not multiples of 8: {tuple(weights.shape)}")
+        if seg_indptr is None:
+            raise AssertionError("the engine passes seg_indptr")
+        for name, t, n in (("seg_indptr", seg_indptr, batch_size + 1),
+                           ("weight_indices", weight_indices, batch_size)):
+            if t is None or t.dtype != torch.int64 or t.device != x.device or t.shape != (n,):
+                raise AssertionError(f"{name}: {None if t is None else (t.dtype, t.shape)}")
+        d_in = weights.shape[2] if weight_column_major else weights.shape[1]
+        d_out = weights.shape[1] if weight_column_major else weights.shape[2]
+        if x.shape[1] != d_in or int(seg_indptr[-1]) != x.shape[0]:
+            raise AssertionError("x does not match the weights or the segments")
+        y = torch.zeros(x.shape[0], d_out, dtype=x.dtype, device=x.device) if out is None \
+            else out
+        for i in range(batch_size):
+            lo, hi = int(seg_indptr[i]), int(seg_indptr[i + 1])
+            w = weights[int(weight_indices[i])]
+            y[lo:hi] += x[lo:hi] @ (w.T if weight_column_major else w)
+        self.calls.append((x.shape[0], batch_size, weight_column_major))
+        return y
+
+
 def make_module() -> tuple[types.ModuleType, types.ModuleType]:
     """``(flashinfer, flashinfer.sampling)`` stand-ins; ``sampling.calls`` records calls."""
     fi = types.ModuleType("flashinfer")
     fi.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
     fi.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
+    fi.SegmentGEMMWrapper = SegmentGEMMWrapper
     sampling = types.ModuleType("flashinfer.sampling")
     sampling.calls = []
 

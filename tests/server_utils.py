@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import signal
@@ -27,6 +28,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the server, before exec: on Linux it gets SIGTERM when the test process dies, so a
+    killed pytest leaves no server behind (atexit does not run then)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class ServerProcess:
     """A running ``asyncengine serve``; ``base_url`` is ``http://127.0.0.1:PORT``."""
 
@@ -44,7 +52,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT,
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
-            cwd=Path(__file__).resolve().parent.parent)
+            cwd=Path(__file__).resolve().parent.parent, preexec_fn=_die_with_parent)
         self._wait_ready()
 
     def _wait_ready(self) -> None:

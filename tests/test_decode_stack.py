@@ -22,7 +22,8 @@ def _run(model, stack: DecodeStack | None, prompts: dict[str, torch.Tensor],
     """Prefill ``prompts``, then one decode step per entry of ``decodes`` (the requests in
     it each feed their last greedy token). Returns every step's logits."""
     model._stack = stack
-    runner = PagedRunner(model, num_blocks=160, block_size=4)
+    runner = PagedRunner(model, num_blocks=160, block_size=4,
+                         dtype=model.model.norm.weight.dtype)
     out = [runner.step(prompts)]
     last = {r: int(out[0][r][-1].argmax()) for r in prompts}
     for reqs in decodes:
@@ -47,16 +48,24 @@ def _count_runs(stack: DecodeStack, monkeypatch) -> list[int]:
     return ran
 
 
-@pytest.mark.parametrize("source", ["embedded-gguf", "tiny-int4"])
-def test_stack_equals_the_per_layer_path_bit_for_bit(source, tiny_models, monkeypatch):
+@pytest.mark.parametrize("source", ["embedded-gguf", "tiny-int4", "mixed-gguf",
+                                    "mixed-gguf-bf16"])
+def test_stack_equals_the_per_layer_path_bit_for_bit(source, tiny_models, monkeypatch,
+                                                     tmp_path):
     if source == "embedded-gguf":  # the default: the file's Q4_1 blocks, packed
         model = load_model(resolve_model(None), "auto", torch.float32, "cpu",
                            quantization="auto")
+    elif source.startswith("mixed-gguf"):  # Q4_K_M's mix of types kept packed, q/k/v bias
+        from tests.test_kquants import write_mixed_gguf
+
+        path = write_mixed_gguf(str(tmp_path / "tiny-Q4_K_M.gguf"))
+        dtype = torch.bfloat16 if source.endswith("bf16") else torch.float32
+        model = load_model(resolve_model(path), "auto", dtype, "cpu", quantization="auto")
     else:
         model = load_model(resolve_model(tiny_models["llama"]), "auto", torch.float32, "cpu",
                            quantization="int4")
     stack = DecodeStack.for_model(model)
-    assert stack is not None
+    assert stack is not None and stack.kquant == source.startswith("mixed-gguf")
     gen = torch.Generator().manual_seed(3)
     # Ten requests; "long" reaches past two attention splits of 128 positions when it
     # decodes alone (the split results are merged), the others are short.
@@ -66,7 +75,8 @@ def test_stack_equals_the_per_layer_path_bit_for_bit(source, tiny_models, monkey
     decodes = [["long"], ["long"], everyone[:3], everyone, everyone, ["r4", "long"]]
     ran = _count_runs(stack, monkeypatch)
     fused = _run(model, stack, prompts, decodes)
-    assert ran == [len(d) for d in decodes]  # every decode step ran fused, no prefill did
+    # every decode step in the stack's range ran fused (GGUF: fewer than 8 tokens), no prefill
+    assert ran == [len(d) for d in decodes if len(d) < stack.max_rows]
     per_layer = _run(model, None, prompts, decodes)
     for got, want in zip(fused, per_layer, strict=True):
         for r in want:

@@ -111,8 +111,25 @@ def test_gguf_q8_0_blocks_are_kept_exactly():
     x = torch.randn(3, 128)  # decode rows: activations rounded twice per block of 32
     want = x @ w.T
     assert ((layer(x) - want).abs().max() / want.abs().max()).item() < 2e-4
-    x = torch.randn(9, 128)  # float32 arithmetic from 8 rows on
+    x = torch.randn(16, 128)  # float32 arithmetic from 16 rows on (8 without AVX-512 VNNI)
     torch.testing.assert_close(layer(x), x @ w.T, atol=1e-4, rtol=1e-4)
+
+
+def test_byte_dot_rows_do_not_depend_on_the_row_count():
+    """A row's result is the same alone or among up to 7 others (any CPU; up to 15 with
+    AVX-512 VNNI): a verification step of 1 + k rows computes each token as a one-token step
+    would, so greedy output is the same with and without speculative decoding."""
+    if not (packed_kernels.available("int4") and packed_kernels.available("int8")):
+        pytest.skip("no C++ kernels here")
+    torch.manual_seed(0)
+    w4 = torch.randn(72, 576) * 0.05
+    layer4 = Int4Linear(w4)
+    layer8 = Int8Linear(torch.randn(72, 576) * 0.05)
+    x = torch.randn(8, 576)
+    for layer in (layer4, layer8):
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(8)])
+        for m in range(2, 8):
+            assert torch.equal(layer(x[:m]), alone[:m]), (type(layer).__name__, m)
 
 
 def _logprobs(model, tokens: torch.Tensor, block_size: int = 4) -> torch.Tensor:

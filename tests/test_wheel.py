@@ -62,7 +62,9 @@ def wheel_env(tmp_path_factory) -> tuple[Path, Path]:
         "    for name in sorted(os.listdir(d)):\n"
         "        if name.endswith('.pth') and not name.startswith(\n"
         "                ('__editable__.asyncengine-', '__editable__.asyncengine_spf-')):\n"
-        "            site.addpackage(d, name, None)\n")
+        "            site.addpackage(d, name, None)\n"
+        # nor a path entry for the checkout itself (a .pth file of some other install)
+        f"sys.path[:] = [p for p in sys.path if os.path.realpath(p) != {str(REPO)!r}]\n")
     Path(purelib, "_outer_env.pth").write_text("import _outer_env\n")
     # --ignore-installed: the test environment's asyncengine 0.1.0 is visible from the new one,
     # and pip would otherwise take it for this wheel, already installed.

@@ -131,7 +131,7 @@ class OutputProcessor:
             detok = sample.detokenizer
             stop_terminated = (status is RequestStatus.FINISHED_STOPPED
                                and _ended_by_stop_token(req))
-            if len(new) > 1 and req.sampling_params.stop:
+            if num - emitted > 1 and req.sampling_params.stop:
                 # Several tokens at once (speculative decoding): a stop string ends the
                 # output at the token that completes it, as it would one token at a time.
                 last = len(new) - 1

@@ -177,6 +177,11 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
         attn_backend = prewarm_attention(config, attn_backend, model)
     if hasattr(model, "configure_context"):
         model.configure_context(max_model_len)
+    lora = None  # before the KV cache's size: the memory profile counts its slot tables
+    if config.lora.enable_lora:
+        from asyncengine.executor.lora.manager import LoRAManager
+
+        lora = LoRAManager(model, config.lora, device.torch_device, dtype)
     num_blocks = _num_blocks(config, model, attn_backend, dtype, device, max_model_len,
                              at_start)
     kv_caches = _off_the_loop_thread(device, lambda: attn_backend.allocate_kv_cache(
@@ -199,10 +204,7 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
                         staging=device.make_staging(),
                         sampling_method=_sampling_method(device, model.vocab_size),
                         **runner_kwargs)
-    if config.lora.enable_lora:
-        from asyncengine.executor.lora.manager import LoRAManager
-
-        runner.lora = LoRAManager(model, config.lora, device.torch_device)
+    runner.lora = lora
     if parallel is not None:  # stop the workers at exit, unless engine.shutdown() did
         atexit.register(parallel.shutdown, runner)
     if device.type == "cuda" and parallel is None:  # graphs cannot hold the collectives yet

@@ -231,7 +231,7 @@ class ModelRunner:
         if spec:
             inputs.spec = spec
         if lora_slots is not None:  # LoRA: each token's adapter slot
-            inputs.lora = self.lora.step_inputs(put(lora_slots), lora_writes)
+            inputs.lora = self.lora.step_inputs(lora_slots, lora_writes, put)
         if prev_dst:
             inputs.from_previous = (put(np.array(prev_dst, dtype=np.int64)),
                                     put(np.array(prev_src, dtype=np.int64)))

@@ -140,7 +140,8 @@ class KVCacheManager:
         blocks = self._blocks.get(rid)
         if not blocks:
             return
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and \
+                num_computed_tokens // self.block_size > self._num_cached_blocks[rid]:
             self._cache_full_blocks(request, blocks, num_computed_tokens)
         if self.sliding_window is not None:
             # The next query is at a position p >= num_computed_tokens and sees keys

@@ -205,10 +205,11 @@ class FCFSScheduler(Scheduler):
             scheduled[rid] = ScheduledRequest(request, start, num_new, block_ids(rid), None,
                                               samples, drafts)
             request.num_computed_tokens = start + num_new
-            if samples:
+            if drafts:  # (then samples is true: the drafts follow the request's last token)
                 request.num_output_placeholders = placeholders + 1 + len(drafts)
-            if drafts:
                 request.spec_token_ids = []
+            elif samples:
+                request.num_output_placeholders = placeholders + 1
             step.budget = budget - num_new
         if not step.preempted:
             self._admit_waiting(step)

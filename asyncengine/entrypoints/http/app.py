@@ -55,7 +55,7 @@ from asyncengine.entrypoints.http.responses_api_protocol import (
 from asyncengine.entrypoints.http.sender import BatchSender
 from asyncengine.entrypoints.http.serving import REQUEST_ID_HEADER, to_api_error
 from asyncengine.entrypoints.http.state import STATE, ServerSettings, ServerState
-from asyncengine.entrypoints.http.tenancy import tenant_middleware
+from asyncengine.entrypoints.http.tenancy import make_tenant_middleware
 from asyncengine.entrypoints.http.web import add_root_redirect, add_web_routes
 
 if TYPE_CHECKING:
@@ -152,7 +152,8 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None,
     if settings.api_key:
         middlewares.append(auth_middleware(settings.api_key))
     middlewares.append(overload_middleware)
-    middlewares.append(tenant_middleware)
+    middlewares.append(make_tenant_middleware(
+        not settings.api_key or settings.trust_tenant_header))
     app = web.Application(client_max_size=settings.max_request_body, middlewares=middlewares)
     app[STATE] = ServerState(engine, metrics, settings)
     app[ROUTES] = list(BUILTIN_ROUTES)

@@ -30,6 +30,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on "
                    "every route but /health, /ping, /metrics and the chat page's files (default: "
                    f"${API_KEY_ENVS[0]}, else ${API_KEY_ENVS[1]})")
+    g.add_argument("--trust-tenant-header", action="store_true",
+                   help="with --api-key, take each request's tenant (for fair-share "
+                        "scheduling) from its X-Tenant header, as a gateway in front that "
+                        "authenticates callers sets it; without this flag a keyed server "
+                        "ignores the header and the key is the tenant")
     g.add_argument("--allowed-origins", default=None, metavar="LIST",
                    help="CORS: origins allowed, a JSON list or comma-separated (default: *)")
     g.add_argument("--allowed-methods", default=None, metavar="LIST",
@@ -117,6 +122,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         host=args.host,
         port=args.port,
         api_key=api_key or None,
+        trust_tenant_header=getattr(args, "trust_tenant_header", False),
         shutdown_timeout=args.shutdown_timeout,
         max_request_body=(DEFAULT_MAX_REQUEST_BODY if max_body is None
                           else parse_size(max_body, "max_request_body")),

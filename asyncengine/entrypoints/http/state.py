@@ -23,6 +23,8 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    # X-Tenant is taken with --api-key only under --trust-tenant-header (tenancy.py).
+    trust_tenant_header: bool = False
     shutdown_timeout: float = 30.0
     max_request_body: int = DEFAULT_MAX_REQUEST_BODY
     access_log: bool = True

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from asyncengine.config import LoRAConfig
 from asyncengine.config.sections import parse_lora_module
 from asyncengine.core.request import LoRARequest
 from asyncengine.executor.lora.peft import LoRAWeights, adapter_digest, load_adapter
+from asyncengine.executor.lora.segment import plan_segments
 from asyncengine.executor.lora.tables import LoRATables
 
 logger = logging.getLogger(__name__)
@@ -53,21 +55,24 @@ class AdapterInfo:
 @dataclass
 class LoRAStepInputs:
     """What ``prepare`` hands the device for one step: per-token slots ([T], None when no row
-    has an adapter) and the slot writes to apply first."""
+    has an adapter), the slot writes to apply first, and under FlashInfer's segment GEMM the
+    step's segments (``segment.plan_segments``: rows, seg_indptr, weight_indices on the
+    device, and their number)."""
 
     slots: torch.Tensor | None
     writes: list[tuple[int, LoRAWeights]] = field(default_factory=list)
+    segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
 
 
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, config: LoRAConfig,
-                 device: torch.device) -> None:
+                 device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.model = model
         self.max_loras = config.max_loras
         self.max_rank = config.max_lora_rank
         self.max_cpu_loras = config.max_cpu_loras or config.max_loras
         self.renames = tuple(getattr(getattr(model, "spec", None), "renames", ()) or ())
-        self.tables = LoRATables(model, config.max_loras, config.max_lora_rank, device)
+        self.tables = LoRATables(model, config.max_loras, config.max_lora_rank, device, dtype)
         model.lora = self.tables  # the decoder asks it whether to bypass its decode stack
         self.adapters: dict[str, AdapterInfo] = {}
         self._cpu: OrderedDict[bytes, LoRAWeights] = OrderedDict()
@@ -156,10 +161,14 @@ class LoRAManager:
             slots = np.repeat(slots, counts)
         return slots, writes
 
-    @staticmethod
-    def step_inputs(slots: torch.Tensor, writes: list[tuple[int, LoRAWeights]]
-                    ) -> LoRAStepInputs:
-        return LoRAStepInputs(slots, writes)
+    def step_inputs(self, slots: np.ndarray, writes: list[tuple[int, LoRAWeights]],
+                    put: Callable[[np.ndarray], torch.Tensor]) -> LoRAStepInputs:
+        """The step's LoRA inputs, staged for the device by ``put`` (host arrays only)."""
+        segments = None
+        if self.tables.gemm is not None:
+            rows, indptr, ids = plan_segments(slots)
+            segments = (put(rows), put(indptr), put(ids), len(ids))
+        return LoRAStepInputs(put(slots), writes, segments)
 
     def _slot_for(self, lora: LoRARequest, taken: dict[bytes, int],
                   writes: list[tuple[int, LoRAWeights]]) -> int:

@@ -8,13 +8,14 @@ loop over adapters:
   grouped by slot (base rows dropped) into tiles of up to 8 rows that read their adapter's
   A and B once, only the rows it uses (``table.rows[s]``) and, of B, only each row's shard
   columns (``table.span``); threads take tiles.
-- **elsewhere** (CUDA, or no C++ compiler): two dense matmuls over every slot at once,
-  ``xa = x @ A_all^T`` ([T, S * R]), masked to each row's own slot by the step's one-hot
-  ``[T, S]``, then ``y += xa @ B_all``. It costs ``S`` times the arithmetic of a per-row
-  gather, which is small beside the base matmul at the ranks served (``S = --max-loras``),
-  and it never synchronizes with the host. FlashInfer's segment GEMM
-  (``flashinfer.SegmentGEMMWrapper``, rows sorted by slot, one segment per adapter) is the
-  intended CUDA kernel for many slots; it is not wired (no GPU has run this code).
+- **CUDA** with FlashInfer (bfloat16 / float16): its segment GEMM, rows grouped by slot on
+  the host once per step, base rows left out, a shrink and an expand per layer over the
+  step's segments (``segment.py``; the step's ``segments`` plan).
+- **elsewhere** (CUDA without FlashInfer or in float32, or no C++ compiler): two dense
+  matmuls over every slot at once, ``xa = x @ A_all^T`` ([T, S * R]), masked to each row's
+  own slot by the step's one-hot ``[T, S]``, then ``y += xa @ B_all``. It costs ``S`` times
+  the arithmetic of a per-row gather, which is small beside the base matmul at the ranks
+  served (``S = --max-loras``), and it never synchronizes with the host.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from asyncengine.executor.kernels.build import DTYPE_CODES, load
+from asyncengine.executor.lora.segment import SegmentPlan, segment_add
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +49,12 @@ def kernel(dtype: torch.dtype) -> object | None:
 
 @dataclass
 class LoRAStep:
-    """One step's slots, on the step's device: ``slots`` [T] int64 (0: base row)."""
+    """One step's slots, on the step's device: ``slots`` [T] int64 (0: base row), and where
+    the tables run on FlashInfer's segment GEMM, the step's ``segments``."""
 
     slots: torch.Tensor
     num_slots: int  # S, slot 0 included
+    segments: SegmentPlan | None = None
     _onehot: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
     def onehot(self, dtype: torch.dtype) -> torch.Tensor:
@@ -64,7 +68,8 @@ class LoRAStep:
 
 @dataclass
 class SlotTable:
-    """One adapted module's slots: ``A`` [S, R, in], ``B`` [S, R, out] float32, and for the
+    """One adapted module's slots: ``A`` [S, R, in], ``B`` [S, R, out] (float32; the model's
+    dtype under FlashInfer's segment GEMM), and for the
     kernel (on the CPU): the rows each slot uses, ``rows`` [S] int64, and each row's span of
     output columns, ``span`` [S, R, 2] int64 (B is zero outside it)."""
 
@@ -95,6 +100,9 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, table: SlotTable, step: LoRAStep)
     T = x.shape[0]
     if T != step.slots.shape[0] or x.dim() != 2:
         raise ValueError(f"LoRA: {T} rows against {step.slots.shape[0]} slots")
+    if step.segments is not None:
+        segment_add(x, y, table.A, table.B, step.segments)
+        return
     if (USE_KERNEL and x.device.type == "cpu" and y.dtype == x.dtype and x.stride(-1) == 1
             and y.stride(-1) == 1 and not torch.compiler.is_compiling()):
         fn = kernel(x.dtype)
@@ -107,5 +115,5 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, table: SlotTable, step: LoRAStep)
     N = table.B.shape[2]
     a = table.A[1:].reshape((S - 1) * R, K)
     b = table.B[1:].reshape((S - 1) * R, N)
-    xa = (x.float() @ a.T).view(T, S - 1, R) * step.onehot(torch.float32)[:, :, None]
+    xa = (x.to(a.dtype) @ a.T).view(T, S - 1, R) * step.onehot(a.dtype)[:, :, None]
     y += (xa.view(T, (S - 1) * R) @ b).to(y.dtype)

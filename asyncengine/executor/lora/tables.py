@@ -7,8 +7,10 @@ Every adaptable projection of the decoder (``qkv_proj``, ``o_proj``, ``gate_up_p
 gate/up). A forward hook on the projection adds the step's batched update after the base
 matmul, whatever the base weights are (float, packed int4, int8): the update reads only the
 layer's input and output. Outside a step with adapter rows (``step is None``) the hook
-returns at once. The model's C++ decode stack (``decode_stack.py``), which calls no modules,
-reads these tables itself and adds the same updates after its own matmuls.
+returns at once. On CUDA with FlashInfer the tables are in the model's dtype and run on its
+segment GEMM (``segment.py``; otherwise float32, see ``ops.py``). The model's C++ decode
+stack (``decode_stack.py``), which calls no modules, reads these tables itself and adds the
+same updates after its own matmuls.
 
 Everything here runs on the device's worker, in step order: a step's slot writes (an adapter
 entering a slot) are applied by that step's ``begin``, after every earlier step has run, so
@@ -24,6 +26,7 @@ import torch
 
 from asyncengine.executor.lora.ops import LoRAStep, SlotTable, add_lora
 from asyncengine.executor.lora.peft import SHARDS, LoRAWeights, dims
+from asyncengine.executor.lora.segment import SegmentPlan, make_segment_gemm, warm
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ class LoRATables:
     """The slot tables of every adaptable projection, and the step being run."""
 
     def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int,
-                 device: torch.device) -> None:
+                 device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.num_slots = max_loras + 1
         self.max_rank = max_rank
         self.tables: dict[str, SlotTable] = {}
@@ -55,16 +58,26 @@ class LoRATables:
         if not modules:
             raise ValueError(f"--enable-lora: {type(model).__name__} has no projections an "
                              "adapter can adapt")
+        shapes = {name: (max_rank * SHARDS[name.rsplit(".", 1)[-1]], *dims(module))
+                  for name, module in modules.items()}
+        # FlashInfer's segment GEMM where it can run (CUDA), else None: the CPU kernel or the
+        # dense path, on float32 tables
+        self.gemm = make_segment_gemm(device, dtype, {d for s in shapes.values() for d in s})
+        tdtype = dtype if self.gemm is not None else torch.float32
         for name, module in modules.items():
-            in_f, out_f = dims(module)
-            rank = max_rank * SHARDS[name.rsplit(".", 1)[-1]]
-            table = SlotTable(torch.zeros(self.num_slots, rank, in_f, device=device),
-                              torch.zeros(self.num_slots, rank, out_f, device=device),
+            rank, in_f, out_f = shapes[name]
+            table = SlotTable(torch.zeros(self.num_slots, rank, in_f, device=device,
+                                          dtype=tdtype),
+                              torch.zeros(self.num_slots, rank, out_f, device=device,
+                                          dtype=tdtype),
                               torch.zeros(self.num_slots, dtype=torch.int64),
                               torch.zeros(self.num_slots, rank, 2, dtype=torch.int64))
             self.tables[name] = table
             module.register_forward_hook(self._hook(table))
-        self.nbytes = sum(t.A.numel() * 4 + t.B.numel() * 4 for t in self.tables.values())
+        self.nbytes = sum(t.A.nbytes + t.B.nbytes for t in self.tables.values())
+        if self.gemm is not None:  # its kernels are compiled per dtype: one table does
+            first = next(iter(self.tables.values()))
+            warm(self.gemm, first.A, first.B)
         logger.info("LoRA: %d slots of rank %d over %d projections (%.1f MB)", max_loras,
                     max_rank, len(self.tables), self.nbytes / 2**20)
 
@@ -89,7 +102,14 @@ class LoRATables:
             return
         for slot, weights in step.writes:
             self.write(slot, weights)
-        self.step = LoRAStep(step.slots, self.num_slots) if step.slots is not None else None
+        if step.slots is None:
+            self.step = None
+            return
+        segments = None
+        if step.segments is not None:
+            rows, indptr, ids, count = step.segments
+            segments = SegmentPlan(rows, indptr, ids, count, self.gemm)
+        self.step = LoRAStep(step.slots, self.num_slots, segments)
 
     def end(self) -> None:
         self.step = None

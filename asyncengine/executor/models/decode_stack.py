@@ -1,4 +1,5 @@
-"""A decode step's decoder layers in one C++ call (CPU, eager, float32, int4 weights).
+"""A decode step's decoder layers in one C++ call (CPU, eager; int4 weights in float32, GGUF
+weights kept packed in float32 or bfloat16).
 
 At one decode token a SmolLM2-135M step is 30 layers of ~15 calls each (4 int4 matmuls, the
 norms, RoPE, the K/V write, attention, SiLU * up) with the module calls, views and
@@ -12,7 +13,11 @@ It runs when a step is all decodes that ``torch_paged`` attends with its in-plac
 (``TorchPagedBackend.decode_plan``), with fewer than ``DEQUANT_ROWS`` tokens (the int4
 kernel's own range), for a model of the plain Llama layout (``ModelSpec.lacks``) whose
 projections are all int4 without bias: the default for the embedded Q4_1 GGUF and for
-``--quantization int4``. Anything else takes the per-layer path. ``ASYNCENGINE_CPU_KERNELS=0``
+``--quantization int4``. Or, ``kernels/decode_stack_kq.cpp``, whose projections are all
+``GGUFLinear`` (a GGUF file kept packed, ``--quantization gguf``: Q4_K_M's mix of types, a
+fused projection's parts in their own types, Qwen2's q/k/v bias), with fewer than
+``kquants.TILE_ROWS`` tokens (the packed kernel's range; from there GGUFLinear multiplies
+dequantized tiles). Anything else takes the per-layer path. ``ASYNCENGINE_CPU_KERNELS=0``
 turns it off with the other own kernels.
 """
 
@@ -23,23 +28,34 @@ from typing import Any
 import torch
 
 from asyncengine.executor.kernels import layer_ops
-from asyncengine.executor.kernels.build import load
+from asyncengine.executor.kernels.build import DTYPE_CODES, load
+from asyncengine.executor.models import kquants
 from asyncengine.executor.models.int4 import DEQUANT_ROWS, Int4Linear
 
-_ARGS = ("const float*", "float*", "const int64_t*", "const float*", "const float*",
-         "const float*", "const int64_t*", "const int64_t*", "const int64_t*", "const int64_t*",
+_ARGS = ("const ae_t*", "ae_t*", "const int64_t*", "const ae_t*", "const ae_t*",
+         "const ae_t*", "const int64_t*", "const int64_t*", "const int64_t*", "const int64_t*",
          "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
          "int64_t", "int64_t", "int64_t", "float", "float", "const int64_t*", "const int64_t*",
          "const int64_t*", "int64_t")
 # Addresses per layer, in decode_stack.cpp's order (its AE_STACK_PTRS); the KV cache's last.
 _PTRS = 11
+# decode_stack_kq.cpp's: the two norms, four projections of AE_KQ_PROJ (bias, parts, then
+# address, type, rows per part, up to AE_KQ_PARTS), the KV cache.
+_KQ_PARTS = 3
+_KQ_PROJ = 2 + 3 * _KQ_PARTS
+_KQ_PTRS = 2 + 4 * _KQ_PROJ + 1
 
 
 class DecodeStack:
     """The model's layers as one table of addresses, for ``decode_stack.cpp``."""
 
-    def __init__(self, model: Any, fn: Any) -> None:
+    def __init__(self, model: Any, fn: Any, kquant: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.fn = fn
+        self.kquant = kquant
+        self.dtype = dtype  # of the activations, norms and KV cache (bfloat16: GGUF only)
+        # the most tokens a step may have: the matmul kernels' packed range
+        self.max_rows = kquants.TILE_ROWS if kquant else DEQUANT_ROWS
         self.num_layers = model.num_layers
         self.num_heads, self.num_kv_heads = model.num_heads, model.num_kv_heads
         self.head_dim, self.hidden = model.head_dim, model.hidden_size
@@ -50,12 +66,21 @@ class DecodeStack:
         rows, self._pointed = [], []  # the tensors the table points at, kept alive with it
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            if kquant:
+                projs = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+                row = [t.data_ptr() for t in norms]
+                self._pointed += norms
+                for lin in projs:
+                    row += _kq_proj(lin, self._pointed)
+                rows.append(row + [0])
+                continue
             tensors = [layer.input_layernorm.weight, *_int4(attn.qkv_proj), *_int4(attn.o_proj),
                        layer.post_attention_layernorm.weight, *_int4(mlp.gate_up_proj),
                        *_int4(mlp.down_proj)]
             rows.append([t.data_ptr() for t in tensors] + [0])
             self._pointed += tensors
-        self.table = torch.tensor(rows, dtype=torch.int64)  # [L, _PTRS]
+        self.table = torch.tensor(rows, dtype=torch.int64)  # [L, _PTRS or _KQ_PTRS]
         self._caches: tuple[int, ...] = ()
         self._cache_tensors: list[torch.Tensor] = []
         # --enable-lora: each layer's slot tables (qkv, o, gate_up, down: A, B, rows, span), so
@@ -64,7 +89,7 @@ class DecodeStack:
         self.lora_steps = 0  # steps run with adapter rows
         self._no_lora = torch.zeros(1, dtype=torch.int64)
         tables = getattr(getattr(model, "lora", None), "tables", None)
-        if tables is not None:
+        if tables is not None and not kquant:  # GGUF: steps with adapter rows go per layer
             rows, widths = [], None
             for i in range(self.num_layers):
                 p = f"model.layers.{i}."
@@ -86,19 +111,29 @@ class DecodeStack:
         spec = getattr(model, "spec", None)
         if not layer_ops.ENABLED or spec is None or "decode_stack" in spec.lacks():
             return None
-        for layer in model.model.layers:
-            a, m = layer.self_attn, layer.mlp
-            for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
-                if not (isinstance(lin, Int4Linear) and lin._direct
-                        and lin.packed.is_contiguous() and lin.scale_min.is_contiguous()):
-                    return None
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms):
-                return None
-        if model.model.norm.weight.dtype != torch.float32:
+        linears = [lin for layer in model.model.layers
+                   for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        kquant = all(_kq_ok(lin) for lin in linears)
+        if not kquant and not all(isinstance(lin, Int4Linear) and lin._direct
+                                  and lin.packed.is_contiguous()
+                                  and lin.scale_min.is_contiguous() for lin in linears):
             return None
-        fn = load("decode_stack", _ARGS, 0)
-        return None if fn is None else cls(model, fn)
+        # float32; a GGUF model also in bfloat16 (its matmuls take float32 copies, as
+        # GGUFLinear's do), biases included
+        dtype = model.model.norm.weight.dtype
+        if dtype not in ((torch.float32, torch.bfloat16) if kquant else (torch.float32,)):
+            return None
+        for layer in model.model.layers:
+            tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if kquant:
+                tensors += [lin.bias for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                            if lin.bias is not None]
+            if any(w.dtype != dtype or w.device.type != "cpu" for w in tensors):
+                return None
+        fn = load("decode_stack_kq" if kquant else "decode_stack", _ARGS, DTYPE_CODES[dtype])
+        return None if fn is None else cls(model, fn, kquant, dtype)
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             kv_caches: list[torch.Tensor], meta: Any, backend: Any,
@@ -107,19 +142,20 @@ class DecodeStack:
         when this step is not one the stack runs (the caller takes the per-layer path).
         ``lora``: the step's ``lora.ops.LoRAStep`` when it has adapter rows."""
         T = h.shape[0]
-        if T >= DEQUANT_ROWS or h.dtype != torch.float32 or not layer_ops.usable(h):
+        if T >= self.max_rows or h.dtype != self.dtype or not layer_ops.usable(h):
             return None
-        if lora is not None and (self.lora_table is None or lora.slots.device.type != "cpu"):
+        if lora is not None and (self.lora_table is None or lora.slots.device.type != "cpu"
+                                 or lora.segments is not None):
             return None
         plan_of = getattr(backend, "decode_plan", None)
         plan = plan_of(meta, h, self.num_kv_heads) if plan_of is not None else None
         if plan is None:
             return None
         kv = kv_caches[0]
-        if kv.dtype != torch.float32 or kv.stride(0) != kv_caches[-1].stride(0):
+        if kv.dtype != self.dtype or kv.stride(0) != kv_caches[-1].stride(0):
             return None
         self._point_at(kv_caches)
-        out = torch.empty(T, self.hidden, dtype=torch.float32)
+        out = torch.empty(T, self.hidden, dtype=self.dtype)
         self.fn(h.contiguous(), out, self.table, self.final_norm, cos, sin, meta.slot_mapping,
                 plan.tables, plan.lens, plan.rows, self.num_layers, T, self.hidden,
                 self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
@@ -137,12 +173,35 @@ class DecodeStack:
         """The table's last column: each layer's KV cache (re-read if the caches moved)."""
         ptrs = tuple(c.data_ptr() for c in kv_caches)
         if ptrs != self._caches:
-            if len(ptrs) != self.num_layers or any(c.dtype != torch.float32 or
+            if len(ptrs) != self.num_layers or any(c.dtype != self.dtype or
                                                    not c.is_contiguous() for c in kv_caches):
                 raise ValueError("the KV caches do not match the model's layers")
-            self.table[:, _PTRS - 1] = torch.tensor(ptrs, dtype=torch.int64)
+            self.table[:, -1] = torch.tensor(ptrs, dtype=torch.int64)
             self._caches, self._cache_tensors = ptrs, list(kv_caches)
 
 
 def _int4(lin: Int4Linear) -> tuple[torch.Tensor, torch.Tensor]:
     return lin.packed, lin.scale_min
+
+
+def _kq_ok(lin: Any) -> bool:
+    """Whether ``lin`` is a GGUFLinear that decode_stack_kq.cpp multiplies as GGUFLinear does:
+    through its kernel, at most _KQ_PARTS parts, contiguous rows, a contiguous bias or none."""
+    if not (isinstance(lin, kquants.GGUFLinear) and lin.use_kernel
+            and len(lin.qtypes) <= _KQ_PARTS):
+        return False
+    bias = lin.bias
+    if bias is not None and not bias.is_contiguous():
+        return False
+    return all(raw.is_contiguous() for raw, _ in lin.parts())
+
+
+def _kq_proj(lin: kquants.GGUFLinear, pointed: list[torch.Tensor]) -> list[int]:
+    """decode_stack_kq.cpp's AE_KQ_PROJ int64s of ``lin`` (its tensors kept in ``pointed``)."""
+    out = [0 if lin.bias is None else lin.bias.data_ptr(), len(lin.qtypes)]
+    if lin.bias is not None:
+        pointed.append(lin.bias)
+    for raw, qtype in lin.parts():
+        out += [raw.data_ptr(), qtype, raw.shape[0]]
+        pointed.append(raw)
+    return out + [0] * (_KQ_PROJ - len(out))

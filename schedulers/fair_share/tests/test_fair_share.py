@@ -196,6 +196,46 @@ def test_tenant_comes_from_x_tenant_or_the_api_key(tiny_llama):
     assert seen[1].startswith("key-") and "sk-123" not in seen[1]
 
 
+@pytest.mark.parametrize("trust", [False, True])
+def test_a_keyed_server_takes_x_tenant_only_when_told_to(tiny_llama, trust):
+    """With --api-key, a key holder naming another tenant would take that tenant's share:
+    X-Tenant is ignored (the key is the tenant) unless --trust-tenant-header."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from asyncengine.entrypoints.http.app import build_app
+    from asyncengine.entrypoints.http.state import ServerSettings
+
+    config = EngineConfig.from_dict({"model": tiny_llama, **ENGINE, "scheduler": "fair-share"})
+    engine = AsyncEngine(config, plugin_manager=plugin_manager())
+    seen: list[str | None] = []
+    add = engine.scheduler.add_request
+    engine.scheduler.add_request = lambda r: (seen.append(r.tenant), add(r))[1]
+    body = {"model": engine.model_name, "prompt": "hello", "max_tokens": 2}
+    key = {"Authorization": "Bearer sk-123"}
+
+    async def main() -> list[int]:
+        async with engine:
+            app = build_app(engine, None, ServerSettings(api_key="sk-123",
+                                                         trust_tenant_header=trust))
+            async with TestClient(TestServer(app)) as c:
+                return [(await c.post("/v1/completions", json=body,
+                                      headers={**key, **extra})).status
+                        for extra in ({"X-Tenant": "team-b"}, {})]
+
+    assert anyio.run(main) == [200, 200]
+    assert seen[1].startswith("key-")
+    assert seen[0] == ("team-b" if trust else seen[1])
+
+
+def test_the_trust_tenant_header_flag_reaches_the_settings():
+    from asyncengine.entrypoints.cli import build_parser
+    from asyncengine.entrypoints.http.flags import settings_from_args
+
+    parser = build_parser()
+    for argv, expected in ((["serve"], False), (["serve", "--trust-tenant-header"], True)):
+        assert settings_from_args(parser.parse_args(argv)).trust_tenant_header is expected
+
+
 def test_options_are_checked():
     config = EngineConfig.from_dict({**ENGINE, "scheduler": "fair-share"})
     for options, message in [({"weights": {"a": 0}}, "weight of 'a' must be a positive"),

@@ -1,0 +1,149 @@
+// Few input rows (decode) over the 256-element k-quants Q4_K / Q5_K / Q6_K: byte dot products
+// instead of dequantizing each weight row to float (kquant.cpp's float path).
+//
+// The activations are rounded as for kq_small_q32 (common.h's ae_round_rows): per block of 32,
+// x ~= dx (xq + xr / 256), exact to ~1.5e-5 of the block maximum. Each super-block's weights
+// are unpacked once per call into eight vectors of 32 unsigned quants u (Q4_K 0..15, Q5_K
+// 0..31, Q6_K 0..63, the layouts of kquant.h) with, per group of 16 elements, a float factor f
+// and an offset o, w = f u + o:
+//   Q4_K / Q5_K: f = d sc_j, o = -dmin m_j (sub-block j of 32: both its groups share them);
+//   Q6_K: f = d sc_g, o = -32 d sc_g (signed 8-bit scale per group of 16).
+// A sub-block of 32 against an input row then costs one integer sum per 4 elements,
+//   t = sum u (256 xq + xr)     (AVX2: two vpmaddubsw, two vpmaddwd; VNNI: two vpdpbusd),
+// and one float FMA by f dx / 256 (lanes 0-3 hold group 2j's elements, 4-7 group 2j + 1's).
+// The offsets are exact: o times the group's float sum of x (16-element sums computed once
+// per call), two FMAs per super-block. u <= 63 and |xq|, |xr| <= 127 keep vpmaddubsw's pair
+// sums inside int16, and t inside int32.
+#pragma once
+#include "kquant.h"
+
+#ifdef AE_AVX2
+// A super-block's unpacked weights: u[j] the quants of sub-block j, F[j] its per-lane factors,
+// O[0..1] the offsets of groups 0..7 and 8..15.
+struct kq_sb { __m256i u[8]; __m256 F[8]; __m256 O[2]; };
+
+static inline void kq_unpack_k45(const uint8_t* b, bool five, kq_sb& s) {
+    const float d = kq_f16(b), dmin = kq_f16(b + 2);
+    uint8_t sc[8], mn[8];
+    kq_scale_min(b + 4, sc, mn);
+    const uint8_t* qs = b + 16 + (five ? 32 : 0);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+        s.u[2 * c] = _mm256_and_si256(v, m4);
+        s.u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+    if (five) {  // bit j of qh[l] is the fifth bit of element l of sub-block j
+        const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 16));
+        const __m256i b5 = _mm256_set1_epi8(0x10);
+        for (int j = 0; j < 8; ++j) {
+            const __m256i bit = _mm256_set1_epi8((char)(1 << j));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+            s.u[j] = _mm256_or_si256(s.u[j], _mm256_and_si256(set, b5));
+        }
+    }
+    float o[16];
+    for (int j = 0; j < 8; ++j) {
+        s.F[j] = _mm256_set1_ps(d * (float)sc[j]);
+        o[2 * j] = o[2 * j + 1] = -(dmin * (float)mn[j]);
+    }
+    s.O[0] = _mm256_loadu_ps(o);
+    s.O[1] = _mm256_loadu_ps(o + 8);
+}
+
+static inline void kq_unpack_q6k(const uint8_t* b, kq_sb& s) {
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const float d = kq_f16(b + 208);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+        // element 128 h + 32 i + l: nibble i / 2 of ql[64 h + 32 (i % 2) + l], bits 2 i of
+        // qh[32 h + l] as bits 4-5 (the 16-bit shifts' spill is masked off)
+        const __m256i l0 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i*)(qh + 32 * h));
+        s.u[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, m4),
+                                     _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2));
+        s.u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                         _mm256_and_si256(_mm256_slli_epi16(hb, 2), m2));
+        s.u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                         _mm256_and_si256(hb, m2));
+        s.u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                         _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2));
+    }
+    const __m128i sc = _mm_loadu_si128((const __m128i*)(b + 192));
+    const __m256 dv = _mm256_set1_ps(d);
+    const __m256 f0 = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+    const __m256 f1 = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+    const __m256 m32 = _mm256_set1_ps(-32.f);
+    s.O[0] = _mm256_mul_ps(f0, m32);
+    s.O[1] = _mm256_mul_ps(f1, m32);
+    for (int j = 0; j < 4; ++j) {
+        const __m256i idx = _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j,
+                                              2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
+        s.F[j] = _mm256_permutevar8x32_ps(f0, idx);
+        s.F[4 + j] = _mm256_permutevar8x32_ps(f1, idx);
+    }
+}
+
+// t = sum u (256 xq + xr) per group of 4 bytes.
+static inline __m256i kq_dot32(__m256i u, __m256i xq, __m256i xr) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    const __m256i hi = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xq);
+    return _mm256_dpbusd_epi32(_mm256_slli_epi32(hi, 8), u, xr);
+#elif defined(__AVXVNNI__)
+    const __m256i hi = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, xq);
+    return _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(hi, 8), u, xr);
+#else
+    return _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), _mm256_set1_epi16(256)),
+        _mm256_madd_epi16(_mm256_maddubs_epi16(u, xr), _mm256_set1_epi16(1)));
+#endif
+}
+
+// out[r * ldo + n] for r < M <= AE_SMALL_ROWS, n < N: x [M, K] float, w N rows of rb bytes.
+static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
+                       int64_t K, int64_t ldo, int64_t type, int64_t rb) {
+    const int64_t sbs = K / 256, bb = rb / sbs, blocks = K / 32, groups = K / 16;
+    const ae_rounded rx = ae_round_rows(x, M, K);
+    static thread_local std::vector<float> sums;  // [M, K / 16]: the float sums of x
+    if ((int64_t)sums.size() < M * groups) sums.resize(M * groups);
+    float* s16 = sums.data();
+    for (int64_t g = 0; g < M * groups; ++g) {
+        const __m256 a = _mm256_add_ps(_mm256_loadu_ps(x + 16 * g), _mm256_loadu_ps(x + 16 * g + 8));
+        s16[g] = ae_hsum8(a);
+    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+        const uint8_t* row = w + n * rb;
+        __m256 acc[AE_SMALL_ROWS];
+        for (int64_t r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+        kq_sb s;
+        for (int64_t b = 0; b < sbs; ++b) {
+            const uint8_t* blk = row + b * bb;
+            if (type == KQ_Q6_K) kq_unpack_q6k(blk, s);
+            else kq_unpack_k45(blk, type == KQ_Q5_K, s);
+            for (int64_t r = 0; r < M; ++r) {
+                const int64_t i0 = r * blocks + 8 * b;
+                const int8_t* xq = rx.xq + 32 * i0;
+                const int8_t* xr = rx.xr + 32 * i0;
+                const float* sr = s16 + r * groups + 16 * b;
+                // two chains of FMAs (their latency, not their count, bounds one row)
+                __m256 a[2] = {_mm256_fmadd_ps(s.O[0], _mm256_loadu_ps(sr), acc[r]),
+                               _mm256_mul_ps(s.O[1], _mm256_loadu_ps(sr + 8))};
+                #pragma GCC unroll 8
+                for (int j = 0; j < 8; ++j) {
+                    const __m256i t = kq_dot32(
+                        s.u[j], _mm256_loadu_si256((const __m256i*)(xq + 32 * j)),
+                        _mm256_loadu_si256((const __m256i*)(xr + 32 * j)));
+                    const __m256 f = _mm256_mul_ps(s.F[j], _mm256_set1_ps(rx.xa[2 * (i0 + j)]));
+                    a[j & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), f, a[j & 1]);
+                }
+                acc[r] = _mm256_add_ps(a[0], a[1]);
+            }
+        }
+        for (int64_t r = 0; r < M; ++r) out[r * ldo + n] = ae_hsum8(acc[r]);
+    }
+}
+#endif
