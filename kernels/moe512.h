@@ -3,7 +3,7 @@
 // registers, the 4 x MR dot products reduced together at the end (ae_sum16). `pf`: weights
 // to fetch into the cache meanwhile (the rows a tile or two ahead).
 //
-// float32 experts: FMAs. int8 experts (a scale per row): the input rows rounded to int16,
+// float32 experts: FMAs (bfloat16 ones widened to float32 in registers). int8 experts (a scale per row): the input rows rounded to int16,
 // x ~= d h with d = max|x| / 32767 (exact to d / 2, ~1.5e-5 of the row's maximum), and
 // int16 x int16 dot products (VNNI's vpdpwssd) on the sign-extended weight bytes:
 //   w.x ~= scale_n d sum_k q_k h_k.
@@ -112,6 +112,30 @@ static inline void ae_tile_f32(const float* w, int64_t K, const float* const* x,
         for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)(pf + j * K + k), AE_MOE_HINT);
         __m512 wv[4];
         for (int j = 0; j < 4; ++j) wv[j] = _mm512_maskz_loadu_ps(mask, w + j * K + k);
+        for (int m = 0; m < MR; ++m) {
+            const __m512 xv = _mm512_maskz_loadu_ps(mask, x[m] + k);
+            for (int j = 0; j < 4; ++j) acc[4 * m + j] = _mm512_fmadd_ps(wv[j], xv, acc[4 * m + j]);
+        }
+    }
+    _mm512_storeu_ps(res, ae_sum16(acc));
+}
+
+// bfloat16: rows w[j K] (j < 4), widened to float32 in registers (the FMAs as float32's);
+// res[4 m + j].
+template <int MR>
+static inline void ae_tile_bf16(const uint16_t* w, int64_t K, const float* const* x,
+                                const uint16_t* pf, float* res) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = ae_mask16(K - k);
+        if ((k & 31) == 0)
+            for (int j = 0; j < 4; ++j)
+                _mm_prefetch((const char*)(pf + j * K + k), AE_MOE_HINT);
+        __m512 wv[4];
+        for (int j = 0; j < 4; ++j)
+            wv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, w + j * K + k)), 16));
         for (int m = 0; m < MR; ++m) {
             const __m512 xv = _mm512_maskz_loadu_ps(mask, x[m] + k);
             for (int j = 0; j < 4; ++j) acc[4 * m + j] = _mm512_fmadd_ps(wv[j], xv, acc[4 * m + j]);
