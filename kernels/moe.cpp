@@ -105,9 +105,19 @@ static inline void ae_moe_tile(const AeExpertMat& mat, int64_t e, int64_t n, con
             ae_tile_f32<decltype(c)::value>(w, K, x, w + AE_MOE_AHEAD * K, res);
         });
     } else if (mat.kind == AE_MOE_BF16) {
+        const uint16_t* w = reinterpret_cast<const uint16_t*>(mat.w) + row * K;
+#ifdef AE_MOE_DPBF16
+        if (in.b) {
+            const uint16_t* x[4];
+            for (int m = 0; m < mr; ++m) x[m] = in.b + idx[m] * in.stride;
+            by_rows([&](auto c) {
+                ae_tile_dpbf16<decltype(c)::value>(w, K, x, w + AE_MOE_AHEAD * K, res);
+            });
+            return;
+        }
+#endif
         const float* x[4];
         for (int m = 0; m < mr; ++m) x[m] = in.f + idx[m] * in.stride;
-        const uint16_t* w = reinterpret_cast<const uint16_t*>(mat.w) + row * K;
         by_rows([&](auto c) {
             ae_tile_bf16<decltype(c)::value>(w, K, x, w + AE_MOE_AHEAD * K, res);
         });
@@ -146,9 +156,20 @@ static inline void ae_moe_tile(const AeExpertMat& mat, int64_t e, int64_t n, con
 // into q / f, described by `in`.
 static inline void ae_moe_round(const float* x, int64_t n, int64_t K, int64_t kind,
                                 std::vector<int8_t>& q, std::vector<float>& f, AeTileIn& in) {
-    in = AeTileIn{x, nullptr, nullptr, nullptr, nullptr, nullptr, K, 0};
-    if (kind == AE_MOE_F32 || kind == AE_MOE_BF16) return;
+    in = AeTileIn{x, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, K, 0};
+    if (kind == AE_MOE_F32) return;
     q.resize(2 * n * K);
+    if (kind == AE_MOE_BF16) {
+#ifdef AE_MOE_DPBF16
+        static const bool dots = __builtin_cpu_supports("avx512bf16");
+        if (dots) {
+            uint16_t* b = reinterpret_cast<uint16_t*>(q.data());
+            in.b = b;
+            for (int64_t t = 0; t < n; ++t) ae_round_bf16_row(x + t * K, K, b + t * K);
+        }
+#endif
+        return;
+    }
     if (kind == AE_MOE_INT8) {
         f.resize(n);
         int16_t* h = reinterpret_cast<int16_t*>(q.data());
@@ -159,7 +180,8 @@ static inline void ae_moe_round(const float* x, int64_t n, int64_t K, int64_t ki
     }
     const int64_t xbs = (K / 16 + 15) / 16 * 16;
     f.resize(n * (1 + xbs));
-    in = AeTileIn{x, nullptr, q.data(), q.data() + n * K, f.data(), f.data() + n, K, xbs};
+    in = AeTileIn{x, nullptr, nullptr, q.data(), q.data() + n * K, f.data(), f.data() + n, K,
+                  xbs};
     for (int64_t t = 0; t < n; ++t)
         ae_round_row512(x + t * K, K, q.data() + t * K, q.data() + (n + t) * K, f.data() + t,
                         f.data() + n + t * xbs, xbs);

@@ -27,14 +27,17 @@ def _layer(E: int = 8, k: int = 3, H: int = 64, n_inter: int = 96) -> SparseMoE:
 
 
 def _reference(layer: SparseMoE, x: torch.Tensor, w13: torch.Tensor,
-               w2: torch.Tensor) -> torch.Tensor:
-    """The layer token by token, expert by expert, in float64, with weights w13 / w2."""
+               w2: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """The layer token by token, expert by expert, in float64, with weights w13 / w2;
+    ``bf16``: silu(gate) * up rounded to bfloat16, as a bfloat16 model's activations are."""
     want = torch.zeros(x.shape, dtype=torch.float64)
     weights, experts = layer.route(x)
     for t in range(x.shape[0]):
         for w, e in zip(weights[t].tolist(), experts[t].tolist(), strict=True):
             gate, up = (w13[e].double() @ x[t].double()).chunk(2)
-            want[t] += w * (w2[e].double() @ (torch.nn.functional.silu(gate) * up))
+            a = torch.nn.functional.silu(gate) * up
+            a = a.bfloat16().double() if bf16 else a
+            want[t] += w * (w2[e].double() @ a)
     return want
 
 
@@ -113,10 +116,18 @@ def test_expert_tiles_against_a_float_reference(method, shape, monkeypatch):
     monkeypatch.setattr(moe, "kernel", lambda: counting)
     for T in (1, 2, 5, 8, 33):
         x = torch.randn(T, H, generator=torch.Generator().manual_seed(100 + T))
+        if method == "bfloat16":  # a bfloat16 model's activations
+            x = x.bfloat16().float()
         got = layer(x).double()
         exact = _reference(layer, x, w13, w2)
-        if method in ("float32", "bfloat16"):  # float32 arithmetic on the weights as stored
+        if method == "float32":
             torch.testing.assert_close(got, exact, atol=1e-5, rtol=1e-4)
+            continue
+        if method == "bfloat16":  # bfloat16 dot products: silu(gate) * up rounded as a
+            # bfloat16 model rounds it (where the CPU has them; else float32 arithmetic)
+            rounded = _reference(layer, x, w13, w2, bf16=True)
+            err = min(((got - ref).norm() / ref.norm()).item() for ref in (rounded, exact))
+            assert err < 1e-4, (T, err)
             continue
         own = ((got - exact).norm() / exact.norm()).item()
         budget = ((exact - _reference(layer, x, float13, float2)).norm()
