@@ -163,6 +163,33 @@ def test_greedy_output_is_identical_on_the_embedded_model_with_ngram_drafts(monk
     anyio.run(main)
 
 
+def test_greedy_output_is_identical_in_bfloat16_with_ngram_drafts():
+    """The bfloat16 model (the CPU default where the CPU has bf16 dot products): its int4
+    layers and int8 head take ``int4_bf16.cpp`` / ``int8_bf16.cpp`` for a step's few rows,
+    whose row results do not depend on the row count, so the drafts change nothing."""
+    from asyncengine.executor.kernels import packed
+    from tests.utils import embedded_gguf_path
+
+    if not packed.int4_bf16_available():
+        pytest.skip("no AVX-512 BF16 here")
+    prompt = ("<|im_start|>user\nRepeat this sentence exactly: The library will be closed on "
+              "Monday for the installation of new shelves.<|im_end|>\n<|im_start|>assistant\n")
+
+    async def main():
+        outs = []
+        for spec in (None, NGRAM):
+            engine = make_engine(embedded_gguf_path(), spec=spec, max_model_len=512,
+                                 num_gpu_blocks_override=None, block_size=16,
+                                 max_num_batched_tokens=512, dtype="bfloat16")
+            counter = SpecCounter(engine) if spec else None
+            async with engine:
+                outs.append(await _greedy_outputs(engine, [prompt], 24))
+        assert outs[0] == outs[1]
+        assert counter.accepted >= 8
+
+    anyio.run(main)
+
+
 def test_rejection_sampling_follows_the_target_distribution():
     """Point-mass drafts verified by sampling every row: the first two tokens' joint
     distribution is p1(t1) * p2(t2 | t1), whether t2 came from the draft's row (t1 was the

@@ -54,6 +54,10 @@ _ARGS = {
              "int64_t"),
     "int8": ("const float*", "const int8_t*", "const float*", "float*", "int64_t", "int64_t",
              "int64_t", "int64_t"),
+    "int4_bf16": ("const uint16_t*", "const uint8_t*", "const uint16_t*", "float*", "int64_t",
+                  "int64_t", "int64_t"),
+    "int8_bf16": ("const uint16_t*", "const int8_t*", "const float*", "float*", "int64_t",
+                  "int64_t", "int64_t", "int64_t"),
     "int4_dequant": ("const uint8_t*", "const uint16_t*", "float*", "int64_t", "int64_t"),
     "kquant": ("const float*", "const uint8_t*", "float*", "int64_t", "int64_t", "int64_t",
                "int64_t", "int64_t"),
@@ -89,6 +93,51 @@ def int4_mm(x: torch.Tensor, q: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     out = torch.empty(m, q.shape[0], dtype=torch.float32)
     _load("int4")(x, q, sm, out, m, q.shape[0], k)
+    return out
+
+
+_BF16_PATH: dict[str, bool] = {}
+
+
+def bf16_available(name: str = "int4_bf16") -> bool:
+    """Whether kernel ``name`` (int4_bf16, int8_bf16) runs here: AVX-512 BF16 compiled in
+    (asked once, by a call with no rows)."""
+    ok = _BF16_PATH.get(name)
+    if ok is None:
+        fn = _load(name)
+        ok = False
+        if fn is not None:
+            flag = torch.zeros(1)
+            fn(torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.uint8),
+               torch.zeros(1), flag, 0, 0, 0, *((0,) if name == "int8_bf16" else ()))
+            ok = bool(flag.item())
+        _BF16_PATH[name] = ok
+    return ok
+
+
+def int4_bf16_available() -> bool:
+    return bf16_available("int4_bf16")
+
+
+def int8_bf16_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] bfloat16 @ (q * scales).T`` -> float32 ``[M, N]``, ``scales [N, 1]`` (per
+    channel) or ``[N, K / 32]`` (per block), K a multiple of 64 (``int8_bf16.cpp``; check
+    ``bf16_available("int8_bf16")`` first)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32)
+    _load("int8_bf16")(x, q, scales, out, x.shape[0], q.shape[0], x.shape[1],
+                       scales.shape[1])
+    return out
+
+
+def int4_bf16_mm(x: torch.Tensor, q: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] bfloat16 @ bf16(dequant(q, sm)).T`` -> float32 ``[M, N]``, K a multiple of
+    64 (``int4_bf16.cpp``: each row's result independent of M; check
+    ``int4_bf16_available()`` first)."""
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, q.shape[0], dtype=torch.float32)
+    _load("int4_bf16")(x, q, sm, out, m, q.shape[0], k)
     return out
 
 
