@@ -24,8 +24,6 @@ struct kq_sb { __m256i u[8]; __m256 F[8]; __m256 O[2]; };
 
 static inline void kq_unpack_k45(const uint8_t* b, bool five, kq_sb& s) {
     const float d = kq_f16(b), dmin = kq_f16(b + 2);
-    uint8_t sc[8], mn[8];
-    kq_scale_min(b + 4, sc, mn);
     const uint8_t* qs = b + 16 + (five ? 32 : 0);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int c = 0; c < 4; ++c) {
@@ -42,13 +40,22 @@ static inline void kq_unpack_k45(const uint8_t* b, bool five, kq_sb& s) {
             s.u[j] = _mm256_or_si256(s.u[j], _mm256_and_si256(set, b5));
         }
     }
-    float o[16];
-    for (int j = 0; j < 8; ++j) {
-        s.F[j] = _mm256_set1_ps(d * (float)sc[j]);
-        o[2 * j] = o[2 * j + 1] = -(dmin * (float)mn[j]);
-    }
-    s.O[0] = _mm256_loadu_ps(o);
-    s.O[1] = _mm256_loadu_ps(o + 8);
+    // kq_scale_min's bytes in 32-bit registers (no byte stores read back as a vector):
+    // sc = s[0..3] & 63, then s[8..11]'s low nibbles | s[0..3]'s top bits as bits 4-5;
+    // mn = s[4..7] & 63, then s[8..11]'s high nibbles | s[4..7]'s top bits
+    uint32_t a0, a1, a2;
+    std::memcpy(&a0, b + 4, 4); std::memcpy(&a1, b + 8, 4); std::memcpy(&a2, b + 12, 4);
+    const uint64_t sc = (a0 & 0x3f3f3f3fu)
+        | (uint64_t)((a2 & 0x0f0f0f0fu) | ((a0 >> 2) & 0x30303030u)) << 32;
+    const uint64_t mn = (a1 & 0x3f3f3f3fu)
+        | (uint64_t)(((a2 >> 4) & 0x0f0f0f0fu) | ((a1 >> 2) & 0x30303030u)) << 32;
+    const __m256 scf = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
+    const __m256 mnf = _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
+    for (int j = 0; j < 8; ++j) s.F[j] = _mm256_permutevar8x32_ps(scf, _mm256_set1_epi32(j));
+    s.O[0] = _mm256_permutevar8x32_ps(mnf, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    s.O[1] = _mm256_permutevar8x32_ps(mnf, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
 }
 
 static inline void kq_unpack_q6k(const uint8_t* b, kq_sb& s) {
@@ -103,8 +110,9 @@ static inline __m256i kq_dot32(__m256i u, __m256i xq, __m256i xr) {
 }
 
 // out[r * ldo + n] for r < M <= AE_SMALL_ROWS, n < N: x [M, K] float, w N rows of rb bytes.
+template <int TYPE>
 static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
-                       int64_t K, int64_t ldo, int64_t type, int64_t rb) {
+                       int64_t K, int64_t ldo, int64_t rb) {
     const int64_t sbs = K / 256, bb = rb / sbs, blocks = K / 32, groups = K / 16;
     const ae_rounded rx = ae_round_rows(x, M, K);
     static thread_local std::vector<float> sums;  // [M, K / 16]: the float sums of x
@@ -122,8 +130,8 @@ static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, 
         kq_sb s;
         for (int64_t b = 0; b < sbs; ++b) {
             const uint8_t* blk = row + b * bb;
-            if (type == KQ_Q6_K) kq_unpack_q6k(blk, s);
-            else kq_unpack_k45(blk, type == KQ_Q5_K, s);
+            if (TYPE == KQ_Q6_K) kq_unpack_q6k(blk, s);
+            else kq_unpack_k45(blk, TYPE == KQ_Q5_K, s);
             for (int64_t r = 0; r < M; ++r) {
                 const int64_t i0 = r * blocks + 8 * b;
                 const int8_t* xq = rx.xq + 32 * i0;
