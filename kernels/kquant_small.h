@@ -109,6 +109,39 @@ static inline __m256i kq_dot32(__m256i u, __m256i xq, __m256i xr) {
 #endif
 }
 
+// AVX-512 (BW + VNNI): two blocks of 32 per instruction, half the instructions per weight.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define AE_KQ512 1
+typedef __m512 kq_acc;
+static inline __m512i kq_pair(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+static inline __m512 kq_pairf(__m256 lo, __m256 hi) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+static inline __m512i kq_dot64(__m512i u, __m512i xq, __m512i xr) {
+    const __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xq);
+    return _mm512_dpbusd_epi32(_mm512_slli_epi32(hi, 8), u, xr);
+}
+// [v[2 p] x 8, v[2 p + 1] x 8] of the 8 floats v
+static inline __m512 kq_spread(__m512 v, int p) {
+    const __m512i idx = _mm512_set_epi32(2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
+                                         2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p, 2 * p, 2 * p,
+                                         2 * p, 2 * p, 2 * p, 2 * p, 2 * p);
+    return _mm512_permutexvar_ps(idx, v);
+}
+static inline kq_acc kq_acc_zero() { return _mm512_setzero_ps(); }
+static inline kq_acc kq_acc_add8(kq_acc a, __m256 v) {
+    return _mm512_add_ps(a, _mm512_zextps256_ps512(v));
+}
+static inline float kq_acc_sum(kq_acc a) { return _mm512_reduce_add_ps(a); }
+#else
+typedef __m256 kq_acc;
+static inline kq_acc kq_acc_zero() { return _mm256_setzero_ps(); }
+static inline kq_acc kq_acc_add8(kq_acc a, __m256 v) { return _mm256_add_ps(a, v); }
+static inline float kq_acc_sum(kq_acc a) { return ae_hsum8(a); }
+#endif
+
 // out[r * ldo + n] for r < M <= AE_SMALL_ROWS, n < N: x [M, K] float, w N rows of rb bytes.
 template <int TYPE>
 static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
@@ -122,16 +155,47 @@ static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, 
         const __m256 a = _mm256_add_ps(_mm256_loadu_ps(x + 16 * g), _mm256_loadu_ps(x + 16 * g + 8));
         s16[g] = ae_hsum8(a);
     }
+#ifdef AE_KQ512
+    static thread_local std::vector<float> dxs;  // [M, K / 32]: dx / 256, contiguous
+    if ((int64_t)dxs.size() < M * blocks) dxs.resize(M * blocks);
+    float* dx = dxs.data();
+    for (int64_t i = 0; i < M * blocks; ++i) dx[i] = rx.xa[2 * i];
+#endif
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
         const uint8_t* row = w + n * rb;
-        __m256 acc[AE_SMALL_ROWS];
-        for (int64_t r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+        kq_acc acc[AE_SMALL_ROWS];
+        for (int64_t r = 0; r < M; ++r) acc[r] = kq_acc_zero();
         kq_sb s;
         for (int64_t b = 0; b < sbs; ++b) {
             const uint8_t* blk = row + b * bb;
             if (TYPE == KQ_Q6_K) kq_unpack_q6k(blk, s);
             else kq_unpack_k45(blk, TYPE == KQ_Q5_K, s);
+#ifdef AE_KQ512
+            __m512i u2[4];
+            __m512 F2[4];
+            for (int p = 0; p < 4; ++p) {
+                u2[p] = kq_pair(s.u[2 * p], s.u[2 * p + 1]);
+                F2[p] = kq_pairf(s.F[2 * p], s.F[2 * p + 1]);
+            }
+            const __m512 O2 = kq_pairf(s.O[0], s.O[1]);
+            for (int64_t r = 0; r < M; ++r) {
+                const int64_t i0 = r * blocks + 8 * b;
+                const int8_t* xq = rx.xq + 32 * i0;
+                const int8_t* xr = rx.xr + 32 * i0;
+                const __m512 dv = _mm512_zextps256_ps512(_mm256_loadu_ps(dx + i0));
+                __m512 a[2] = {_mm512_fmadd_ps(O2, _mm512_loadu_ps(s16 + r * groups + 16 * b),
+                                               acc[r]), _mm512_setzero_ps()};
+                #pragma GCC unroll 4
+                for (int p = 0; p < 4; ++p) {
+                    const __m512i t = kq_dot64(u2[p], _mm512_loadu_si512(xq + 64 * p),
+                                               _mm512_loadu_si512(xr + 64 * p));
+                    a[p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t),
+                                               _mm512_mul_ps(F2[p], kq_spread(dv, p)), a[p & 1]);
+                }
+                acc[r] = _mm512_add_ps(a[0], a[1]);
+            }
+#else
             for (int64_t r = 0; r < M; ++r) {
                 const int64_t i0 = r * blocks + 8 * b;
                 const int8_t* xq = rx.xq + 32 * i0;
@@ -150,8 +214,9 @@ static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, 
                 }
                 acc[r] = _mm256_add_ps(a[0], a[1]);
             }
+#endif
         }
-        for (int64_t r = 0; r < M; ++r) out[r * ldo + n] = ae_hsum8(acc[r]);
+        for (int64_t r = 0; r < M; ++r) out[r * ldo + n] = kq_acc_sum(acc[r]);
     }
 }
 #endif
