@@ -19,7 +19,9 @@ FlashInfer's grouped kernels are bfloat16/float16 only and read 8 elements at a 
 the slot tables are kept in the model's dtype and every table width (the projection's in
 and out features, ``--max-lora-rank`` times the shards it fuses) must be a multiple of 8;
 where that or the package is missing, the dense masked path of ``ops.py`` runs instead and
-the reason is logged once at start-up.
+the reason is logged once at start-up. The shrink's result [n, R] comes out in the model's
+dtype (FlashInfer's output dtype is its input's; it accumulates in float32) and is rounded
+once more before the expand.
 """
 
 from __future__ import annotations
