@@ -135,3 +135,12 @@ def warm(gemm: Any, A: torch.Tensor, B: torch.Tensor) -> None:
     xa = gemm.run(torch.zeros(1, A.shape[2], dtype=A.dtype, device=dev), A, 1, True,
                   seg_indptr=indptr, weight_indices=index)
     gemm.run(xa, B, 1, False, seg_indptr=indptr, weight_indices=index)
+
+
+def prewarm(device: str, dtype: torch.dtype, module: Any = None) -> None:
+    """Compile the segment GEMM's kernels for ``dtype`` into FlashInfer's disk cache
+    (``python -m asyncengine.executor.prewarm``); ``module``: a stand-in for ``flashinfer``."""
+    fi = module if module is not None else importlib.import_module("flashinfer")
+    gemm = fi.SegmentGEMMWrapper(torch.empty(1 << 20, dtype=torch.int8, device=device))
+    A = torch.zeros(1, 16, 64, dtype=dtype, device=device)
+    warm(gemm, A, torch.zeros(1, 16, 64, dtype=dtype, device=device))
