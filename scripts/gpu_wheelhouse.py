@@ -45,7 +45,9 @@ FLASHINFER = "flashinfer-python==0.7.2.post1"
 DEVICE_LACKS = ("msgspec", "xgrammar", "gguf", "aiohttp-cors", "apache-tvm-ffi", "pydantic",
                 "pydantic-core", "annotated-types", "typing-inspection",
                 # on the device, at a version unknown here; pydantic-core needs >= 4.14.1
-                "typing-extensions")
+                "typing-extensions",
+                # for the tests: tests/test_gpu_lora.py compares with PEFT (pure Python)
+                "peft")
 #: What the device image has (docs of the lent machines, 2026-11), as normalized names.
 DEVICE_HAS = frozenset("""
 aiohttp aiosignal anyio attrs certifi charset-normalizer click cuda-bindings cuda-core
