@@ -17,7 +17,7 @@ int4 for every linear layer and the experts). Usage:
 
     python benchmarks/moe.py [--batch 1 32] [--steps 20] [--experts 64] [--top-k 8]
         [--hidden 512] [--expert-intermediate 128] [--layers 8] [--no-hf]
-        [--quantization none int8 int4] [--num-threads N]
+        [--quantization none int8 int4] [--dtype float32|bfloat16] [--num-threads N]
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def ours(path: str, batch: int, args: argparse.Namespace,
     from asyncengine.core.sampling_params import SamplingParams
     from asyncengine.executor.build import build
 
-    options = {"model": path, "dtype": "float32", "load_format": "dummy",
+    options = {"model": path, "dtype": args.dtype, "load_format": "dummy",
                "max_num_seqs": batch, "max_model_len": 1024}
     if quantization != "none":
         options["quantization"] = quantization
@@ -154,7 +154,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"threads={args.num_threads or torch.get_num_threads()} experts={args.experts} "
               f"top_k={args.top_k} "
               f"hidden={args.hidden} expert_intermediate={args.expert_intermediate} "
-              f"layers={args.layers}")
+              f"layers={args.layers} dtype={args.dtype}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
@@ -176,6 +176,8 @@ if __name__ == "__main__":
     p.add_argument("--quantization", nargs="+", default=["none"],
                    choices=["none", "int8", "int4"],
                    help="each a row: both models' weights (dense and experts) so quantized")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="asyncengine's weights and activations (transformers stays float32)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--num-threads", type=int, default=0, help="compute threads (0: the cores)")
     raise SystemExit(main(p.parse_args()))

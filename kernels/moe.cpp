@@ -22,7 +22,8 @@
 // token once for every expert it goes to), so that a quantized expert costs its bytes, not a
 // dequantization into float. Elsewhere (AVX2 or plain C++) each quantized row is dequantized
 // once into L1 and multiplied against the group's rows. int8 scales: one per row
-// (--quantization int8) or per block of 32 (a GGUF file's Q8_0 experts).
+// (--quantization int8) or per block of 32 (a GGUF file's Q8_0 experts). bfloat16 experts
+// (the CPU's default dtype where it has bfloat16 dot products) take the 512-bit tiles only.
 #define kernel ae_int4_mm
 #include "int4.cpp"
 #undef kernel
@@ -31,7 +32,7 @@
 #undef kernel
 #include "moe512.h"
 
-enum { AE_MOE_F32 = 0, AE_MOE_INT8 = 1, AE_MOE_INT4 = 2 };
+enum { AE_MOE_F32 = 0, AE_MOE_INT8 = 1, AE_MOE_INT4 = 2, AE_MOE_BF16 = 3 };
 #ifndef AE_MOE_TEAM_MIN
 #define AE_MOE_TEAM_MIN (1 << 22)
 #endif
@@ -103,6 +104,23 @@ static inline void ae_moe_tile(const AeExpertMat& mat, int64_t e, int64_t n, con
         by_rows([&](auto c) {
             ae_tile_f32<decltype(c)::value>(w, K, x, w + AE_MOE_AHEAD * K, res);
         });
+    } else if (mat.kind == AE_MOE_BF16) {
+        const uint16_t* w = reinterpret_cast<const uint16_t*>(mat.w) + row * K;
+#ifdef AE_MOE_DPBF16
+        if (in.b) {
+            const uint16_t* x[4];
+            for (int m = 0; m < mr; ++m) x[m] = in.b + idx[m] * in.stride;
+            by_rows([&](auto c) {
+                ae_tile_dpbf16<decltype(c)::value>(w, K, x, w + AE_MOE_AHEAD * K, res);
+            });
+            return;
+        }
+#endif
+        const float* x[4];
+        for (int m = 0; m < mr; ++m) x[m] = in.f + idx[m] * in.stride;
+        by_rows([&](auto c) {
+            ae_tile_bf16<decltype(c)::value>(w, K, x, w + AE_MOE_AHEAD * K, res);
+        });
     } else if (mat.kind == AE_MOE_INT8) {
         const int16_t* x[4];
         for (int m = 0; m < mr; ++m) x[m] = in.h + idx[m] * in.stride;
@@ -138,9 +156,20 @@ static inline void ae_moe_tile(const AeExpertMat& mat, int64_t e, int64_t n, con
 // into q / f, described by `in`.
 static inline void ae_moe_round(const float* x, int64_t n, int64_t K, int64_t kind,
                                 std::vector<int8_t>& q, std::vector<float>& f, AeTileIn& in) {
-    in = AeTileIn{x, nullptr, nullptr, nullptr, nullptr, nullptr, K, 0};
+    in = AeTileIn{x, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, K, 0};
     if (kind == AE_MOE_F32) return;
     q.resize(2 * n * K);
+    if (kind == AE_MOE_BF16) {
+#ifdef AE_MOE_DPBF16
+        static const bool dots = __builtin_cpu_supports("avx512bf16");
+        if (dots) {
+            uint16_t* b = reinterpret_cast<uint16_t*>(q.data());
+            in.b = b;
+            for (int64_t t = 0; t < n; ++t) ae_round_bf16_row(x + t * K, K, b + t * K);
+        }
+#endif
+        return;
+    }
     if (kind == AE_MOE_INT8) {
         f.resize(n);
         int16_t* h = reinterpret_cast<int16_t*>(q.data());
@@ -151,7 +180,8 @@ static inline void ae_moe_round(const float* x, int64_t n, int64_t K, int64_t ki
     }
     const int64_t xbs = (K / 16 + 15) / 16 * 16;
     f.resize(n * (1 + xbs));
-    in = AeTileIn{x, nullptr, q.data(), q.data() + n * K, f.data(), f.data() + n, K, xbs};
+    in = AeTileIn{x, nullptr, nullptr, q.data(), q.data() + n * K, f.data(), f.data() + n, K,
+                  xbs};
     for (int64_t t = 0; t < n; ++t)
         ae_round_row512(x + t * K, K, q.data() + t * K, q.data() + (n + t) * K, f.data() + t,
                         f.data() + n + t * xbs, xbs);
@@ -172,7 +202,7 @@ static void ae_moe512(const float* x, const int64_t* rows, const int64_t* offs, 
     std::vector<int8_t> xq;
     std::vector<float> xf, a(R * I);
     AeTileIn in13;
-    ae_moe_round(x, T, K, kind, xq, xf, in13);  // each token once for all its experts
+    ae_moe_round(x, T, K, kind, xq, xf, in13);  // int8 / int4: each token once
     std::memset(out, 0, T * K * sizeof(float));
     const int64_t work = n_active * 3 * I * K;
     const AeWithoutGil released(work >= AE_RELEASE_GIL_ELEMENTS);
@@ -233,7 +263,7 @@ static void ae_moe512(const float* x, const int64_t* rows, const int64_t* offs, 
 // x: float [T, K]; rows: int64 [R] (R = T * k) token of each assignment sorted by expert;
 // offs: int64 [E + 1]; wts: float [R] each sorted assignment's routing weight. w13/s13,
 // w2/s2: the expert weights (kind: 0 float32, 1 int8 with groups g13 / g2 of inputs per
-// scale, 2 int4). out: float [T, K].
+// scale, 2 int4, 3 bfloat16: 512-bit tiles only). out: float [T, K].
 extern "C" void kernel(const float* x, const int64_t* rows, const int64_t* offs,
                        const float* wts, const uint8_t* w13, const uint8_t* s13,
                        const uint8_t* w2, const uint8_t* s2, float* out, int64_t T, int64_t k,
@@ -249,13 +279,14 @@ extern "C" void kernel(const float* x, const int64_t* rows, const int64_t* offs,
 #ifdef AE_MOE_512
     const bool blocks32 = K % 32 == 0 && I % 32 == 0;
     if (K % 4 == 0 && I % 8 == 0 &&
-        (kind == AE_MOE_F32 || (kind == AE_MOE_INT4 && blocks32) ||
+        (kind == AE_MOE_F32 || kind == AE_MOE_BF16 || (kind == AE_MOE_INT4 && blocks32) ||
          (kind == AE_MOE_INT8 && ((g13 == K && g2 == I) || (g13 == 32 && g2 == 32 && blocks32))))) {
         ae_moe512(x, rows, offs, wts, AeExpertMat{kind, 2 * I, K, g13, w13, s13},
                   AeExpertMat{kind, K, I, g2, w2, s2}, out, T, k, E);
         return;
     }
 #endif
+    if (kind == AE_MOE_BF16) return;  // 512-bit tiles only (the caller asks wide_tiles())
     const int64_t R = T * k;
     std::vector<int64_t> active;
     int64_t max_rows = 0;

@@ -3,9 +3,11 @@
 // registers, the 4 x MR dot products reduced together at the end (ae_sum16). `pf`: weights
 // to fetch into the cache meanwhile (the rows a tile or two ahead).
 //
-// float32 experts: FMAs. int8 experts (a scale per row): the input rows rounded to int16,
-// x ~= d h with d = max|x| / 32767 (exact to d / 2, ~1.5e-5 of the row's maximum), and
-// int16 x int16 dot products (VNNI's vpdpwssd) on the sign-extended weight bytes:
+// float32 experts: FMAs. bfloat16 experts: vdpbf16ps on the inputs rounded to bfloat16 where
+// the CPU has it (as a bfloat16 model rounds its activations), else widened to float32 in
+// registers and FMAs. int8 experts (a scale per row or per block of 32): the input rows
+// rounded to int16, x ~= d h with d = max|x| / 32767 (exact to d / 2, ~1.5e-5 of the row's
+// maximum), and int16 x int16 dot products (VNNI's vpdpwssd) on the sign-extended weight bytes:
 //   w.x ~= scale_n d sum_k q_k h_k.
 // int4 experts (int4.cpp's blocks of 32 with a float16 (scale, min)): byte dot products
 // (vpdpbusd, unsigned weights u in [0, 15] x signed bytes) against the input rows rounded to
@@ -48,6 +50,7 @@ static inline __m512 ae_sum16(const __m512* v) {
 // float16 (scale, min) pairs are.
 struct AeTileIn {
     const float* f;
+    const uint16_t* b;  // bfloat16 rows (with the bfloat16 dot products)
     const int16_t* h;
     const int8_t* q;
     const int8_t* r;
@@ -119,6 +122,71 @@ static inline void ae_tile_f32(const float* w, int64_t K, const float* const* x,
     }
     _mm512_storeu_ps(res, ae_sum16(acc));
 }
+
+// bfloat16: rows w[j K] (j < 4), widened to float32 in registers (the FMAs as float32's);
+// res[4 m + j].
+template <int MR>
+static inline void ae_tile_bf16(const uint16_t* w, int64_t K, const float* const* x,
+                                const uint16_t* pf, float* res) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = ae_mask16(K - k);
+        if ((k & 31) == 0)
+            for (int j = 0; j < 4; ++j)
+                _mm_prefetch((const char*)(pf + j * K + k), AE_MOE_HINT);
+        __m512 wv[4];
+        for (int j = 0; j < 4; ++j)
+            wv[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, w + j * K + k)), 16));
+        for (int m = 0; m < MR; ++m) {
+            const __m512 xv = _mm512_maskz_loadu_ps(mask, x[m] + k);
+            for (int j = 0; j < 4; ++j) acc[4 * m + j] = _mm512_fmadd_ps(wv[j], xv, acc[4 * m + j]);
+        }
+    }
+    _mm512_storeu_ps(res, ae_sum16(acc));
+}
+
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10
+// bfloat16 with the CPU's bfloat16 dot products (vdpbf16ps: two products per float lane, a
+// call checks the CPU has them): the inputs rounded to bfloat16 (x[m], as a bfloat16 model's
+// activations are), compiled for that extension alone; res[4 m + j].
+#define AE_MOE_DPBF16 1
+template <int MR>
+__attribute__((target("avx512bf16"), noinline)) static void ae_tile_dpbf16(
+        const uint16_t* w, int64_t K, const uint16_t* const* x, const uint16_t* pf, float* res) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        const __mmask32 mask = K - k >= 32 ? ~(__mmask32)0
+                                           : (__mmask32)(((uint64_t)1 << (K - k)) - 1);
+        for (int j = 0; j < 4; ++j) _mm_prefetch((const char*)(pf + j * K + k), AE_MOE_HINT);
+        __m512bh wv[4];
+        for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + j * K + k);
+        for (int m = 0; m < MR; ++m) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x[m] + k);
+            for (int j = 0; j < 4; ++j)
+                acc[4 * m + j] = _mm512_dpbf16_ps(acc[4 * m + j], wv[j], xv);
+        }
+    }
+    _mm512_storeu_ps(res, ae_sum16(acc));
+}
+
+// x [K] floats -> bfloat16, rounded to nearest even (NaN stays NaN).
+static inline void ae_round_bf16_row(const float* x, int64_t K, uint16_t* b) {
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 m = ae_mask16(K - k);
+        const __m512i v = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, x + k));
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(v, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(v, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_castsi512_ps(v), _mm512_castsi512_ps(v),
+                                                 _CMP_UNORD_Q);
+        r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(v, 16), _mm512_set1_epi32(0x40));
+        _mm256_mask_storeu_epi16(b + k, m, _mm512_cvtepi32_epi16(r));
+    }
+}
+#endif
 
 // int8: rows w[j K] (j < 4) with a scale per row (s[j], PER_BLOCK false) or per block of 32
 // (s[j K / 32 + b], GGUF's Q8_0), against int16 inputs x[m] (factor fac[m]); res[4 m + j].

@@ -11,7 +11,7 @@ Per token the router picks ``top_k`` of ``num_experts`` gated MLPs::
 The ``T * k`` (token, expert) assignments are sorted by expert, so that each expert's tokens
 form one contiguous group and every expert weight is read once per step: the experts of a
 layer are one call of the C++ kernel ``kernels/moe.cpp`` (float32, int8 or packed int4
-weights), or, where it cannot build (or for bfloat16 weights), ``torch.nn.functional
+weights; bfloat16 ones with its AVX-512 tiles), or, where it cannot build, ``torch.nn.functional
 .grouped_mm`` over the same groups. Nothing loops over tokens or experts in Python.
 
 Weights are stacked per expert: ``w13`` [E, 2 I, H] (gate rows, then up rows) and ``w2``
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 _ARGS = ("const float*", "const int64_t*", "const int64_t*", "const float*", "const uint8_t*",
          "const uint8_t*", "const uint8_t*", "const uint8_t*", "float*", "int64_t", "int64_t",
          "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t")
-_KINDS = {"float32": 0, "int8": 1, "int4": 2}
+_KINDS = {"float32": 0, "int8": 1, "int4": 2, "bfloat16": 3}
 _warned: set[str] = set()
 
 
@@ -257,7 +257,8 @@ class SparseMoE(nn.Module):
 
     def _use_kernel(self, x: torch.Tensor) -> bool:
         ok = (x.device.type == "cpu" and not torch.compiler.is_compiling()
-              and (self.quant != "float32" or self.w13.dtype == torch.float32)
+              and (self.quant != "float32" or self.w13.dtype == torch.float32
+                   or (self.w13.dtype == torch.bfloat16 and wide_tiles()))
               and self.hidden % 8 == 0 and self.intermediate % 8 == 0)
         if ok and kernel() is None:
             ok = False
@@ -278,9 +279,10 @@ class SparseMoE(nn.Module):
         s2 = getattr(self, "w2_scale", self.w2)
         g13 = self.hidden // s13.shape[-1] if self.quant == "int8" else 0
         g2 = self.intermediate // s2.shape[-1] if self.quant == "int8" else 0
+        kind = _KINDS["bfloat16" if self.w13.dtype == torch.bfloat16 else self.quant]
         kernel()(x.float().contiguous(), order // k, offs, weights.reshape(-1)[order], self.w13,
                  s13, self.w2, s2, out, T, k, self.num_experts, self.hidden, self.intermediate,
-                 _KINDS[self.quant], g13, g2)
+                 kind, g13, g2)
         return out
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
