@@ -95,6 +95,29 @@ def test_ngram_index_work_is_the_new_tokens_only():
     assert len(ix.table) <= size + 30 * 3
 
 
+def test_ngram_probe_and_the_pause_after_empty_verifications():
+    """``probe`` (a token in flight) says whether the known tokens end with an n-gram seen
+    before: only then does the request wait for its token to get drafts; otherwise its steps
+    stay overlapped. Three verifications in a row that accept nothing pause the proposals."""
+    from types import SimpleNamespace
+
+    from asyncengine.core.spec.ngram import PAUSE_AFTER, NgramProposer
+
+    proposer = NgramProposer(2, 3)
+    req = SimpleNamespace(spec_state=None, all_token_ids=[1, 2, 3, 4, 5, 6])
+    assert not proposer.probe(req)  # (5, 6) never seen before
+    for i in range(PAUSE_AFTER):
+        req.all_token_ids += [1, 2]
+        assert proposer.probe(req)  # (1, 2) seen before
+        assert proposer.propose(req, 3)
+        req.all_token_ids += [100 + i]  # its first draft rejected: the step made one token
+        assert proposer.propose(req, 3) == []  # (2, 100 + i) unseen; the miss is counted
+    req.all_token_ids += [1, 2]
+    assert not proposer.probe(req) and proposer.propose(req, 3) == []  # paused
+    req.all_token_ids += [7] * 4 * PAUSE_AFTER + [1, 2]
+    assert proposer.probe(req) and proposer.propose(req, 3)  # resumed
+
+
 # -- exactness ---------------------------------------------------------------------------------
 async def _greedy_outputs(engine, prompts, n):
     outs = await generate_all(engine, prompts, SamplingParams(temperature=0, max_tokens=n,
