@@ -55,6 +55,11 @@ def test_dequantize_is_bit_exact(qtype: T, seed: int, rows: int, blocks: int) ->
     ids = torch.tensor([rows - 1, 0, rows - 1])
     picked = kquants.dequantize_rows(torch.from_numpy(raw.copy()), int(qtype), k, ids).numpy()
     assert np.array_equal(picked.view(np.uint32), want[ids.numpy()].view(np.uint32))
+    # straight to bfloat16 (the bfloat16 tiles): the float32 weights rounded once, as torch does
+    half = kquants.dequantize_rows(torch.from_numpy(raw.copy()), int(qtype), k, None,
+                                   torch.bfloat16)
+    assert torch.equal(half.view(torch.int16),
+                       torch.from_numpy(want).to(torch.bfloat16).view(torch.int16))
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1, T.Q4_0, T.Q8_0,

@@ -119,19 +119,23 @@ def kernels_available() -> bool:
 
 
 def dequantize_rows(raw: torch.Tensor, qtype: int, k: int,
-                    ids: torch.Tensor | None = None) -> torch.Tensor:
+                    ids: torch.Tensor | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows ``ids`` (all when None) of a packed matrix as float32 ``[n, k]``, bit-exact with
-    ``gguf.quants.dequantize``."""
+    ``gguf.quants.dequantize``; ``dtype`` bfloat16: that rounded once (the kernel writes
+    bfloat16 directly where it builds, no float32 copy in between)."""
     if kernels_available():
         if ids is None:
             ids = torch.arange(raw.shape[0], dtype=torch.int64)
-        return packed_kernels.kquant_dequant(raw, ids.to(torch.int64), k, qtype)
+        if dtype in (torch.float32, torch.bfloat16):
+            return packed_kernels.kquant_dequant(raw, ids.to(torch.int64), k, qtype, dtype)
+        return packed_kernels.kquant_dequant(raw, ids.to(torch.int64), k, qtype).to(dtype)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     rows = raw if ids is None else raw[ids.to(torch.int64)]
     w = dequantize(rows.numpy(), GGMLQuantizationType(qtype)).reshape(rows.shape[0], k)
-    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(dtype)
 
 
 @dataclass
@@ -198,7 +202,7 @@ class GGUFLinear(nn.Module):
             n = raw.shape[0]
             for r in range(0, n, rows):
                 ids = torch.arange(r, min(r + rows, n), dtype=torch.int64)
-                w = dequantize_rows(raw, qtype, self.in_features, ids).to(dtype)
+                w = dequantize_rows(raw, qtype, self.in_features, ids, dtype)
                 out[:, col + r:col + r + len(ids)] = torch.mm(xc, w.T)
             col += n
         return out
@@ -221,8 +225,8 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        rows = dequantize_rows(self.raw, self.qtype, self.dim, flat)
-        return rows.to(self.dtype).view(*ids.shape, self.dim)
+        rows = dequantize_rows(self.raw, self.qtype, self.dim, flat, self.dtype)
+        return rows.view(*ids.shape, self.dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.dim}, type={type_name(self.qtype)}"
