@@ -2,8 +2,8 @@
 #include "kquant.h"
 #include <vector>
 
-// Input rows up to which Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K take the byte
-// dot products (the Python side sends fewer than kquants.TILE_ROWS = 8 rows here).
+// Input rows of one pass of the byte dot products (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K /
+// Q5_K / Q6_K): each weight block is unpacked once per pass.
 #define AE_SMALL_ROWS 8
 #include "kquant_small.h"
 
@@ -187,13 +187,34 @@ static void kq_small_q32(const float* x, const uint8_t* w, float* out, int64_t M
 }
 #endif
 
+#ifdef AE_AVX2
+// Input rows up to which a call takes the byte dot products (in chunks of AE_SMALL_ROWS).
+#define AE_INT_ROWS 64
+
+// The byte dot products for M <= AE_SMALL_ROWS rows; false for a type they do not cover.
+static bool kq_small(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
+                     int64_t K, int64_t ldo, int64_t type, int64_t rb) {
+    switch (type) {
+        case KQ_Q4_0: kq_small_q32<KQ_Q4_0>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q4_1: kq_small_q32<KQ_Q4_1>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q5_0: kq_small_q32<KQ_Q5_0>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q5_1: kq_small_q32<KQ_Q5_1>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q8_0: kq_small_q32<KQ_Q8_0>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q4_K: kq_small_k<KQ_Q4_K>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q5_K: kq_small_k<KQ_Q5_K>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q6_K: kq_small_k<KQ_Q6_K>(x, w, out, M, N, K, ldo, rb); return true;
+        default: return false;
+    }
+}
+#endif
+
 // out[m * ldo + n] = dot(x[m], dequant(w[n])) for a GGUF matrix kept as the file stores it:
 // x float [M, K]; w: N rows of kq_row_bytes(type, K) bytes; out: float with row stride ldo
 // (a part of a fused projection writes its own columns of the shared output).
 //
-// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K at few input rows: byte dot products
-// over int8-rounded activations (kq_small_q32, kquant_small.h's kq_small_k; exact to that
-// rounding, ~1.5e-5 of each block's maximum).
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K up to AE_INT_ROWS input rows: byte dot
+// products over int8-rounded activations (kq_small_q32, kquant_small.h's kq_small_k; exact to
+// that rounding, ~1.5e-5 of each block's maximum), AE_SMALL_ROWS rows per pass.
 // Otherwise each weight row is dequantized once per call into a buffer that stays in L1
 // (bit-exact, kquant.h) and multiplied in float32 against every input row; from two input
 // rows on, two weight rows share each input load (ae_dots2). The weights
@@ -205,20 +226,15 @@ extern "C" void kernel(const float* x, const uint8_t* w, float* out, int64_t M, 
     const int64_t rb = kq_row_bytes(type, K);
     if (rb == 0) return;
 #ifdef AE_AVX2
-    if (M <= AE_SMALL_ROWS) {
-        switch (type) {
-            case KQ_Q4_0: kq_small_q32<KQ_Q4_0>(x, w, out, M, N, K, ldo, rb); return;
-            case KQ_Q4_1: kq_small_q32<KQ_Q4_1>(x, w, out, M, N, K, ldo, rb); return;
-            case KQ_Q5_0: kq_small_q32<KQ_Q5_0>(x, w, out, M, N, K, ldo, rb); return;
-            case KQ_Q5_1: kq_small_q32<KQ_Q5_1>(x, w, out, M, N, K, ldo, rb); return;
-            case KQ_Q8_0: kq_small_q32<KQ_Q8_0>(x, w, out, M, N, K, ldo, rb); return;
-            case KQ_Q4_K: kq_small_k<KQ_Q4_K>(x, w, out, M, N, K, ldo, rb); return;
-            case KQ_Q5_K: kq_small_k<KQ_Q5_K>(x, w, out, M, N, K, ldo, rb); return;
-            case KQ_Q6_K: kq_small_k<KQ_Q6_K>(x, w, out, M, N, K, ldo, rb); return;
-            default: break;
-        }
+    // byte dot products, AE_SMALL_ROWS input rows at a time (the Python side sends fewer than
+    // kquants.TILE_ROWS rows here; from there, dequantized tiles through oneDNN win)
+    if (M <= AE_INT_ROWS && kq_small(x, w, out, std::min<int64_t>(M, AE_SMALL_ROWS), N, K, ldo,
+                                      type, rb)) {
+        for (int64_t r0 = AE_SMALL_ROWS; r0 < M; r0 += AE_SMALL_ROWS)
+            kq_small(x + r0 * K, w, out + r0 * ldo, std::min<int64_t>(M - r0, AE_SMALL_ROWS), N,
+                     K, ldo, type, rb);
+        return;
     }
-
 #endif
     #pragma omp parallel
     {

@@ -65,7 +65,7 @@ def test_dequantize_is_bit_exact(qtype: T, seed: int, rows: int, blocks: int) ->
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1, T.Q4_0, T.Q8_0,
                                    T.IQ4_XS, T.F16],
                          ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 3, 7, 70])
+@pytest.mark.parametrize("m", [1, 3, 7, 12, 70])
 def test_packed_matmul_equals_float_matmul(qtype: T, m: int) -> None:
     rng = np.random.default_rng(int(qtype) * 10 + m)
     # blocks of 32: 29 of them, the kernel's groups of 8, 4 and 1 (kquant.cpp)
