@@ -285,3 +285,14 @@ def test_bfloat16_batches_match_float32():
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, atol=0.05 * want.abs().max().item(),
                                    rtol=0.02)
+
+
+def test_kernels_build_where_the_compiler_works():
+    # where the other packed kernels build, the GGUF ones must too: the tests above would pass
+    # on the slow PyTorch fallback and hide a build failure
+    from asyncengine.executor.kernels import packed as packed_kernels
+
+    if not packed_kernels.available("int4"):
+        pytest.skip("no C++ toolchain here")
+    assert kquants.kernels_available()
+    assert packed_kernels._load("kquant_dequant", 1) is not None  # the bfloat16 tiles'
