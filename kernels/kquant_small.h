@@ -17,7 +17,34 @@
 #pragma once
 #include "kquant.h"
 
+// Input rows of one pass of the byte dot products (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K /
+// Q5_K / Q6_K): each weight block is unpacked once per pass.
+#define AE_SMALL_ROWS 8
+
 #ifdef AE_AVX2
+// The 32 quants of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block as bytes in element order (0..31): low
+// nibbles then high nibbles, the fifth bit (0x10) of element j from bit j of qh.
+static inline __m256i kq_quants32(const uint8_t* blk, int64_t type) {
+    const bool has_min = type == KQ_Q4_1 || type == KQ_Q5_1;
+    const bool five = type == KQ_Q5_0 || type == KQ_Q5_1;
+    const __m128i bytes = _mm_loadu_si128(
+        (const __m128i*)(blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0)));
+    const __m128i m16 = _mm_set1_epi8(0x0f);
+    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), m16),
+                                 _mm_and_si128(bytes, m16));
+    if (five) {
+        uint32_t qh; std::memcpy(&qh, blk + (has_min ? 4 : 2), 4);
+        // byte j <- byte j / 8 of qh, then its bit j % 8
+        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    }
+    return q;
+}
+
 // A super-block's unpacked weights: u[j] the quants of sub-block j, F[j] its per-lane factors,
 // O[0..1] the offsets of groups 0..7 and 8..15.
 struct kq_sb { __m256i u[8]; __m256 F[8]; __m256 O[2]; };

@@ -61,20 +61,23 @@ _ARGS = {
     "int4_dequant": ("const uint8_t*", "const uint16_t*", "float*", "int64_t", "int64_t"),
     "kquant": ("const float*", "const uint8_t*", "float*", "int64_t", "int64_t", "int64_t",
                "int64_t", "int64_t"),
-    "kquant_dequant": ("const uint8_t*", "const int64_t*", "float*", "int64_t", "int64_t",
+    "kquant_dequant": ("const uint8_t*", "const int64_t*", "ae_t*", "int64_t", "int64_t",
                        "int64_t"),
 }
 
 
-_LOADED: dict[str, Callable[..., None] | None] = {}
+_LOADED: dict[tuple[str, int], Callable[..., None] | None] = {}
 
 
-def _load(name: str) -> Callable[..., None] | None:
+def _load(name: str, dtype_code: int = 0) -> Callable[..., None] | None:
     """The compiled kernel ``name`` (int4, int8, int4_dequant, kquant, kquant_dequant:
-    ``<name>.cpp``), or None."""
-    fn = _LOADED.get(name)
-    if fn is None and name not in _LOADED:
-        fn = _LOADED[name] = build.load(name, _ARGS[name])
+    ``<name>.cpp``; ``dtype_code``: kquant_dequant's output type, build.DTYPE_CODES), or
+    None."""
+    key = (name, dtype_code)
+    fn = _LOADED.get(key)
+    if fn is None and key not in _LOADED:
+        fn = _LOADED[key] = build.load(name, _ARGS[name],
+                                       dtype_code if "ae_t*" in _ARGS[name] else None)
     return fn
 
 
@@ -166,11 +169,14 @@ def kquant_mm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor) -
     _load("kquant")(x, w, out, m, w.shape[0], k, out.stride(0), qtype)
 
 
-def kquant_dequant(w: torch.Tensor, ids: torch.Tensor, k: int, qtype: int) -> torch.Tensor:
-    """Rows ``ids`` (int64) of a GGUF matrix ``w`` as float32 ``[len(ids), k]``, bit-exact
-    with ``gguf.quants.dequantize`` (``kquant_dequant.cpp``)."""
-    out = torch.empty(ids.shape[0], k, dtype=torch.float32)
-    _load("kquant_dequant")(w, ids.contiguous(), out, ids.shape[0], k, qtype)
+def kquant_dequant(w: torch.Tensor, ids: torch.Tensor, k: int, qtype: int,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``ids`` (int64) of a GGUF matrix ``w`` as ``[len(ids), k]`` of ``dtype`` (float32
+    or bfloat16), bit-exact with ``gguf.quants.dequantize`` (then ``.to(dtype)``;
+    ``kquant_dequant.cpp``)."""
+    out = torch.empty(ids.shape[0], k, dtype=dtype)
+    _load("kquant_dequant", build.DTYPE_CODES[dtype])(w, ids.contiguous(), out, ids.shape[0],
+                                                      k, qtype)
     return out
 
 
