@@ -11,7 +11,7 @@ and the ratio (the target is >= 0.8). Then --step-rounds rounds of decode steps 
 --concurrency on one LoRA engine alternate between a batch of base rows and one of the 4
 adapters mixed (the same prompts), timing each step (best and median of each side): the
 cost of the adapters themselves, without the load's drift. ``--kernel`` times one batched
-LoRA call against the int4 matmul of the same projection instead. Usage:
+LoRA call against the int4 matmul of the same projection instead (activations in --dtype). Usage:
 
     python benchmarks/lora.py [--concurrency 32] [--requests 64] [--max-tokens 64]
                               [--rank 16] [--targets q_proj,k_proj,v_proj,o_proj]
@@ -105,7 +105,8 @@ def kernel_only(args: argparse.Namespace) -> int:
     for j, (lo, hi) in enumerate(((0, 576), (576, 768), (768, 960))):  # q, k, v columns
         span[:, j * args.rank:(j + 1) * args.rank] = torch.tensor([lo, hi])
     table = SlotTable(A, B, torch.tensor([0] + [R] * 4), span)
-    x, y = torch.randn(T, K), torch.randn(T, N)
+    dtype = getattr(torch, args.dtype)
+    x, y = torch.randn(T, K, dtype=dtype), torch.randn(T, N, dtype=dtype)
     step = LoRAStep(torch.arange(T) % 4 + 1, S)
     base = Int4Linear(torch.randn(N, K) * 0.05)
 
@@ -120,7 +121,8 @@ def kernel_only(args: argparse.Namespace) -> int:
         return best * 1e6
 
     lo, b = best_us(lambda: add_lora(x, y, table, step)), best_us(lambda: base(x))
-    print(f"qkv_proj at {T} rows: batched LoRA (4 adapters, rank {args.rank}) {lo:.0f} us, "
+    print(f"qkv_proj at {T} rows, {args.dtype}: batched LoRA (4 adapters, rank {args.rank}) "
+          f"{lo:.0f} us, "
           f"int4 matmul {b:.0f} us: the adapters add {lo / b:.0%} to this projection")
     return 0
 
@@ -214,6 +216,8 @@ if __name__ == "__main__":
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--step-rounds", type=int, default=8)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="--kernel: the activations' dtype")
     p.add_argument("--kernel", action="store_true",
                    help="time one batched LoRA call against the int4 matmul only")
     raise SystemExit(main(p.parse_args()))

@@ -2,76 +2,182 @@
 #include "kquant.h"
 #include <vector>
 
-// Input rows up to which Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K take the byte
-// dot products (the Python side sends fewer than kquants.TILE_ROWS = 8 rows here).
-#define AE_SMALL_ROWS 8
 #include "kquant_small.h"
 
 #ifdef AE_AVX2
-// The 32 quants of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block as bytes in element order (0..31): low
-// nibbles then high nibbles, the fifth bit (0x10) of element j from bit j of qh.
-static inline __m256i kq_quants32(const uint8_t* blk, int64_t type) {
-    const bool has_min = type == KQ_Q4_1 || type == KQ_Q5_1;
-    const bool five = type == KQ_Q5_0 || type == KQ_Q5_1;
-    const __m128i bytes = _mm_loadu_si128(
-        (const __m128i*)(blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0)));
-    const __m128i m16 = _mm_set1_epi8(0x0f);
-    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), m16),
-                                 _mm_and_si128(bytes, m16));
-    if (five) {
-        uint32_t qh; std::memcpy(&qh, blk + (has_min ? 4 : 2), 4);
-        // byte j <- byte j / 8 of qh, then its bit j % 8
-        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), _mm256_setr_epi8(
-            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-        q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
-    }
-    return q;
+// G floats from p as the low lanes of a vector (the rest zero).
+template <int G>
+static inline __m256 kq_lanes(const float* p) {
+    if (G == 8) return _mm256_loadu_ps(p);
+    if (G == 4) return _mm256_zextps128_ps256(_mm_loadu_ps(p));
+    return _mm256_zextps128_ps256(_mm_set_ss(p[0]));
 }
+
+// Blocks [b0, b0 + G) of one weight row against every input row (kq_small_q32): the blocks'
+// quants unpacked once, each row's sums in registers over the group (two FMA chains).
+template <int TYPE, int G>
+static inline void kq_q32_group(const uint8_t* row, int64_t bb, int64_t b0,
+                                const ae_rounded& rx, const float* dx, const float* sx,
+                                int64_t M, int64_t blocks, __m256* acc) {
+    constexpr bool has_min = TYPE == KQ_Q4_1 || TYPE == KQ_Q5_1;
+    constexpr float off = TYPE == KQ_Q4_0 ? -8.f : TYPE == KQ_Q5_0 ? -16.f : 0.f;
+    constexpr bool q8 = TYPE == KQ_Q8_0;
+    __m256i u[G], sg[G];
+    float d[G], m[G];
+    #pragma GCC unroll 8
+    for (int j = 0; j < G; ++j) {
+        const uint8_t* blk = row + (b0 + j) * bb;
+        d[j] = kq_f16(blk);
+        m[j] = has_min ? kq_f16(blk + 2) : off * d[j];
+        if (q8) {
+            // signed quants: |q| times x with q's sign (vpmaddubsw wants one operand
+            // unsigned; |q| <= 128 and |x| <= 127 keep the pair sums inside int16)
+            sg[j] = _mm256_loadu_si256((const __m256i*)(blk + 2));
+            u[j] = _mm256_sign_epi8(sg[j], sg[j]);
+        } else {
+            sg[j] = _mm256_setzero_si256();
+            u[j] = kq_quants32(blk, TYPE);
+        }
+    }
+    const __m256 mv = kq_lanes<G>(m);
+    for (int64_t r = 0; r < M; ++r) {
+        const int64_t i0 = r * blocks + b0;
+        const int8_t* xq = rx.xq + 32 * i0;
+        const int8_t* xr = rx.xr + 32 * i0;
+        __m256 a[2] = {_mm256_fmadd_ps(mv, kq_lanes<G>(sx + i0), acc[r]), _mm256_setzero_ps()};
+        #pragma GCC unroll 8
+        for (int j = 0; j < G; ++j) {
+            __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + 32 * j));
+            __m256i rv = _mm256_loadu_si256((const __m256i*)(xr + 32 * j));
+            if (q8) { xv = _mm256_sign_epi8(xv, sg[j]); rv = _mm256_sign_epi8(rv, sg[j]); }
+            const __m256i t = kq_dot32(u[j], xv, rv);
+            a[j & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(d[j] * dx[i0 + j]),
+                                       a[j & 1]);
+        }
+        acc[r] = _mm256_add_ps(a[0], a[1]);
+    }
+}
+
+#ifdef AE_KQ512
+// kq_q32_group with AVX-512: blocks in pairs, one 512-bit byte dot product per pair (G even).
+// Q8_0's signs: x negated under the mask of negative quants (AVX-512 has no vpsignb).
+template <int TYPE, int G>
+static inline void kq_q32_group512(const uint8_t* row, int64_t bb, int64_t b0,
+                                   const ae_rounded& rx, const float* dx, const float* sx,
+                                   int64_t M, int64_t blocks, kq_acc* acc) {
+    constexpr bool has_min = TYPE == KQ_Q4_1 || TYPE == KQ_Q5_1;
+    constexpr float off = TYPE == KQ_Q4_0 ? -8.f : TYPE == KQ_Q5_0 ? -16.f : 0.f;
+    constexpr bool q8 = TYPE == KQ_Q8_0;
+    __m512i u[G / 2];
+    __mmask64 neg[G / 2];
+    float d[G], m[G];
+    #pragma GCC unroll 8
+    for (int p = 0; p < G / 2; ++p) {
+        __m256i q[2];
+        for (int h = 0; h < 2; ++h) {
+            const int j = 2 * p + h;
+            const uint8_t* blk = row + (b0 + j) * bb;
+            d[j] = kq_f16(blk);
+            m[j] = has_min ? kq_f16(blk + 2) : off * d[j];
+            q[h] = q8 ? _mm256_loadu_si256((const __m256i*)(blk + 2)) : kq_quants32(blk, TYPE);
+        }
+        const __m512i qq = kq_pair(q[0], q[1]);
+        if (q8) {
+            neg[p] = _mm512_movepi8_mask(qq);
+            u[p] = _mm512_abs_epi8(qq);  // -128 -> 0x80, 128 as unsigned
+        } else {
+            neg[p] = 0;
+            u[p] = qq;
+        }
+    }
+    const __m256 mv = kq_lanes<G>(m), dv = kq_lanes<G>(d);
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t r = 0; r < M; ++r) {
+        const int64_t i0 = r * blocks + b0;
+        const int8_t* xq = rx.xq + 32 * i0;
+        const int8_t* xr = rx.xr + 32 * i0;
+        const __m512 dd = _mm512_zextps256_ps512(_mm256_mul_ps(dv, kq_lanes<G>(dx + i0)));
+        __m512 a[2] = {kq_acc_add8(acc[r], _mm256_mul_ps(mv, kq_lanes<G>(sx + i0))),
+                       _mm512_setzero_ps()};
+        #pragma GCC unroll 4
+        for (int p = 0; p < G / 2; ++p) {
+            __m512i xv = _mm512_loadu_si512(xq + 64 * p);
+            __m512i rv = _mm512_loadu_si512(xr + 64 * p);
+            if (q8) {
+                xv = _mm512_mask_sub_epi8(xv, neg[p], zero, xv);
+                rv = _mm512_mask_sub_epi8(rv, neg[p], zero, rv);
+            }
+            const __m512i t = kq_dot64(u[p], xv, rv);
+            a[p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), kq_spread(dd, p), a[p & 1]);
+        }
+        acc[r] = _mm512_add_ps(a[0], a[1]);
+    }
+}
+#endif
 
 // Few input rows (decode) over Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: these blocks are all
 // w = d q + m with q in [0, 31] (Q4_0: m = -8 d, Q5_0: m = -16 d) or, Q8_0, signed q and
 // m = 0, so int4.cpp's / int8.cpp's byte dot products apply: the activations rounded to
 // int8 per block, twice (x ~= dx (xq + xr / 256), exact to ~1.5e-5 of the block maximum,
-// common.h), a block costs two vpmaddubsw and one FMA, and the min term is exact (m sum x).
+// common.h), a block costs two byte dot products (kq_dot32, kquant_small.h) and one FMA, and
+// the min term is exact (m times the block's float sum of x). Blocks go in groups of 8, then
+// 4, then 1 (kq_q32_group).
+template <int TYPE>
 static void kq_small_q32(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
-                         int64_t K, int64_t ldo, int64_t type, int64_t rb) {
+                         int64_t K, int64_t ldo, int64_t rb) {
     const int64_t blocks = K / 32, bb = rb / blocks;
     const ae_rounded rx = ae_round_rows(x, M, K);
-    const bool has_min = type == KQ_Q4_1 || type == KQ_Q5_1;
-    const float off = type == KQ_Q4_0 ? -8.f : type == KQ_Q5_0 ? -16.f : 0.f;
-    const bool q8 = type == KQ_Q8_0;
+    // per block of each row: dx / 256 and the float sum of x, contiguous
+    static thread_local std::vector<float> fs;
+    if ((int64_t)fs.size() < 2 * M * blocks) fs.resize(2 * M * blocks);
+    float* dx = fs.data();
+    float* sx = dx + M * blocks;
+    for (int64_t i = 0; i < M * blocks; ++i) { dx[i] = rx.xa[2 * i]; sx[i] = rx.xb[2 * i + 1]; }
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
         const uint8_t* row = w + n * rb;
         __m256 acc[AE_SMALL_ROWS];
-        float mins[AE_SMALL_ROWS];
-        for (int64_t r = 0; r < M; ++r) { acc[r] = _mm256_setzero_ps(); mins[r] = 0.f; }
-        const __m256i c256 = _mm256_set1_epi16(256), ones = _mm256_set1_epi16(1);
-        for (int64_t b = 0; b < blocks; ++b) {
-            const uint8_t* blk = row + b * bb;
-            // Q8_0's signed quants: |q| times x with q's sign (vpmaddubsw wants one operand
-            // unsigned; |q| <= 128 and |x| <= 127 keep the pair sums inside int16)
-            const __m256i s8 = q8 ? _mm256_loadu_si256((const __m256i*)(blk + 2))
-                                  : _mm256_setzero_si256();
-            const __m256i q = q8 ? _mm256_sign_epi8(s8, s8) : kq_quants32(blk, type);
-            const float d = kq_f16(blk), m = has_min ? kq_f16(blk + 2) : off * d;
-            for (int64_t r = 0; r < M; ++r) {
-                const int64_t i = r * blocks + b;
-                __m256i xv = _mm256_loadu_si256((const __m256i*)(rx.xq + 32 * i));
-                __m256i rv = _mm256_loadu_si256((const __m256i*)(rx.xr + 32 * i));
-                if (q8) { xv = _mm256_sign_epi8(xv, s8); rv = _mm256_sign_epi8(rv, s8); }
-                const __m256i t = _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), c256),
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(q, rv), ones));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t),
-                                         _mm256_set1_ps(d * rx.xa[2 * i]), acc[r]);
-                mins[r] += m * rx.xb[2 * i + 1];
-            }
+        for (int64_t r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+        int64_t b = 0;
+#ifdef AE_KQ512
+        kq_acc acc2[AE_SMALL_ROWS];
+        for (int64_t r = 0; r < M; ++r) acc2[r] = kq_acc_zero();
+        for (; b + 8 <= blocks; b += 8)
+            kq_q32_group512<TYPE, 8>(row, bb, b, rx, dx, sx, M, blocks, acc2);
+        for (; b + 4 <= blocks; b += 4)
+            kq_q32_group512<TYPE, 4>(row, bb, b, rx, dx, sx, M, blocks, acc2);
+#endif
+        for (; b + 8 <= blocks; b += 8) kq_q32_group<TYPE, 8>(row, bb, b, rx, dx, sx, M, blocks, acc);
+        for (; b + 4 <= blocks; b += 4) kq_q32_group<TYPE, 4>(row, bb, b, rx, dx, sx, M, blocks, acc);
+        for (; b < blocks; ++b) kq_q32_group<TYPE, 1>(row, bb, b, rx, dx, sx, M, blocks, acc);
+        for (int64_t r = 0; r < M; ++r) {
+            float v = ae_hsum8(acc[r]);
+#ifdef AE_KQ512
+            v += kq_acc_sum(acc2[r]);
+#endif
+            out[r * ldo + n] = v;
         }
-        for (int64_t r = 0; r < M; ++r) out[r * ldo + n] = ae_hsum8(acc[r]) + mins[r];
+    }
+}
+#endif
+
+#ifdef AE_AVX2
+// Input rows up to which a call takes the byte dot products (in chunks of AE_SMALL_ROWS).
+#define AE_INT_ROWS 64
+
+// The byte dot products for M <= AE_SMALL_ROWS rows; false for a type they do not cover.
+static bool kq_small(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
+                     int64_t K, int64_t ldo, int64_t type, int64_t rb) {
+    switch (type) {
+        case KQ_Q4_0: kq_small_q32<KQ_Q4_0>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q4_1: kq_small_q32<KQ_Q4_1>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q5_0: kq_small_q32<KQ_Q5_0>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q5_1: kq_small_q32<KQ_Q5_1>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q8_0: kq_small_q32<KQ_Q8_0>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q4_K: kq_small_k<KQ_Q4_K>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q5_K: kq_small_k<KQ_Q5_K>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q6_K: kq_small_k<KQ_Q6_K>(x, w, out, M, N, K, ldo, rb); return true;
+        default: return false;
     }
 }
 #endif
@@ -80,9 +186,9 @@ static void kq_small_q32(const float* x, const uint8_t* w, float* out, int64_t M
 // x float [M, K]; w: N rows of kq_row_bytes(type, K) bytes; out: float with row stride ldo
 // (a part of a fused projection writes its own columns of the shared output).
 //
-// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K at few input rows: byte dot products
-// over int8-rounded activations (kq_small_q32, kquant_small.h's kq_small_k; exact to that
-// rounding, ~1.5e-5 of each block's maximum).
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K up to AE_INT_ROWS input rows: byte dot
+// products over int8-rounded activations (kq_small_q32, kquant_small.h's kq_small_k; exact to
+// that rounding, ~1.5e-5 of each block's maximum), AE_SMALL_ROWS rows per pass.
 // Otherwise each weight row is dequantized once per call into a buffer that stays in L1
 // (bit-exact, kquant.h) and multiplied in float32 against every input row; from two input
 // rows on, two weight rows share each input load (ae_dots2). The weights
@@ -94,13 +200,13 @@ extern "C" void kernel(const float* x, const uint8_t* w, float* out, int64_t M, 
     const int64_t rb = kq_row_bytes(type, K);
     if (rb == 0) return;
 #ifdef AE_AVX2
-    if (M <= AE_SMALL_ROWS && (type == KQ_Q4_0 || type == KQ_Q4_1 || type == KQ_Q5_0
-                               || type == KQ_Q5_1 || type == KQ_Q8_0)) {
-        kq_small_q32(x, w, out, M, N, K, ldo, type, rb);
-        return;
-    }
-    if (M <= AE_SMALL_ROWS && (type == KQ_Q4_K || type == KQ_Q5_K || type == KQ_Q6_K)) {
-        kq_small_k(x, w, out, M, N, K, ldo, type, rb);
+    // byte dot products, AE_SMALL_ROWS input rows at a time (the Python side sends fewer than
+    // kquants.TILE_ROWS rows here; from there, dequantized tiles through oneDNN win)
+    if (M <= AE_INT_ROWS && kq_small(x, w, out, std::min<int64_t>(M, AE_SMALL_ROWS), N, K, ldo,
+                                      type, rb)) {
+        for (int64_t r0 = AE_SMALL_ROWS; r0 < M; r0 += AE_SMALL_ROWS)
+            kq_small(x + r0 * K, w, out + r0 * ldo, std::min<int64_t>(M - r0, AE_SMALL_ROWS), N,
+                     K, ldo, type, rb);
         return;
     }
 #endif

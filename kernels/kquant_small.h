@@ -17,15 +17,40 @@
 #pragma once
 #include "kquant.h"
 
+// Input rows of one pass of the byte dot products (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K /
+// Q5_K / Q6_K): each weight block is unpacked once per pass.
+#define AE_SMALL_ROWS 8
+
 #ifdef AE_AVX2
+// The 32 quants of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block as bytes in element order (0..31): low
+// nibbles then high nibbles, the fifth bit (0x10) of element j from bit j of qh.
+static inline __m256i kq_quants32(const uint8_t* blk, int64_t type) {
+    const bool has_min = type == KQ_Q4_1 || type == KQ_Q5_1;
+    const bool five = type == KQ_Q5_0 || type == KQ_Q5_1;
+    const __m128i bytes = _mm_loadu_si128(
+        (const __m128i*)(blk + 2 + (has_min ? 2 : 0) + (five ? 4 : 0)));
+    const __m128i m16 = _mm_set1_epi8(0x0f);
+    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), m16),
+                                 _mm_and_si128(bytes, m16));
+    if (five) {
+        uint32_t qh; std::memcpy(&qh, blk + (has_min ? 4 : 2), 4);
+        // byte j <- byte j / 8 of qh, then its bit j % 8
+        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    }
+    return q;
+}
+
 // A super-block's unpacked weights: u[j] the quants of sub-block j, F[j] its per-lane factors,
 // O[0..1] the offsets of groups 0..7 and 8..15.
 struct kq_sb { __m256i u[8]; __m256 F[8]; __m256 O[2]; };
 
 static inline void kq_unpack_k45(const uint8_t* b, bool five, kq_sb& s) {
     const float d = kq_f16(b), dmin = kq_f16(b + 2);
-    uint8_t sc[8], mn[8];
-    kq_scale_min(b + 4, sc, mn);
     const uint8_t* qs = b + 16 + (five ? 32 : 0);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int c = 0; c < 4; ++c) {
@@ -42,13 +67,22 @@ static inline void kq_unpack_k45(const uint8_t* b, bool five, kq_sb& s) {
             s.u[j] = _mm256_or_si256(s.u[j], _mm256_and_si256(set, b5));
         }
     }
-    float o[16];
-    for (int j = 0; j < 8; ++j) {
-        s.F[j] = _mm256_set1_ps(d * (float)sc[j]);
-        o[2 * j] = o[2 * j + 1] = -(dmin * (float)mn[j]);
-    }
-    s.O[0] = _mm256_loadu_ps(o);
-    s.O[1] = _mm256_loadu_ps(o + 8);
+    // kq_scale_min's bytes in 32-bit registers (no byte stores read back as a vector):
+    // sc = s[0..3] & 63, then s[8..11]'s low nibbles | s[0..3]'s top bits as bits 4-5;
+    // mn = s[4..7] & 63, then s[8..11]'s high nibbles | s[4..7]'s top bits
+    uint32_t a0, a1, a2;
+    std::memcpy(&a0, b + 4, 4); std::memcpy(&a1, b + 8, 4); std::memcpy(&a2, b + 12, 4);
+    const uint64_t sc = (a0 & 0x3f3f3f3fu)
+        | (uint64_t)((a2 & 0x0f0f0f0fu) | ((a0 >> 2) & 0x30303030u)) << 32;
+    const uint64_t mn = (a1 & 0x3f3f3f3fu)
+        | (uint64_t)(((a2 >> 4) & 0x0f0f0f0fu) | ((a1 >> 2) & 0x30303030u)) << 32;
+    const __m256 scf = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
+    const __m256 mnf = _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
+    for (int j = 0; j < 8; ++j) s.F[j] = _mm256_permutevar8x32_ps(scf, _mm256_set1_epi32(j));
+    s.O[0] = _mm256_permutevar8x32_ps(mnf, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    s.O[1] = _mm256_permutevar8x32_ps(mnf, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
 }
 
 static inline void kq_unpack_q6k(const uint8_t* b, kq_sb& s) {
@@ -102,9 +136,43 @@ static inline __m256i kq_dot32(__m256i u, __m256i xq, __m256i xr) {
 #endif
 }
 
+// AVX-512 (BW + VNNI): two blocks of 32 per instruction, half the instructions per weight.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define AE_KQ512 1
+typedef __m512 kq_acc;
+static inline __m512i kq_pair(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+static inline __m512 kq_pairf(__m256 lo, __m256 hi) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+static inline __m512i kq_dot64(__m512i u, __m512i xq, __m512i xr) {
+    const __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xq);
+    return _mm512_dpbusd_epi32(_mm512_slli_epi32(hi, 8), u, xr);
+}
+// [v[2 p] x 8, v[2 p + 1] x 8] of the 8 floats v
+static inline __m512 kq_spread(__m512 v, int p) {
+    const __m512i idx = _mm512_set_epi32(2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
+                                         2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p, 2 * p, 2 * p,
+                                         2 * p, 2 * p, 2 * p, 2 * p, 2 * p);
+    return _mm512_permutexvar_ps(idx, v);
+}
+static inline kq_acc kq_acc_zero() { return _mm512_setzero_ps(); }
+static inline kq_acc kq_acc_add8(kq_acc a, __m256 v) {
+    return _mm512_add_ps(a, _mm512_zextps256_ps512(v));
+}
+static inline float kq_acc_sum(kq_acc a) { return _mm512_reduce_add_ps(a); }
+#else
+typedef __m256 kq_acc;
+static inline kq_acc kq_acc_zero() { return _mm256_setzero_ps(); }
+static inline kq_acc kq_acc_add8(kq_acc a, __m256 v) { return _mm256_add_ps(a, v); }
+static inline float kq_acc_sum(kq_acc a) { return ae_hsum8(a); }
+#endif
+
 // out[r * ldo + n] for r < M <= AE_SMALL_ROWS, n < N: x [M, K] float, w N rows of rb bytes.
+template <int TYPE>
 static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
-                       int64_t K, int64_t ldo, int64_t type, int64_t rb) {
+                       int64_t K, int64_t ldo, int64_t rb) {
     const int64_t sbs = K / 256, bb = rb / sbs, blocks = K / 32, groups = K / 16;
     const ae_rounded rx = ae_round_rows(x, M, K);
     static thread_local std::vector<float> sums;  // [M, K / 16]: the float sums of x
@@ -114,16 +182,47 @@ static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, 
         const __m256 a = _mm256_add_ps(_mm256_loadu_ps(x + 16 * g), _mm256_loadu_ps(x + 16 * g + 8));
         s16[g] = ae_hsum8(a);
     }
+#ifdef AE_KQ512
+    static thread_local std::vector<float> dxs;  // [M, K / 32]: dx / 256, contiguous
+    if ((int64_t)dxs.size() < M * blocks) dxs.resize(M * blocks);
+    float* dx = dxs.data();
+    for (int64_t i = 0; i < M * blocks; ++i) dx[i] = rx.xa[2 * i];
+#endif
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
         const uint8_t* row = w + n * rb;
-        __m256 acc[AE_SMALL_ROWS];
-        for (int64_t r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+        kq_acc acc[AE_SMALL_ROWS];
+        for (int64_t r = 0; r < M; ++r) acc[r] = kq_acc_zero();
         kq_sb s;
         for (int64_t b = 0; b < sbs; ++b) {
             const uint8_t* blk = row + b * bb;
-            if (type == KQ_Q6_K) kq_unpack_q6k(blk, s);
-            else kq_unpack_k45(blk, type == KQ_Q5_K, s);
+            if (TYPE == KQ_Q6_K) kq_unpack_q6k(blk, s);
+            else kq_unpack_k45(blk, TYPE == KQ_Q5_K, s);
+#ifdef AE_KQ512
+            __m512i u2[4];
+            __m512 F2[4];
+            for (int p = 0; p < 4; ++p) {
+                u2[p] = kq_pair(s.u[2 * p], s.u[2 * p + 1]);
+                F2[p] = kq_pairf(s.F[2 * p], s.F[2 * p + 1]);
+            }
+            const __m512 O2 = kq_pairf(s.O[0], s.O[1]);
+            for (int64_t r = 0; r < M; ++r) {
+                const int64_t i0 = r * blocks + 8 * b;
+                const int8_t* xq = rx.xq + 32 * i0;
+                const int8_t* xr = rx.xr + 32 * i0;
+                const __m512 dv = _mm512_zextps256_ps512(_mm256_loadu_ps(dx + i0));
+                __m512 a[2] = {_mm512_fmadd_ps(O2, _mm512_loadu_ps(s16 + r * groups + 16 * b),
+                                               acc[r]), _mm512_setzero_ps()};
+                #pragma GCC unroll 4
+                for (int p = 0; p < 4; ++p) {
+                    const __m512i t = kq_dot64(u2[p], _mm512_loadu_si512(xq + 64 * p),
+                                               _mm512_loadu_si512(xr + 64 * p));
+                    a[p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t),
+                                               _mm512_mul_ps(F2[p], kq_spread(dv, p)), a[p & 1]);
+                }
+                acc[r] = _mm512_add_ps(a[0], a[1]);
+            }
+#else
             for (int64_t r = 0; r < M; ++r) {
                 const int64_t i0 = r * blocks + 8 * b;
                 const int8_t* xq = rx.xq + 32 * i0;
@@ -142,8 +241,9 @@ static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, 
                 }
                 acc[r] = _mm256_add_ps(a[0], a[1]);
             }
+#endif
         }
-        for (int64_t r = 0; r < M; ++r) out[r * ldo + n] = ae_hsum8(acc[r]);
+        for (int64_t r = 0; r < M; ++r) out[r * ldo + n] = kq_acc_sum(acc[r]);
     }
 }
 #endif

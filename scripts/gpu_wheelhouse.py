@@ -11,8 +11,8 @@ by git) with:
   stops the script;
 * ``flashinfer-python==0.7.2.post1`` trimmed (62 MB as published): of its kernel sources
   (``data/csrc``) only those of the kernels asyncengine compiles (FA2 batch prefill, batch
-  decode, sampling, top-k), and none of the vendored libraries' examples, tests and Python
-  bindings; the wheel's RECORD is rewritten to match;
+  decode, sampling, top-k, the segment GEMM of LoRA), and none of the vendored libraries'
+  examples, tests and Python bindings; the wheel's RECORD is rewritten to match;
 * ``tokenizer/``: the embedded model's tokenizer (the GPU tests' tiny models use it; the
   93 MB embedded model itself does not travel);
 * ``MANIFEST.txt``: every file and its size.
@@ -45,7 +45,9 @@ FLASHINFER = "flashinfer-python==0.7.2.post1"
 DEVICE_LACKS = ("msgspec", "xgrammar", "gguf", "aiohttp-cors", "apache-tvm-ffi", "pydantic",
                 "pydantic-core", "annotated-types", "typing-inspection",
                 # on the device, at a version unknown here; pydantic-core needs >= 4.14.1
-                "typing-extensions")
+                "typing-extensions",
+                # for the tests: tests/test_gpu_lora.py compares with PEFT (pure Python)
+                "peft")
 #: What the device image has (docs of the lent machines, 2026-11), as normalized names.
 DEVICE_HAS = frozenset("""
 aiohttp aiosignal anyio attrs certifi charset-normalizer click cuda-bindings cuda-core
@@ -63,7 +65,10 @@ PLATFORM_ARGS = ["--python-version", "3.12", "--implementation", "cp", "--only-b
 
 #: flashinfer/data/csrc files kept: the JIT sources of the kernels asyncengine compiles.
 KEEP_CSRC = re.compile(r"^(batch_prefill|batch_decode(?!_mla)|sampling|renorm|"
-                       r"flashinfer_sampling|topk|flashinfer_topk|cub_topk)|\.(h|cuh)$")
+                       r"flashinfer_sampling|topk|flashinfer_topk|cub_topk|"
+                       # LoRA's segment GEMM: the sm80 module (with bmm_fp8) and the sm90 one
+                       r"group_gemm(\.cu|_sm90)|bmm_fp8\.cu|flashinfer_gemm_(sm90_)?binding)"
+                       r"|\.(h|cuh)$")
 #: Paths (inside the wheel) dropped: vendored libraries' extras, experimental kernel sources.
 DROP = re.compile(r"^flashinfer/data/(cutlass/(examples|python|test|media|docs)/|"
                   r"cutlass/tools/(?!util/)|cccl/(python|ci)/)"

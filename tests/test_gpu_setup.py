@@ -231,8 +231,8 @@ def test_gpu_benchmark_says_it_needs_a_gpu():
 
 def test_prewarm_command_compiles_each_spec_then_sampling():
     """`python -m asyncengine.executor.prewarm` (what `make gpu-check` runs first): every
-    spec's prefill, decode and graph-mode decode kernels, then sampling, driven through the
-    stand-in module on the CPU."""
+    spec's prefill, decode and graph-mode decode kernels, then sampling, then LoRA's segment
+    GEMM, driven through the stand-in module on the CPU."""
     from asyncengine.executor import prewarm
     from tests.fake_flashinfer import make_module
 
@@ -244,7 +244,7 @@ def test_prewarm_command_compiles_each_spec_then_sampling():
     lines: list[str] = []
     took = prewarm.prewarm_specs(specs, dtype=torch.float32, device="cpu", module=fi,
                                  sampling_module=sampling, log=lines.append)
-    assert list(took) == [str(s) for s in specs] + ["sampling"]
+    assert list(took) == [str(s) for s in specs] + ["sampling", "lora segment gemm"]
     assert "head_dim 256, window, soft cap" in lines[1]
     assert [c[0] for c in sampling.calls] == ["plain", "top_p", "top_k", "top_k_top_p"]
     with pytest.raises(ValueError, match="--specs"):

@@ -222,3 +222,32 @@ def test_quantization_choices():
 def test_auto_is_none_for_safetensors(tiny_models):
     model = load_model(resolve_model(tiny_models["llama"]), "auto", torch.float32, "cpu")
     assert not any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules())
+
+
+def test_bfloat16_kernels_agree_and_do_not_depend_on_the_row_count():
+    """``int4_bf16.cpp`` and ``int8_bf16.cpp`` (AVX-512 BF16): the products of bfloat16
+    activations and the bfloat16 weights (int4: q * scale + min rounded once; int8: exact),
+    summed in float32; each row the same alone or among others (1-15 rows)."""
+    if not (packed_kernels.bf16_available("int4_bf16")
+            and packed_kernels.bf16_available("int8_bf16")):
+        pytest.skip("no AVX-512 BF16 here")
+    torch.manual_seed(0)
+    x = torch.randn(15, 576).bfloat16()
+    layer = Int4Linear(torch.randn(72, 576) * 0.05)
+    q = packed_kernels.unpack_int4(layer.packed)
+    w = dequantize_int4(q, layer.scale_min[..., 0], layer.scale_min[..., 1]).bfloat16().float()
+    alone = torch.cat([packed_kernels.int4_bf16_mm(x[i:i + 1], layer.packed, layer.scale_min)
+                       for i in range(15)])
+    torch.testing.assert_close(alone, x.float() @ w.T, atol=1e-5, rtol=1e-5)
+    for m in range(2, 16):
+        assert torch.equal(packed_kernels.int4_bf16_mm(x[:m], layer.packed, layer.scale_min),
+                           alone[:m]), m
+    assert layer(x[:3]).dtype == torch.bfloat16
+    qi = torch.randint(-127, 128, (40, 576), dtype=torch.int8)
+    for scales in (torch.rand(40, 1) * 0.01, torch.rand(40, 18) * 0.01):
+        w8 = (qi.float().view(40, scales.shape[1], -1) * scales[..., None]).view(40, 576)
+        alone = torch.cat([packed_kernels.int8_bf16_mm(x[i:i + 1], qi, scales)
+                           for i in range(15)])
+        torch.testing.assert_close(alone, x.float() @ w8.T, atol=1e-4, rtol=1e-5)
+        for m in range(2, 16):
+            assert torch.equal(packed_kernels.int8_bf16_mm(x[:m], qi, scales), alone[:m]), m

@@ -55,15 +55,21 @@ def test_dequantize_is_bit_exact(qtype: T, seed: int, rows: int, blocks: int) ->
     ids = torch.tensor([rows - 1, 0, rows - 1])
     picked = kquants.dequantize_rows(torch.from_numpy(raw.copy()), int(qtype), k, ids).numpy()
     assert np.array_equal(picked.view(np.uint32), want[ids.numpy()].view(np.uint32))
+    # straight to bfloat16 (the bfloat16 tiles): the float32 weights rounded once, as torch does
+    half = kquants.dequantize_rows(torch.from_numpy(raw.copy()), int(qtype), k, None,
+                                   torch.bfloat16)
+    assert torch.equal(half.view(torch.int16),
+                       torch.from_numpy(want).to(torch.bfloat16).view(torch.int16))
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1, T.Q4_0, T.Q8_0,
                                    T.IQ4_XS, T.F16],
                          ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 3, 7, 70])
+@pytest.mark.parametrize("m", [1, 3, 7, 12, 70])
 def test_packed_matmul_equals_float_matmul(qtype: T, m: int) -> None:
     rng = np.random.default_rng(int(qtype) * 10 + m)
-    k, n = 512, 37
+    # blocks of 32: 29 of them, the kernel's groups of 8, 4 and 1 (kquant.cpp)
+    k, n = (512 if kquants.TYPES[qtype][1] == 256 else 928), 37
     raw = torch.from_numpy(random_rows(qtype, n, k, rng).copy())
     if qtype not in (T.F16,):  # tame the random scales: unit-ish weights
         w0 = kquants.dequantize_rows(raw, int(qtype), k)
@@ -279,3 +285,14 @@ def test_bfloat16_batches_match_float32():
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, atol=0.05 * want.abs().max().item(),
                                    rtol=0.02)
+
+
+def test_kernels_build_where_the_compiler_works():
+    # where the other packed kernels build, the GGUF ones must too: the tests above would pass
+    # on the slow PyTorch fallback and hide a build failure
+    from asyncengine.executor.kernels import packed as packed_kernels
+
+    if not packed_kernels.available("int4"):
+        pytest.skip("no C++ toolchain here")
+    assert kquants.kernels_available()
+    assert packed_kernels._load("kquant_dequant", 1) is not None  # the bfloat16 tiles'

@@ -177,3 +177,30 @@ def test_engine_on_the_segment_path_gives_pefts_tokens(lora_families, monkeypatc
     assert engine.num_free_blocks == engine.num_total_blocks
     # the C++ decode stack (int4) leaves steps on the segment path to the layers' hooks
     assert getattr(getattr(engine.runner.model, "_stack", None), "lora_steps", 0) == 0
+
+
+def test_engine_on_the_cuda_step_path_with_the_segment_gemm(lora_families, monkeypatch):
+    """The CUDA device's step path (fake CUDA: enqueue, packed pinned-style staging, event
+    awaits) with the segment GEMM: the segments travel with the step's staged inputs and the
+    tokens equal the CPU kernel's engine's."""
+    from tests.test_cuda_path import cuda_path
+
+    paths = lora_families("llama")
+    reference = engine_for(paths, max_loras=3)
+    assert reference.runner.lora.tables.gemm is None
+    prompts = [reference.tokenizer.encode(p) for p in PROMPTS]
+    names = [None, *ADAPTERS]
+    jobs = [(prompts[i], names[i % len(names)]) for i in range(len(prompts))] * 2
+    want = run_mixed(reference, jobs)
+    monkeypatch.setattr(tables, "make_segment_gemm",
+                        lambda *a: SegmentGEMMWrapper(torch.empty(0, dtype=torch.int8)))
+    engine = engine_for(paths, max_loras=3)
+    cuda_path(engine, "thread")
+    executed = []
+    real_execute = engine.runner.execute
+    engine.runner.execute = lambda inputs: executed.append(inputs) or real_execute(inputs)
+    got = run_mixed(engine, jobs)
+    assert got == want
+    assert executed == []  # every step went through enqueue()
+    assert max(k for _, k, _ in engine.runner.lora.tables.gemm.calls) > 1
+    assert engine.num_free_blocks == engine.num_total_blocks

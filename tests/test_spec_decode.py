@@ -95,6 +95,29 @@ def test_ngram_index_work_is_the_new_tokens_only():
     assert len(ix.table) <= size + 30 * 3
 
 
+def test_ngram_probe_and_the_pause_after_empty_verifications():
+    """``probe`` (a token in flight) says whether the known tokens end with an n-gram seen
+    before: only then does the request wait for its token to get drafts; otherwise its steps
+    stay overlapped. Three verifications in a row that accept nothing pause the proposals."""
+    from types import SimpleNamespace
+
+    from asyncengine.core.spec.ngram import PAUSE_AFTER, NgramProposer
+
+    proposer = NgramProposer(2, 3)
+    req = SimpleNamespace(spec_state=None, all_token_ids=[1, 2, 3, 4, 5, 6])
+    assert not proposer.probe(req)  # (5, 6) never seen before
+    for i in range(PAUSE_AFTER):
+        req.all_token_ids += [1, 2]
+        assert proposer.probe(req)  # (1, 2) seen before
+        assert proposer.propose(req, 3)
+        req.all_token_ids += [100 + i]  # its first draft rejected: the step made one token
+        assert proposer.propose(req, 3) == []  # (2, 100 + i) unseen; the miss is counted
+    req.all_token_ids += [1, 2]
+    assert not proposer.probe(req) and proposer.propose(req, 3) == []  # paused
+    req.all_token_ids += [7] * 4 * PAUSE_AFTER + [1, 2]
+    assert proposer.probe(req) and proposer.propose(req, 3)  # resumed
+
+
 # -- exactness ---------------------------------------------------------------------------------
 async def _greedy_outputs(engine, prompts, n):
     outs = await generate_all(engine, prompts, SamplingParams(temperature=0, max_tokens=n,
@@ -159,6 +182,33 @@ def test_greedy_output_is_identical_on_the_embedded_model_with_ngram_drafts(monk
         assert outs[0] == outs[1]
         assert counter.accepted >= 8  # the copy is drafted and accepted
         assert len(verified) >= counter.steps > 0 and all(ok for _, ok in verified), verified
+
+    anyio.run(main)
+
+
+def test_greedy_output_is_identical_in_bfloat16_with_ngram_drafts():
+    """The bfloat16 model (the CPU default where the CPU has bf16 dot products): its int4
+    layers and int8 head take ``int4_bf16.cpp`` / ``int8_bf16.cpp`` for a step's few rows,
+    whose row results do not depend on the row count, so the drafts change nothing."""
+    from asyncengine.executor.kernels import packed
+    from tests.utils import embedded_gguf_path
+
+    if not packed.int4_bf16_available():
+        pytest.skip("no AVX-512 BF16 here")
+    prompt = ("<|im_start|>user\nRepeat this sentence exactly: The library will be closed on "
+              "Monday for the installation of new shelves.<|im_end|>\n<|im_start|>assistant\n")
+
+    async def main():
+        outs = []
+        for spec in (None, NGRAM):
+            engine = make_engine(embedded_gguf_path(), spec=spec, max_model_len=512,
+                                 num_gpu_blocks_override=None, block_size=16,
+                                 max_num_batched_tokens=512, dtype="bfloat16")
+            counter = SpecCounter(engine) if spec else None
+            async with engine:
+                outs.append(await _greedy_outputs(engine, [prompt], 24))
+        assert outs[0] == outs[1]
+        assert counter.accepted >= 8
 
     anyio.run(main)
 

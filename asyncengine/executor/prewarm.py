@@ -66,8 +66,9 @@ def prewarm_specs(specs: tuple[KernelSpec, ...] | list[KernelSpec], *, dtype: to
                   device: str = "cuda", graphs: bool = True, vocab_size: int = 49152,
                   module: Any = None, sampling_module: Any = None,
                   log: Any = print) -> dict[str, float]:
-    """Compile and load every spec's prefill and decode kernels, then the sampling kernels;
-    the seconds each took, by name. Raises what FlashInfer's JIT raises."""
+    """Compile and load every spec's prefill and decode kernels, then the sampling kernels,
+    then LoRA's segment GEMM; the seconds each took, by name. Raises what FlashInfer's JIT
+    raises."""
     from asyncengine.executor.attention.flashinfer import FlashInferBackend
     from asyncengine.executor.sampler import flashinfer_sampling
 
@@ -84,6 +85,12 @@ def prewarm_specs(specs: tuple[KernelSpec, ...] | list[KernelSpec], *, dtype: to
     flashinfer_sampling.prewarm(device, vocab_size, module=sampling_module)
     took["sampling"] = time.perf_counter() - start
     log(f"prewarm: sampling: {took['sampling']:.1f} s")
+    from asyncengine.executor.lora import segment
+
+    start = time.perf_counter()
+    segment.prewarm(device, dtype, module=module)
+    took["lora segment gemm"] = time.perf_counter() - start
+    log(f"prewarm: LoRA segment GEMM ({dtype}): {took['lora segment gemm']:.1f} s")
     return took
 
 
@@ -118,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in args.specs:
             print(f"would compile: attention {spec} ({args.dtype})")
         print("would compile: sampling")
+        print(f"would compile: LoRA segment GEMM ({args.dtype})")
         return 0
     if not torch.cuda.is_available():
         print("prewarm needs a CUDA GPU (FlashInfer compiles for the device it runs on)",

@@ -6,51 +6,46 @@ Each request keeps an index, ``n-gram -> position of the token after its latest 
 updated with the tokens appended since the last proposal only: a proposal costs
 O(new tokens x window sizes) plus one lookup per window size, never a rescan of the history.
 
-k adapts per request to what its last drafts earned (a verification row costs a good part of
-a decode step on the CPU: ``docs/speculative.md``): all accepted doubles it (up to the
-configured k), a rejection sets it to one more than the drafts accepted. Two verifications in
-a row that accept nothing stop the proposals for a while (``probe`` says no), so a request
-whose output stops copying its context decodes as without speculation, its steps overlapped.
+Three verifications in a row that accept nothing pause a request's proposals for a while
+(``probe`` says no meanwhile), so a request whose output stopped copying its context decodes as
+without speculation, its steps overlapped. (Shrinking k after a partial acceptance was tried:
+on the grounded benchmark's outputs, replayed, it lost more long copies than it saved rows.)
 """
 
 from __future__ import annotations
 
 from asyncengine.core.request import Request
 
+#: Verifications in a row that accept nothing before a request's proposals pause.
+PAUSE_AFTER = 3
+
 
 class NgramIndex:
     """The index of one sequence. ``upto``: continuation positions ``< upto`` are indexed."""
 
-    __slots__ = ("lo", "hi", "table", "upto", "k", "drafted", "base", "misses", "resume")
+    __slots__ = ("lo", "hi", "table", "upto", "drafted", "base", "misses", "resume")
 
-    def __init__(self, lo: int, hi: int, k: int = 32) -> None:
+    def __init__(self, lo: int, hi: int) -> None:
         self.lo, self.hi = lo, hi
         self.table: dict[tuple[int, ...], int] = {}
         self.upto = 1
-        self.k = k  # drafts the next proposal may have (adapted by ``learn``)
         self.drafted = 0  # the last proposal's drafts (0: none pending)
         self.base = 0  # the sequence's length when they were proposed
         self.misses = 0  # verifications in a row that accepted nothing
         self.resume = 0  # no proposals before the sequence has this many tokens
 
-    def learn(self, length: int, k_max: int) -> None:
-        """Adapt ``k`` to the last proposal's outcome, the sequence now ``length`` tokens
-        long: its accepted drafts are ``length - base - 1``."""
+    def learn(self, length: int) -> None:
+        """Take in the last proposal's outcome, the sequence now ``length`` tokens long (its
+        accepted drafts: ``length - base - 1``)."""
         drafted, self.drafted = self.drafted, 0
         if not drafted:
             return
-        accepted = length - self.base - 1
-        if accepted >= drafted:
-            self.k = min(2 * self.k, k_max)
+        if length - self.base - 1 > 0:
             self.misses = 0
-        elif accepted > 0:
-            self.k = accepted + 1
-            self.misses = 0
-        else:
-            self.k = 1
-            self.misses += 1
-            if self.misses >= 2:  # not copying any more: plain steps for a while
-                self.resume = length + 4 * self.misses
+            return
+        self.misses += 1
+        if self.misses >= PAUSE_AFTER:  # not copying any more: plain steps for a while
+            self.resume = length + 4 * self.misses
 
     def update(self, tokens: list[int]) -> None:
         """Index every n-gram that has a known next token: those ending before the last."""
@@ -78,27 +73,22 @@ class NgramIndex:
 
 
 class NgramProposer:
-    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int,
-                 adaptive: bool = True) -> None:
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.lo, self.hi = prompt_lookup_min, prompt_lookup_max
-        self.adaptive = adaptive
 
-    def _index(self, request: Request, k: int) -> NgramIndex:
+    def _index(self, request: Request) -> NgramIndex:
         index = request.spec_state
         if index is None:
-            index = request.spec_state = NgramIndex(self.lo, self.hi, k)
+            index = request.spec_state = NgramIndex(self.lo, self.hi)
         return index
 
     def propose(self, request: Request, k: int) -> list[int]:
-        """Up to ``k`` drafts (fewer where its acceptance history says so)."""
-        index = self._index(request, k)
+        index = self._index(request)
         tokens = request.all_token_ids
-        if not self.adaptive:
-            return index.propose(tokens, k)
-        index.learn(len(tokens), k)
+        index.learn(len(tokens))
         if len(tokens) < index.resume:
             return []
-        drafts = index.propose(tokens, min(k, index.k))
+        drafts = index.propose(tokens, k)
         if drafts:
             index.drafted, index.base = len(drafts), len(tokens)
         return drafts
@@ -107,6 +97,6 @@ class NgramProposer:
         """Whether drafts are likely once the request's in-flight token is known: its known
         tokens end with an n-gram that occurred before (and it is not pausing). While it says
         no, the request's steps overlap the loop's host work as without speculation."""
-        index = self._index(request, 32)
+        index = self._index(request)
         tokens = request.all_token_ids
         return len(tokens) >= index.resume and bool(index.propose(tokens, 1))

@@ -54,23 +54,30 @@ _ARGS = {
              "int64_t"),
     "int8": ("const float*", "const int8_t*", "const float*", "float*", "int64_t", "int64_t",
              "int64_t", "int64_t"),
+    "int4_bf16": ("const uint16_t*", "const uint8_t*", "const uint16_t*", "float*", "int64_t",
+                  "int64_t", "int64_t"),
+    "int8_bf16": ("const uint16_t*", "const int8_t*", "const float*", "float*", "int64_t",
+                  "int64_t", "int64_t", "int64_t"),
     "int4_dequant": ("const uint8_t*", "const uint16_t*", "float*", "int64_t", "int64_t"),
     "kquant": ("const float*", "const uint8_t*", "float*", "int64_t", "int64_t", "int64_t",
                "int64_t", "int64_t"),
-    "kquant_dequant": ("const uint8_t*", "const int64_t*", "float*", "int64_t", "int64_t",
+    "kquant_dequant": ("const uint8_t*", "const int64_t*", "ae_t*", "int64_t", "int64_t",
                        "int64_t"),
 }
 
 
-_LOADED: dict[str, Callable[..., None] | None] = {}
+_LOADED: dict[tuple[str, int], Callable[..., None] | None] = {}
 
 
-def _load(name: str) -> Callable[..., None] | None:
+def _load(name: str, dtype_code: int = 0) -> Callable[..., None] | None:
     """The compiled kernel ``name`` (int4, int8, int4_dequant, kquant, kquant_dequant:
-    ``<name>.cpp``), or None."""
-    fn = _LOADED.get(name)
-    if fn is None and name not in _LOADED:
-        fn = _LOADED[name] = build.load(name, _ARGS[name])
+    ``<name>.cpp``; ``dtype_code``: kquant_dequant's output type, build.DTYPE_CODES), or
+    None."""
+    key = (name, dtype_code)
+    fn = _LOADED.get(key)
+    if fn is None and key not in _LOADED:
+        fn = _LOADED[key] = build.load(name, _ARGS[name],
+                                       dtype_code if "ae_t*" in _ARGS[name] else None)
     return fn
 
 
@@ -89,6 +96,51 @@ def int4_mm(x: torch.Tensor, q: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     out = torch.empty(m, q.shape[0], dtype=torch.float32)
     _load("int4")(x, q, sm, out, m, q.shape[0], k)
+    return out
+
+
+_BF16_PATH: dict[str, bool] = {}
+
+
+def bf16_available(name: str = "int4_bf16") -> bool:
+    """Whether kernel ``name`` (int4_bf16, int8_bf16) runs here: AVX-512 BF16 compiled in
+    (asked once, by a call with no rows)."""
+    ok = _BF16_PATH.get(name)
+    if ok is None:
+        fn = _load(name)
+        ok = False
+        if fn is not None:
+            flag = torch.zeros(1)
+            fn(torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.uint8),
+               torch.zeros(1), flag, 0, 0, 0, *((0,) if name == "int8_bf16" else ()))
+            ok = bool(flag.item())
+        _BF16_PATH[name] = ok
+    return ok
+
+
+def int4_bf16_available() -> bool:
+    return bf16_available("int4_bf16")
+
+
+def int8_bf16_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] bfloat16 @ (q * scales).T`` -> float32 ``[M, N]``, ``scales [N, 1]`` (per
+    channel) or ``[N, K / 32]`` (per block), K a multiple of 64 (``int8_bf16.cpp``; check
+    ``bf16_available("int8_bf16")`` first)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32)
+    _load("int8_bf16")(x, q, scales, out, x.shape[0], q.shape[0], x.shape[1],
+                       scales.shape[1])
+    return out
+
+
+def int4_bf16_mm(x: torch.Tensor, q: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] bfloat16 @ bf16(dequant(q, sm)).T`` -> float32 ``[M, N]``, K a multiple of
+    64 (``int4_bf16.cpp``: each row's result independent of M; check
+    ``int4_bf16_available()`` first)."""
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, q.shape[0], dtype=torch.float32)
+    _load("int4_bf16")(x, q, sm, out, m, q.shape[0], k)
     return out
 
 
@@ -117,11 +169,14 @@ def kquant_mm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor) -
     _load("kquant")(x, w, out, m, w.shape[0], k, out.stride(0), qtype)
 
 
-def kquant_dequant(w: torch.Tensor, ids: torch.Tensor, k: int, qtype: int) -> torch.Tensor:
-    """Rows ``ids`` (int64) of a GGUF matrix ``w`` as float32 ``[len(ids), k]``, bit-exact
-    with ``gguf.quants.dequantize`` (``kquant_dequant.cpp``)."""
-    out = torch.empty(ids.shape[0], k, dtype=torch.float32)
-    _load("kquant_dequant")(w, ids.contiguous(), out, ids.shape[0], k, qtype)
+def kquant_dequant(w: torch.Tensor, ids: torch.Tensor, k: int, qtype: int,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``ids`` (int64) of a GGUF matrix ``w`` as ``[len(ids), k]`` of ``dtype`` (float32
+    or bfloat16), bit-exact with ``gguf.quants.dequantize`` (then ``.to(dtype)``;
+    ``kquant_dequant.cpp``)."""
+    out = torch.empty(ids.shape[0], k, dtype=dtype)
+    _load("kquant_dequant", build.DTYPE_CODES[dtype])(w, ids.contiguous(), out, ids.shape[0],
+                                                      k, qtype)
     return out
 
 

@@ -19,7 +19,9 @@ FlashInfer's grouped kernels are bfloat16/float16 only and read 8 elements at a 
 the slot tables are kept in the model's dtype and every table width (the projection's in
 and out features, ``--max-lora-rank`` times the shards it fuses) must be a multiple of 8;
 where that or the package is missing, the dense masked path of ``ops.py`` runs instead and
-the reason is logged once at start-up.
+the reason is logged once at start-up. The shrink's result [n, R] comes out in the model's
+dtype (FlashInfer's output dtype is its input's; it accumulates in float32) and is rounded
+once more before the expand.
 """
 
 from __future__ import annotations
@@ -133,3 +135,12 @@ def warm(gemm: Any, A: torch.Tensor, B: torch.Tensor) -> None:
     xa = gemm.run(torch.zeros(1, A.shape[2], dtype=A.dtype, device=dev), A, 1, True,
                   seg_indptr=indptr, weight_indices=index)
     gemm.run(xa, B, 1, False, seg_indptr=indptr, weight_indices=index)
+
+
+def prewarm(device: str, dtype: torch.dtype, module: Any = None) -> None:
+    """Compile the segment GEMM's kernels for ``dtype`` into FlashInfer's disk cache
+    (``python -m asyncengine.executor.prewarm``); ``module``: a stand-in for ``flashinfer``."""
+    fi = module if module is not None else importlib.import_module("flashinfer")
+    gemm = fi.SegmentGEMMWrapper(torch.empty(1 << 20, dtype=torch.int8, device=device))
+    A = torch.zeros(1, 16, 64, dtype=dtype, device=device)
+    warm(gemm, A, torch.zeros(1, 16, 64, dtype=dtype, device=device))

@@ -35,6 +35,13 @@ _F16_MAX = 65504.0
 # 2-core AVX2 machine (``python /tmp/s5/dq2.py``-style timing): 4.7 / 6.8 ms at 64 rows,
 # 8.2 / 7.5 at 100, 21.3 / 17.6 at 256, 43.4 / 29.1 at 512.
 DEQUANT_ROWS = 96
+# Fewer bfloat16 rows than this (decode batches, verification rows) go through
+# ``int4_bf16.cpp`` where it builds (AVX-512 BF16): the weights looked up as bfloat16 once per
+# weight row for up to 12 input rows, then one bf16 dot product per 32 weights a row, each
+# row's result independent of the row count. SmolLM2's four matmuls of a layer, 2-core EPYC
+# (avx512_bf16), 1 thread, bf16 kernel against the float32 paths before it: 125 / 136 us at 1
+# row, 250 / 400 at 5, 384 / 850 at 9, 810 / 1970 at 16, 1710 / 15000 at 32 (noisy machine).
+BF16_ROWS = DEQUANT_ROWS
 
 
 def quantize_int4(weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -85,6 +92,8 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.use_kernel = packed_kernels.available("int4")
         self._direct = self.use_kernel and self.bias is None
+        self._bf16 = (self._direct and self.in_features % 64 == 0
+                      and packed_kernels.int4_bf16_available())
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weights [out, in], made for this call (one C++ pass where the kernels
@@ -100,6 +109,11 @@ class Int4Linear(nn.Module):
             # The decode path, as short as it can be: ~120 of these run per step.
             buffers = self._buffers
             return packed_kernels.int4_mm(x, buffers["packed"], buffers["scale_min"])
+        if (self._bf16 and x.dtype is torch.bfloat16 and x.dim() == 2
+                and x.shape[0] < BF16_ROWS and not torch.compiler.is_compiling()):
+            buffers = self._buffers
+            return packed_kernels.int4_bf16_mm(x, buffers["packed"],
+                                               buffers["scale_min"]).to(torch.bfloat16)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.use_kernel and x2.shape[0] < DEQUANT_ROWS:

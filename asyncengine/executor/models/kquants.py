@@ -5,10 +5,13 @@ A Q4_K_M file mixes types per tensor (Q4_K for most matrices, Q6_K for the head 
 attn_v / ffn_down, Q5_0 / Q8_0 where a row is not a multiple of 256, F32 norms). Each matrix
 here is its file bytes, uint8 ``[rows, row bytes]``, read straight from the file into place
 (no float copy, ever: the model's float linears are never written, then dropped), and
-multiplied in place by ``kernels/kquant.cpp``: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 by byte dot
-products over activations rounded to int8 twice per block (``int4.py``'s scheme, exact to
-~1.5e-5 of a block's maximum), the other types by dequantizing one weight row at a time into
-L1 (bit-exact with ``gguf.quants.dequantize``) and multiplying in float32. A fused projection
+multiplied in place by ``kernels/kquant.cpp``: below ``TILE_ROWS`` input rows, Q4_0 / Q4_1 /
+Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K by byte dot products (AVX2, VNNI, AVX-512 VNNI) over
+activations rounded to int8 twice per block of 32 (``int4.py``'s scheme, exact to ~1.5e-5 of
+a block's maximum; ``kquant_small.h`` for the 256-element k-quants), the other types (IQ4_XS,
+F16, BF16, F32) by dequantizing one weight row at a time into L1 (bit-exact with
+``gguf.quants.dequantize``) and multiplying in float32. A decode step of fewer than
+``TILE_ROWS`` tokens runs all layers in one C++ call (``decode_stack.py``). A fused projection
 (q/k/v, gate/up) whose parts differ in type keeps each part in its own type; each part writes
 its columns of the shared output. A quantized token embedding is looked up by dequantizing
 only the rows looked up; tied to the head, the head multiplies the same bytes.
@@ -43,13 +46,13 @@ TYPES: dict[int, tuple[str, int, int]] = {
 }
 SUPPORTED = ", ".join(name for name, _, _ in TYPES.values())
 # From this many input rows, a call multiplies tiles of dequantized weights through oneDNN /
-# MKL instead of the packed kernel (kquant.cpp, float32 dots at ~20 GFLOP/s a thread).
-# Layer 0 of the Qwen2.5-0.5B-shaped Q4_K_M (benchmarks/kquants.py), best of 20, one thread,
-# on the loaded 2-core Zen 5 (avx512_bf16) of docs/benchmarks.md, Q5_0 gate (4.4 M weights)
-# kernel / float32 tiles / bfloat16 tiles in ms: 1 row 0.91 / 1.14 / 1.74; 4 rows 1.24 /
-# 1.58 / 1.82; 8 rows 2.05 / 1.91 / 1.82; 16 rows 2.90 / 2.56 / 1.99; 32 rows 9.3 / 13.7 /
-# 2.4 (Q6_K down alike): the tiles win from 8 rows.
-TILE_ROWS = 8
+# MKL instead of the packed kernel (kquant.cpp's byte dot products, 8 rows per pass). Layer 0's
+# MLP of the Qwen2.5-0.5B-shaped Q4_K_M (benchmarks/kquants.py --matrices), best of 20, one
+# thread, on the loaded 2-core Zen 5 (avx512_bf16, avx512_vnni) of docs/benchmarks.md, Q5_0
+# gate / Q6_K down (4.4 M weights each), kernel vs bfloat16 tiles in ms: 1 row 0.18 / 0.12 vs
+# 1.38 / 1.16; 8 rows 0.48 / 0.69 vs 1.49 / 1.25; 16 rows 1.06 / 1.35 vs 1.62 / 1.44; 32 rows
+# 2.11 / 2.72 vs 1.93 / 1.80: the tiles win from between 16 and 32 rows.
+TILE_ROWS = 16
 # Weight rows per dequantized tile (a tile of 4864 inputs is ~5 MB of float32).
 _TILE = 256
 
@@ -119,19 +122,23 @@ def kernels_available() -> bool:
 
 
 def dequantize_rows(raw: torch.Tensor, qtype: int, k: int,
-                    ids: torch.Tensor | None = None) -> torch.Tensor:
+                    ids: torch.Tensor | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows ``ids`` (all when None) of a packed matrix as float32 ``[n, k]``, bit-exact with
-    ``gguf.quants.dequantize``."""
+    ``gguf.quants.dequantize``; ``dtype`` bfloat16: that rounded once (the kernel writes
+    bfloat16 directly where it builds, no float32 copy in between)."""
     if kernels_available():
         if ids is None:
             ids = torch.arange(raw.shape[0], dtype=torch.int64)
-        return packed_kernels.kquant_dequant(raw, ids.to(torch.int64), k, qtype)
+        if dtype in (torch.float32, torch.bfloat16):
+            return packed_kernels.kquant_dequant(raw, ids.to(torch.int64), k, qtype, dtype)
+        return packed_kernels.kquant_dequant(raw, ids.to(torch.int64), k, qtype).to(dtype)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     rows = raw if ids is None else raw[ids.to(torch.int64)]
     w = dequantize(rows.numpy(), GGMLQuantizationType(qtype)).reshape(rows.shape[0], k)
-    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(dtype)
 
 
 @dataclass
@@ -198,7 +205,7 @@ class GGUFLinear(nn.Module):
             n = raw.shape[0]
             for r in range(0, n, rows):
                 ids = torch.arange(r, min(r + rows, n), dtype=torch.int64)
-                w = dequantize_rows(raw, qtype, self.in_features, ids).to(dtype)
+                w = dequantize_rows(raw, qtype, self.in_features, ids, dtype)
                 out[:, col + r:col + r + len(ids)] = torch.mm(xc, w.T)
             col += n
         return out
@@ -221,8 +228,8 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        rows = dequantize_rows(self.raw, self.qtype, self.dim, flat)
-        return rows.to(self.dtype).view(*ids.shape, self.dim)
+        rows = dequantize_rows(self.raw, self.qtype, self.dim, flat, self.dtype)
+        return rows.view(*ids.shape, self.dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.dim}, type={type_name(self.qtype)}"

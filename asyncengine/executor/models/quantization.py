@@ -31,6 +31,7 @@ from torch import nn
 
 from asyncengine.config import QUANTIZATIONS
 from asyncengine.executor.kernels import packed as packed_kernels
+from asyncengine.executor.models.int4 import BF16_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,11 @@ class Int8Linear(nn.Module):
         self.use_kernel = (q.device.type == "cpu" and packed_kernels.supports(
             self.in_features, self.in_features // scales.shape[1])
             and packed_kernels.available("int8"))
+        # Few bfloat16 rows: ``int8_bf16.cpp`` (exact weights, one bf16 dot product per 32
+        # weights a row, each row's result independent of the row count).
+        self._bf16 = (self.use_kernel and scales.shape[1] in (1, self.in_features // 32)
+                      and self.in_features % 64 == 0
+                      and packed_kernels.bf16_available("int8_bf16"))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int8(self.qweight, self.scales, dtype)
@@ -86,7 +92,10 @@ class Int8Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         dtype = torch.float32 if self.float32_out else x.dtype
-        if self.use_kernel:
+        if (self._bf16 and x2.dtype is torch.bfloat16 and x2.shape[0] < BF16_ROWS
+                and not torch.compiler.is_compiling()):
+            y = packed_kernels.int8_bf16_mm(x2, self.qweight, self.scales).to(dtype)
+        elif self.use_kernel:
             y = packed_kernels.int8_linear(x2.float(), self.qweight, self.scales).to(dtype)
         else:
             y = F.linear(x2.to(dtype), self.dequantized(dtype))
