@@ -103,6 +103,32 @@ def test_int4_and_int8_experts_stay_near_the_float_model(models):
         assert err < tol, (method, err)
 
 
+def test_bfloat16_experts_take_the_kernel_near_the_float_model(models, monkeypatch):
+    """bfloat16 weights (the CPU's --dtype auto where it has bfloat16 dot products) run their
+    experts through the kernel where it has its 512-bit tiles, as near the float32 model's
+    logits as torch's grouped_mm in bfloat16 is."""
+    directory = models["qwen3_moe"][0]
+    tokens = torch.randint(0, 49152, (12,), generator=torch.Generator().manual_seed(4))
+    want = PagedRunner(load_model(resolve_model(directory), "auto", torch.float32, "cpu")
+                       ).step({"r": tokens})["r"]
+    model = load_model(resolve_model(directory), "auto", torch.bfloat16, "cpu")
+    calls = []
+    real = moe.kernel()
+
+    def counting(*args):
+        calls.extend([args] if args[9] else [])
+        return real(*args)
+
+    monkeypatch.setattr(moe, "kernel", lambda: counting)
+    got = PagedRunner(model).step({"r": tokens})["r"].float()
+    assert len(calls) == (model.num_layers if moe.wide_tiles() else 0)
+    monkeypatch.setattr(moe, "kernel", lambda: None)
+    torch_path = PagedRunner(model).step({"r": tokens})["r"].float()
+    err = ((got - want).abs().mean() / want.abs().mean()).item()
+    ref = ((torch_path - want).abs().mean() / want.abs().mean()).item()
+    assert err < max(2 * ref, 0.02), (err, ref)
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
 def test_quantized_gguf_experts_are_kept_as_stored(models, tmp_path, qtype):
     """A GGUF file with Q8_0 (Q4_0) matrices and experts runs them packed by default: the
