@@ -63,11 +63,17 @@ static inline __mmask16 ae_mask16(int64_t n) {
     return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
 }
 
+// max |x|, NaN where x has one (so that the row's factor is NaN and its results are, as
+// float arithmetic's would be).
 static inline float ae_absmax512(const float* x, int64_t K) {
     __m512 amax = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16)
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(ae_mask16(K - k), x + k)));
-    return _mm512_reduce_max_ps(amax);
+    __mmask16 nan = 0;
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m512 v = _mm512_maskz_loadu_ps(ae_mask16(K - k), x + k);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+    }
+    return nan ? NAN : _mm512_reduce_max_ps(amax);
 }
 
 // x [K] -> h int16, fac = d.

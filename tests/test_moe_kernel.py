@@ -165,6 +165,21 @@ def test_the_portable_path_without_the_512_bit_tiles(method, tmp_path, monkeypat
                                    rtol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["float32", "bfloat16", "int8", "int4"])
+def test_a_token_that_is_not_finite_stays_in_its_row(method):
+    """A NaN or infinite activation makes its own token's output NaN / non-finite, as float
+    arithmetic does, and leaves the other tokens' alone (the rounded rows carry it)."""
+    layer = _layer(64, 8, 512, 128)
+    _quantize(layer, method)
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(9))
+    x[1, 7], x[4, 100] = float("nan"), float("inf")
+    routes = layer.route(x.nan_to_num(0.0, 0.0, 0.0))
+    layer.route = lambda _x: routes  # the router itself would spread the NaN
+    out = layer(x)
+    assert not out[1].isfinite().any() and not out[4].isfinite().all()
+    assert out[[0, 2, 3, 5]].isfinite().all()
+
+
 def test_the_cpu_with_vnni_takes_the_512_bit_tiles():
     """Where the CPU has AVX-512 VNNI (inductor builds the kernels for this CPU), the kernel
     reports its 512-bit tiles compiled in; elsewhere the AVX2 / plain C++ path runs."""
