@@ -147,8 +147,10 @@ static void kq_small_q32(const float* x, const uint8_t* w, float* out, int64_t M
         for (; b + 4 <= blocks; b += 4)
             kq_q32_group512<TYPE, 4>(row, bb, b, rx, dx, sx, M, blocks, acc2);
 #endif
-        for (; b + 8 <= blocks; b += 8) kq_q32_group<TYPE, 8>(row, bb, b, rx, dx, sx, M, blocks, acc);
-        for (; b + 4 <= blocks; b += 4) kq_q32_group<TYPE, 4>(row, bb, b, rx, dx, sx, M, blocks, acc);
+        for (; b + 8 <= blocks; b += 8)
+            kq_q32_group<TYPE, 8>(row, bb, b, rx, dx, sx, M, blocks, acc);
+        for (; b + 4 <= blocks; b += 4)
+            kq_q32_group<TYPE, 4>(row, bb, b, rx, dx, sx, M, blocks, acc);
         for (; b < blocks; ++b) kq_q32_group<TYPE, 1>(row, bb, b, rx, dx, sx, M, blocks, acc);
         for (int64_t r = 0; r < M; ++r) {
             float v = ae_hsum8(acc[r]);
@@ -177,6 +179,7 @@ static bool kq_small(const float* x, const uint8_t* w, float* out, int64_t M, in
         case KQ_Q4_K: kq_small_k<KQ_Q4_K>(x, w, out, M, N, K, ldo, rb); return true;
         case KQ_Q5_K: kq_small_k<KQ_Q5_K>(x, w, out, M, N, K, ldo, rb); return true;
         case KQ_Q6_K: kq_small_k<KQ_Q6_K>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_IQ4_XS: kq_small_k<KQ_IQ4_XS>(x, w, out, M, N, K, ldo, rb); return true;
         default: return false;
     }
 }
@@ -186,9 +189,9 @@ static bool kq_small(const float* x, const uint8_t* w, float* out, int64_t M, in
 // x float [M, K]; w: N rows of kq_row_bytes(type, K) bytes; out: float with row stride ldo
 // (a part of a fused projection writes its own columns of the shared output).
 //
-// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K up to AE_INT_ROWS input rows: byte dot
-// products over int8-rounded activations (kq_small_q32, kquant_small.h's kq_small_k; exact to
-// that rounding, ~1.5e-5 of each block's maximum), AE_SMALL_ROWS rows per pass.
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS up to AE_INT_ROWS input rows:
+// byte dot products over int8-rounded activations (kq_small_q32, kquant_small.h's kq_small_k;
+// exact to that rounding, ~1.5e-5 of each block's maximum), AE_SMALL_ROWS rows per pass.
 // Otherwise each weight row is dequantized once per call into a buffer that stays in L1
 // (bit-exact, kquant.h) and multiplied in float32 against every input row; from two input
 // rows on, two weight rows share each input load (ae_dots2). The weights

@@ -1,4 +1,4 @@
-// Few input rows (decode) over the 256-element k-quants Q4_K / Q5_K / Q6_K: byte dot products
+// Few input rows (decode) over the 256-element Q4_K / Q5_K / Q6_K / IQ4_XS: byte dot products
 // instead of dequantizing each weight row to float (kquant.cpp's float path).
 //
 // The activations are rounded as for kq_small_q32 (common.h's ae_round_rows): per block of 32,
@@ -8,6 +8,7 @@
 // and an offset o, w = f u + o:
 //   Q4_K / Q5_K: f = d sc_j, o = -dmin m_j (sub-block j of 32: both its groups share them);
 //   Q6_K: f = d sc_g, o = -32 d sc_g (signed 8-bit scale per group of 16).
+//   IQ4_XS: signed table values v, u = |v| with x taking v's signs, f = d (ls_j - 32), o = 0.
 // A sub-block of 32 against an input row then costs one integer sum per 4 elements,
 //   t = sum u (256 xq + xr)     (AVX2: two vpmaddubsw, two vpmaddwd; VNNI: two vpdpbusd),
 // and one float FMA by f dx / 256 (lanes 0-3 hold group 2j's elements, 4-7 group 2j + 1's).
@@ -47,7 +48,8 @@ static inline __m256i kq_quants32(const uint8_t* blk, int64_t type) {
 
 // A super-block's unpacked weights: u[j] the quants of sub-block j, F[j] its per-lane factors,
 // O[0..1] the offsets of groups 0..7 and 8..15.
-struct kq_sb { __m256i u[8]; __m256 F[8]; __m256 O[2]; };
+// IQ4_XS: its signed table values as sg[j] (u = |sg|, x takes sg's signs), O zero.
+struct kq_sb { __m256i u[8]; __m256 F[8]; __m256 O[2]; __m256i sg[8]; };
 
 static inline void kq_unpack_k45(const uint8_t* b, bool five, kq_sb& s) {
     const float d = kq_f16(b), dmin = kq_f16(b + 2);
@@ -121,6 +123,26 @@ static inline void kq_unpack_q6k(const uint8_t* b, kq_sb& s) {
     }
 }
 
+// IQ4_XS (kquant.h's kq_block_iq4xs): sub-block j's 16 bytes of nibbles index IQ4_NL's signed
+// values (a byte shuffle), factor d (ls_j - 32), no offset.
+static inline void kq_unpack_iq4xs(const uint8_t* b, kq_sb& s) {
+    const float d = kq_f16(b);
+    uint16_t sh; std::memcpy(&sh, b + 2, 2);
+    const __m256i table = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128((const __m128i*)kq_iq4nl_values));
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    for (int j = 0; j < 8; ++j) {
+        const __m128i q = _mm_loadu_si128((const __m128i*)(b + 8 + 16 * j));
+        const __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4),
+                                             _mm_and_si128(q, m4));
+        s.sg[j] = _mm256_shuffle_epi8(table, idx);
+        s.u[j] = _mm256_sign_epi8(s.sg[j], s.sg[j]);
+        const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0x0f) | (((sh >> (2 * j)) & 3) << 4);
+        s.F[j] = _mm256_set1_ps(d * (float)(ls - 32));
+    }
+    s.O[0] = s.O[1] = _mm256_setzero_ps();
+}
+
 // t = sum u (256 xq + xr) per group of 4 bytes.
 static inline __m256i kq_dot32(__m256i u, __m256i xq, __m256i xr) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -179,7 +201,8 @@ static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, 
     if ((int64_t)sums.size() < M * groups) sums.resize(M * groups);
     float* s16 = sums.data();
     for (int64_t g = 0; g < M * groups; ++g) {
-        const __m256 a = _mm256_add_ps(_mm256_loadu_ps(x + 16 * g), _mm256_loadu_ps(x + 16 * g + 8));
+        const __m256 a = _mm256_add_ps(_mm256_loadu_ps(x + 16 * g),
+                                       _mm256_loadu_ps(x + 16 * g + 8));
         s16[g] = ae_hsum8(a);
     }
 #ifdef AE_KQ512
@@ -197,13 +220,17 @@ static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, 
         for (int64_t b = 0; b < sbs; ++b) {
             const uint8_t* blk = row + b * bb;
             if (TYPE == KQ_Q6_K) kq_unpack_q6k(blk, s);
+            else if (TYPE == KQ_IQ4_XS) kq_unpack_iq4xs(blk, s);
             else kq_unpack_k45(blk, TYPE == KQ_Q5_K, s);
 #ifdef AE_KQ512
             __m512i u2[4];
             __m512 F2[4];
+            __mmask64 neg[4];
             for (int p = 0; p < 4; ++p) {
                 u2[p] = kq_pair(s.u[2 * p], s.u[2 * p + 1]);
                 F2[p] = kq_pairf(s.F[2 * p], s.F[2 * p + 1]);
+                neg[p] = TYPE == KQ_IQ4_XS
+                    ? _mm512_movepi8_mask(kq_pair(s.sg[2 * p], s.sg[2 * p + 1])) : 0;
             }
             const __m512 O2 = kq_pairf(s.O[0], s.O[1]);
             for (int64_t r = 0; r < M; ++r) {
@@ -215,8 +242,13 @@ static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, 
                                                acc[r]), _mm512_setzero_ps()};
                 #pragma GCC unroll 4
                 for (int p = 0; p < 4; ++p) {
-                    const __m512i t = kq_dot64(u2[p], _mm512_loadu_si512(xq + 64 * p),
-                                               _mm512_loadu_si512(xr + 64 * p));
+                    __m512i xv = _mm512_loadu_si512(xq + 64 * p);
+                    __m512i rv = _mm512_loadu_si512(xr + 64 * p);
+                    if (TYPE == KQ_IQ4_XS) {  // x takes the signs of the table values
+                        xv = _mm512_mask_sub_epi8(xv, neg[p], _mm512_setzero_si512(), xv);
+                        rv = _mm512_mask_sub_epi8(rv, neg[p], _mm512_setzero_si512(), rv);
+                    }
+                    const __m512i t = kq_dot64(u2[p], xv, rv);
                     a[p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t),
                                                _mm512_mul_ps(F2[p], kq_spread(dv, p)), a[p & 1]);
                 }
@@ -233,9 +265,13 @@ static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, 
                                _mm256_mul_ps(s.O[1], _mm256_loadu_ps(sr + 8))};
                 #pragma GCC unroll 8
                 for (int j = 0; j < 8; ++j) {
-                    const __m256i t = kq_dot32(
-                        s.u[j], _mm256_loadu_si256((const __m256i*)(xq + 32 * j)),
-                        _mm256_loadu_si256((const __m256i*)(xr + 32 * j)));
+                    __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + 32 * j));
+                    __m256i rv = _mm256_loadu_si256((const __m256i*)(xr + 32 * j));
+                    if (TYPE == KQ_IQ4_XS) {  // x takes the signs of the table values
+                        xv = _mm256_sign_epi8(xv, s.sg[j]);
+                        rv = _mm256_sign_epi8(rv, s.sg[j]);
+                    }
+                    const __m256i t = kq_dot32(s.u[j], xv, rv);
                     const __m256 f = _mm256_mul_ps(s.F[j], _mm256_set1_ps(rx.xa[2 * (i0 + j)]));
                     a[j & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), f, a[j & 1]);
                 }

@@ -80,11 +80,11 @@ def test_packed_matmul_equals_float_matmul(qtype: T, m: int) -> None:
     want = x.double() @ w.T
     got = lin(x).double()
     scale = (x.double().abs() @ w.abs().T).clamp_min(1e-30)
-    # Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K below TILE_ROWS rows: byte dot
-    # products over activations rounded to int8 twice per block (exact to ~1.5e-5 of the block
-    # maximum, kquant.cpp)
-    rounded = qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K,
-                        T.Q6_K) and m < kquants.TILE_ROWS
+    # Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS below TILE_ROWS rows: byte
+    # dot products over activations rounded to int8 twice per block (exact to ~1.5e-5 of the
+    # block maximum, kquant.cpp)
+    rounded = qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K,
+                        T.IQ4_XS) and m < kquants.TILE_ROWS
     assert ((got - want).abs() / scale).max() < (5e-5 if rounded else 1e-5)
 
 

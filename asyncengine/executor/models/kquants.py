@@ -6,10 +6,10 @@ attn_v / ffn_down, Q5_0 / Q8_0 where a row is not a multiple of 256, F32 norms).
 here is its file bytes, uint8 ``[rows, row bytes]``, read straight from the file into place
 (no float copy, ever: the model's float linears are never written, then dropped), and
 multiplied in place by ``kernels/kquant.cpp``: below ``TILE_ROWS`` input rows, Q4_0 / Q4_1 /
-Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K by byte dot products (AVX2, VNNI, AVX-512 VNNI) over
-activations rounded to int8 twice per block of 32 (``int4.py``'s scheme, exact to ~1.5e-5 of
-a block's maximum; ``kquant_small.h`` for the 256-element k-quants), the other types (IQ4_XS,
-F16, BF16, F32) by dequantizing one weight row at a time into L1 (bit-exact with
+Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS by byte dot products (AVX2, VNNI, AVX-512
+VNNI) over activations rounded to int8 twice per block of 32 (``int4.py``'s scheme, exact to
+~1.5e-5 of a block's maximum; ``kquant_small.h`` for the 256-element types), F16, BF16 and
+F32 by dequantizing one weight row at a time into L1 (bit-exact with
 ``gguf.quants.dequantize``) and multiplying in float32. A decode step of fewer than
 ``TILE_ROWS`` tokens runs all layers in one C++ call (``decode_stack.py``). A fused projection
 (q/k/v, gate/up) whose parts differ in type keeps each part in its own type; each part writes
