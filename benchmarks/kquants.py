@@ -10,7 +10,7 @@ mixes Q4_K, Q6_K, Q5_0/Q8_0 and F32 as a downloaded one does.
 
     python benchmarks/kquants.py --llama-cpp DIR --llama-bin DIR [--work DIR] \\
         [--concurrency 1 32] [--prompts-per-stream 4] [--skip-serve | --matrices] \\
-        [--convert-path DIR]
+        [--convert-path DIR] [--vllm-python PY [--vllm-args ARGS]]
 
 ``--llama-cpp``: llama.cpp's sources (``convert_hf_to_gguf.py`` and its ``gguf-py``), e.g.
 the ``vendor/llama.cpp`` of the llama-cpp-python sdist; ``--llama-bin``: where
@@ -168,6 +168,14 @@ def main() -> int:
     parser.add_argument("--skip-serve", action="store_true",
                         help="make the file and stop")
     parser.add_argument("--asyncengine-args", default="")
+    parser.add_argument("--vllm-python", default=None,
+                        help="a Python that imports vLLM's CPU build (docs/benchmarks.md): vLLM "
+                             "serves the same random weights from the safetensors directory the "
+                             "GGUF was converted from")
+    parser.add_argument("--vllm-args", default="--dtype bfloat16 --gpu-memory-utilization 0.3",
+                        help="vLLM's flags (default: bfloat16, its better dtype on CPUs with "
+                             "AVX-512 BF16, and 30%% of the memory for its KV cache: on the CPU "
+                             "--gpu-memory-utilization is the share of the machine's memory)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     path = make_q4_k_m(args.work, args.llama_cpp, args.llama_bin, args.convert_path)
@@ -183,11 +191,14 @@ def main() -> int:
     peers.add_arguments(bench)
     argv = ["--model", str(path), "--gguf", str(path),
             "--llama-server", str(args.llama_bin / "llama-server"),
-            "--peers", "asyncengine", "llama-server",
+            "--peers", "asyncengine", "llama-server", *(["vllm"] if args.vllm_python else []),
             "--concurrency", *map(str, args.concurrency),
             "--prompts-per-stream", str(args.prompts_per_stream), "--threads", str(args.threads),
             "--asyncengine-args", f"--tokenizer {args.work / 'tokenizer'} "
                                   + args.asyncengine_args]
+    if args.vllm_python:
+        argv += ["--vllm-python", args.vllm_python, "--hf-model", str(args.work / "hf"),
+                 "--vllm-args", args.vllm_args]
     return peers.main(bench.parse_args(argv))
 
 

@@ -128,6 +128,8 @@ async def run_peer(peer: str, args: argparse.Namespace, seed: int) -> dict[int, 
     url = f"http://127.0.0.1:{port}"
     log = tempfile.TemporaryFile()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    if peer == "vllm":  # vLLM's CPU build binds its own OpenMP threads: the same cores
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         await _wait_ready(proc, url, log, args.start_timeout)
