@@ -3,6 +3,10 @@
 #include <vector>
 
 #include "kquant_small.h"
+#include "kquant_tile.h"
+
+// kernel()'s type that asks whether kq_tile is compiled in (out[0] = 1 or 0)
+#define KQ_ASK_BF16_TILE -1
 
 #ifdef AE_AVX2
 // G floats from p as the low lanes of a vector (the rest zero).
@@ -200,8 +204,24 @@ static bool kq_small(const float* x, const uint8_t* w, float* out, int64_t M, in
 extern "C" void kernel(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
                        int64_t K, int64_t ldo, int64_t type) {
     const AeWithoutGil released(N * K >= AE_RELEASE_GIL_ELEMENTS);
+    if (type == KQ_ASK_BF16_TILE) {  // whether kq_tile is compiled in: out[0] = 1 or 0
+#ifdef AE_KQ_BF16
+        out[0] = 1.f;
+#else
+        out[0] = 0.f;
+#endif
+        return;
+    }
     const int64_t rb = kq_row_bytes(type, K);
     if (rb == 0) return;
+#ifdef AE_KQ_BF16
+    // from AE_TILE_MIN_ROWS rows (a bfloat16 model: kquants.py sends them here only then),
+    // dequantized bfloat16 tiles multiplied in place (kquant_tile.h)
+    if (M >= AE_TILE_MIN_ROWS && K % 32 == 0) {
+        kq_tile(x, w, out, M, N, K, ldo, type, rb);
+        return;
+    }
+#endif
 #ifdef AE_AVX2
     // byte dot products, AE_SMALL_ROWS input rows at a time (the Python side sends fewer than
     // kquants.TILE_ROWS rows here; from there, dequantized tiles through oneDNN win)

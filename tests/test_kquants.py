@@ -296,3 +296,29 @@ def test_kernels_build_where_the_compiler_works():
         pytest.skip("no C++ toolchain here")
     assert kquants.kernels_available()
     assert packed_kernels._load("kquant_dequant", 1) is not None  # the bfloat16 tiles'
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_fused_bfloat16_tiles_match_the_tiled_path(qtype, monkeypatch):
+    """From ``TILE_ROWS`` rows of a bfloat16 model, ``kquant_tile.h`` multiplies the
+    dequantized bfloat16 tiles inside the kernel: the arithmetic of ``_tiled``'s bfloat16
+    tiles (the same roundings of weights and inputs, float32 sums) up to summation order;
+    row and column counts that leave short register tiles."""
+    from asyncengine.executor import cpu_flags
+    from asyncengine.executor.kernels import packed as packed_kernels
+
+    if not (kquants.kernels_available() and packed_kernels.kquant_bf16_tile()):
+        pytest.skip("no AVX-512 BF16 here")
+    monkeypatch.setattr(cpu_flags, "cpu_has_bf16", lambda: True)  # the suite runs without
+    rng = np.random.default_rng(11)
+    k, n = 512, 301
+    make = random_rows if qtype in (T.F32, T.F16, T.BF16) else quantized_matrix
+    raw = torch.from_numpy(np.ascontiguousarray(make(qtype, n, k, rng)))
+    lin = kquants.GGUFLinear(k, [kquants.Part(raw, int(qtype))])
+    for m in (kquants.TILE_ROWS, 19, 33):
+        x = torch.randn(m, k).bfloat16()
+        got = lin(x)
+        want = lin._tiled(x)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(),
+                                   atol=0.01 * want.abs().max().item(), rtol=0.01)

@@ -169,6 +169,21 @@ def kquant_mm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor) -
     _load("kquant")(x, w, out, m, w.shape[0], k, out.stride(0), qtype)
 
 
+_KQ_TILE: list[bool] = []
+
+
+def kquant_bf16_tile() -> bool:
+    """Whether ``kquant.cpp`` multiplies from ``kquants.TILE_ROWS`` input rows in place
+    (``kquant_tile.h``: AVX-512 BF16 compiled in), asked once by a call with type -1."""
+    if not _KQ_TILE:
+        fn = _load("kquant")
+        flag = torch.zeros(1)
+        if fn is not None:
+            fn(torch.zeros(1), torch.zeros(1, dtype=torch.uint8), flag, 0, 0, 0, 0, -1)
+        _KQ_TILE.append(bool(flag.item()))
+    return _KQ_TILE[0]
+
+
 def kquant_dequant(w: torch.Tensor, ids: torch.Tensor, k: int, qtype: int,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows ``ids`` (int64) of a GGUF matrix ``w`` as ``[len(ids), k]`` of ``dtype`` (float32

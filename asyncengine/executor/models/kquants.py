@@ -20,7 +20,9 @@ Where the kernels cannot be compiled: one warning, then ``gguf.quants.dequantize
 rows at a time (correct, slow). From ``TILE_ROWS`` input rows on (prefill chunks, decode
 batches of 8 and more), a call dequantizes a tile of weight rows at a time and multiplies
 through oneDNN / MKL, in bfloat16 where the CPU has bfloat16 dot products (``tile_dtype``,
-chosen and logged once at start-up).
+chosen and logged once at start-up); where the kernel is built with AVX-512 BF16, bfloat16
+tiles are multiplied inside it (``kernels/kquant_tile.h``: no tile leaves the cache, no
+Python per tile).
 """
 
 from __future__ import annotations
@@ -179,7 +181,7 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.use_kernel and x2.shape[0] < TILE_ROWS:
+        if self.use_kernel and (x2.shape[0] < TILE_ROWS or self._fused_tiles(x2.dtype)):
             x2 = x2.float().contiguous()
             out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
             col = 0
@@ -191,6 +193,13 @@ class GGUFLinear(nn.Module):
         if self.bias is not None:
             out += self.bias.to(out.dtype)
         return out.to(x.dtype).view(*lead, self.out_features)
+
+    @staticmethod
+    def _fused_tiles(dtype: torch.dtype) -> bool:
+        """Whether the kernel itself multiplies bfloat16 tiles (``kquant_tile.h``: no tile
+        leaves the cache, no Python per tile; the same arithmetic as ``_tiled``'s bfloat16
+        tiles up to float32 summation order)."""
+        return tile_dtype(dtype) == torch.bfloat16 and packed_kernels.kquant_bf16_tile()
 
     def _tiled(self, x2: torch.Tensor) -> torch.Tensor:
         """Many input rows (a prefill chunk, a large decode batch): a tile of weight rows
