@@ -15,7 +15,7 @@
 // 2.8 ms for the Q5_0 4864x896 gate against 1.6 ms for Python's dequantized bfloat16 tiles;
 // bfloat16 needs one instruction per 32 weights and no per-block float work.
 #pragma once
-#include "kquant.h"
+#include "kquant_small.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define AE_KQ_BF16 1
@@ -30,6 +30,40 @@ static inline void kq_to_bf16(const float* src, uint16_t* dst, int64_t n) {
         const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16),
                                                _mm512_loadu_ps(src + i));
         _mm512_storeu_si512(dst + i, (__m512i)v);
+    }
+}
+
+// One weight row of `type` as bfloat16: the blocks of 32 straight from their quants in
+// registers (kquant_small.h's kq_quants32; d (q - off), d q + m, as kquant.h's kq_block32
+// computes them, then rounded), the other types through kq_dequant_row's float32 row `tmp`.
+static inline void kq_row_bf16(int64_t type, const uint8_t* src, uint16_t* dst, int64_t K,
+                               float* tmp) {
+    const bool q32 = type == KQ_Q4_0 || type == KQ_Q4_1 || type == KQ_Q5_0 || type == KQ_Q5_1
+                     || type == KQ_Q8_0;
+    if (!q32) {
+        kq_dequant_row(type, src, tmp, K);
+        kq_to_bf16(tmp, dst, K);
+        return;
+    }
+    const bool has_min = type == KQ_Q4_1 || type == KQ_Q5_1;
+    const int off = type == KQ_Q4_0 ? 8 : type == KQ_Q5_0 ? 16 : 0;
+    const int64_t bb = kq_row_bytes(type, 32);
+    for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* blk = src + b * bb;
+        const __m512 d = _mm512_set1_ps(kq_f16(blk));
+        __m256i q = type == KQ_Q8_0 ? _mm256_loadu_si256((const __m256i*)(blk + 2))
+                                    : _mm256_sub_epi8(kq_quants32(blk, type),
+                                                      _mm256_set1_epi8((char)off));
+        __m512 lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
+        __m512 hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
+        if (has_min) {
+            const __m512 m = _mm512_set1_ps(kq_f16(blk + 2));
+            lo = _mm512_add_ps(lo, m);
+            hi = _mm512_add_ps(hi, m);
+        }
+        _mm512_storeu_si512(dst + 32 * b, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
 }
 
@@ -51,8 +85,8 @@ static void kq_tile(const float* x, const uint8_t* w, float* out, int64_t M, int
             const int64_t n0 = t * AE_TILE_W;
             const int64_t nw = std::min<int64_t>(AE_TILE_W, N - n0);
             for (int64_t i = 0; i < AE_TILE_W; ++i) {  // a short tile repeats its last row
-                kq_dequant_row(type, w + (n0 + std::min(i, nw - 1)) * rb, fbuf.data(), K);
-                kq_to_bf16(fbuf.data(), W + i * K, K);
+                kq_row_bf16(type, w + (n0 + std::min(i, nw - 1)) * rb, W + i * K, K,
+                            fbuf.data());
             }
             for (int64_t r0 = 0; r0 < M; r0 += AE_TILE_X) {
                 const int64_t nx = std::min<int64_t>(AE_TILE_X, M - r0);
@@ -66,10 +100,10 @@ static void kq_tile(const float* x, const uint8_t* w, float* out, int64_t M, int
                     __m512bh wv[AE_TILE_W];
                     for (int i = 0; i < AE_TILE_W; ++i)
                         wv[i] = (__m512bh)_mm512_loadu_si512(W + i * K + 32 * s);
-                    #pragma GCC unroll 4
+                    #pragma GCC unroll 16
                     for (int r = 0; r < AE_TILE_X; ++r) {
                         const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr[r] + 32 * s);
-                        #pragma GCC unroll 4
+                        #pragma GCC unroll 16
                         for (int i = 0; i < AE_TILE_W; ++i)
                             acc[i][r] = _mm512_dpbf16_ps(acc[i][r], wv[i], xv);
                     }
