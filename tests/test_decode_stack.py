@@ -83,6 +83,34 @@ def test_stack_equals_the_per_layer_path_bit_for_bit(source, tiny_models, monkey
             assert torch.equal(got[r], want[r]), r
 
 
+def test_gguf_stack_takes_fused_tile_batches(monkeypatch, tmp_path):
+    """A bfloat16 GGUF model where the kernel multiplies bfloat16 tiles itself
+    (``kquant_tile.h``): decode steps of 16 to 64 tokens run in the stack too, to the bit the
+    per-layer path's (its GGUFLinears send those rows to the same kernel)."""
+    from asyncengine.executor import cpu_flags
+    from asyncengine.executor.models import kquants
+    from tests.test_kquants import write_mixed_gguf
+
+    if not (kquants.kernels_available() and packed_kernels.kquant_bf16_tile()):
+        pytest.skip("no AVX-512 BF16 here")
+    monkeypatch.setattr(cpu_flags, "cpu_has_bf16", lambda: True)  # the suite runs without
+    path = write_mixed_gguf(str(tmp_path / "tiny-Q4_K_M.gguf"))
+    model = load_model(resolve_model(path), "auto", torch.bfloat16, "cpu", quantization="auto")
+    stack = DecodeStack.for_model(model)
+    assert stack is not None and stack.max_rows == kquants.FUSED_ROWS + 1
+    gen = torch.Generator().manual_seed(4)
+    prompts = {f"r{i}": torch.randint(0, 49152, (2 + i,), generator=gen) for i in range(21)}
+    everyone = list(prompts)
+    decodes = [everyone, everyone[:17], everyone]
+    ran = _count_runs(stack, monkeypatch)
+    fused = _run(model, stack, prompts, decodes)
+    assert ran == [21, 17, 21]
+    per_layer = _run(model, None, prompts, decodes)
+    for got, want in zip(fused, per_layer, strict=True):
+        for r in want:
+            assert torch.equal(got[r], want[r]), r
+
+
 def test_stack_only_where_it_applies(tiny_models, monkeypatch):
     # float weights, a model with per-head norms, or the own kernels turned off: no stack
     path = tiny_models["llama"]

@@ -55,7 +55,9 @@ class DecodeStack:
         self.kquant = kquant
         self.dtype = dtype  # of the activations, norms and KV cache (bfloat16: GGUF only)
         # the most tokens a step may have: the matmul kernels' packed range
-        self.max_rows = kquants.TILE_ROWS if kquant else DEQUANT_ROWS
+        # (a bfloat16 GGUF model where the kernel multiplies bfloat16 tiles: up to FUSED_ROWS)
+        self.max_rows = DEQUANT_ROWS if not kquant else (
+            kquants.FUSED_ROWS + 1 if kquants.fused_tiles(dtype) else kquants.TILE_ROWS)
         self.num_layers = model.num_layers
         self.num_heads, self.num_kv_heads = model.num_heads, model.num_kv_heads
         self.head_dim, self.hidden = model.head_dim, model.hidden_size

@@ -55,6 +55,11 @@ SUPPORTED = ", ".join(name for name, _, _ in TYPES.values())
 # 1.38 / 1.16; 8 rows 0.48 / 0.69 vs 1.49 / 1.25; 16 rows 1.06 / 1.35 vs 1.62 / 1.44; 32 rows
 # 2.11 / 2.72 vs 1.93 / 1.80: the tiles win from between 16 and 32 rows.
 TILE_ROWS = 16
+# Up to this many input rows a bfloat16 model's calls keep to the kernel where it multiplies
+# bfloat16 tiles itself (``kquant_tile.h``; its activations, 64 x 4864 in bfloat16, then stay
+# in L2): a 32-row decode step of the file above, same run, 223.7 ms with Python's tiles,
+# 186.0 ms with the kernel's. Larger prefill chunks go on to ``_tiled``.
+FUSED_ROWS = 64
 # Weight rows per dequantized tile (a tile of 4864 inputs is ~5 MB of float32).
 _TILE = 256
 
@@ -80,6 +85,15 @@ def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
 
 
 _CHOICE_LOGGED = False
+
+
+def fused_tiles(dtype: torch.dtype) -> bool:
+    """Whether, for activations of ``dtype``, the kernel itself multiplies the bfloat16 tiles
+    from ``TILE_ROWS`` rows (``kquant_tile.h``, AVX-512 BF16: no tile leaves the cache, no
+    Python per tile; the arithmetic of ``_tiled``'s bfloat16 tiles up to float32 summation
+    order)."""
+    return (tile_dtype(dtype) == torch.bfloat16 and kernels_available()
+            and packed_kernels.kquant_bf16_tile())
 
 
 def type_name(qtype: int) -> str:
@@ -181,7 +195,9 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.use_kernel and (x2.shape[0] < TILE_ROWS or self._fused_tiles(x2.dtype)):
+        rows = x2.shape[0]
+        if self.use_kernel and (rows < TILE_ROWS
+                                or rows <= FUSED_ROWS and fused_tiles(x2.dtype)):
             x2 = x2.float().contiguous()
             out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
             col = 0
@@ -193,13 +209,6 @@ class GGUFLinear(nn.Module):
         if self.bias is not None:
             out += self.bias.to(out.dtype)
         return out.to(x.dtype).view(*lead, self.out_features)
-
-    @staticmethod
-    def _fused_tiles(dtype: torch.dtype) -> bool:
-        """Whether the kernel itself multiplies bfloat16 tiles (``kquant_tile.h``: no tile
-        leaves the cache, no Python per tile; the same arithmetic as ``_tiled``'s bfloat16
-        tiles up to float32 summation order)."""
-        return tile_dtype(dtype) == torch.bfloat16 and packed_kernels.kquant_bf16_tile()
 
     def _tiled(self, x2: torch.Tensor) -> torch.Tensor:
         """Many input rows (a prefill chunk, a large decode batch): a tile of weight rows
