@@ -88,6 +88,11 @@ static void kq_tile(const float* x, const uint8_t* w, float* out, int64_t M, int
                 kq_row_bf16(type, w + (n0 + std::min(i, nw - 1)) * rb, W + i * K, K,
                             fbuf.data());
             }
+            if (t + 1 < tiles) {  // the next tile's bytes on their way while this one runs
+                const char* next = (const char*)(w + (n0 + AE_TILE_W) * rb);
+                const int64_t bytes = std::min<int64_t>(AE_TILE_W, N - n0 - AE_TILE_W) * rb;
+                for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+            }
             for (int64_t r0 = 0; r0 < M; r0 += AE_TILE_X) {
                 const int64_t nx = std::min<int64_t>(AE_TILE_X, M - r0);
                 const uint16_t* xr[AE_TILE_X];

@@ -17,7 +17,8 @@ projections are all int4 without bias: the default for the embedded Q4_1 GGUF an
 ``GGUFLinear`` (a GGUF file kept packed, ``--quantization gguf``: Q4_K_M's mix of types, a
 fused projection's parts in their own types, Qwen2's q/k/v bias), with fewer than
 ``kquants.TILE_ROWS`` tokens (the packed kernel's range; from there GGUFLinear multiplies
-dequantized tiles). Anything else takes the per-layer path. ``ASYNCENGINE_CPU_KERNELS=0``
+dequantized tiles), or, a bfloat16 model where the kernel multiplies those tiles itself
+(``kquants.fused_tiles``), up to ``kquants.FUSED_ROWS``. Anything else takes the per-layer path. ``ASYNCENGINE_CPU_KERNELS=0``
 turns it off with the other own kernels.
 """
 
