@@ -3,19 +3,22 @@
 // A Llama-family decode step through every decoder layer in one call: the layer kernels of
 // this folder, called in sequence from C++ instead of ~15 Python / PyTorch calls per layer.
 // Each is the same kernel the per-op path calls (included here under its own name), with the
-// same arguments, so the result is the per-op path's to the bit. Float32 activations, T
-// decode tokens (one per request, rows 0 .. T-1 in order). The matmuls: int4 weights
-// (int4.cpp's layout) here; decode_stack_kq.cpp defines AE_STACK_KQ and its own ae_stack_mm
+// same arguments, so the result is the per-op path's to the bit. T decode tokens (one per
+// request, rows 0 .. T-1 in order). The matmuls: int4 weights (int4.cpp's layout; a bfloat16
+// model's through int4_bf16.cpp, as Int4Linear's) here; decode_stack_kq.cpp defines AE_STACK_KQ and its own ae_stack_mm
 // (GGUF blocks kept packed, kquant.cpp, with a bias) and then includes this file.
-// Activations in the layer kernels' element type ae_t (common.h): float32, or bfloat16 for the
-// GGUF stack (a bfloat16 model: its matmuls take float32 copies, as GGUFLinear's forward does).
+// Activations in the layer kernels' element type ae_t (common.h): float32 or bfloat16 (the
+// GGUF stack's matmuls then take float32 copies, as GGUFLinear's forward does).
 #ifndef AE_STACK_KQ
-#if AE_DTYPE != 0
-#error "the int4 decode stack is float32 only"
-#endif
+#if AE_DTYPE == 0
 #define kernel ae_int4_mm
 #include "int4.cpp"
 #undef kernel
+#else  // a bfloat16 model: Int4Linear's bfloat16 kernel (AVX-512 BF16; Python checks it runs)
+#define kernel ae_int4_bf16_mm
+#include "int4_bf16.cpp"
+#undef kernel
+#endif
 #endif
 #define kernel ae_rms_norm
 #include "rms_norm.cpp"
@@ -61,11 +64,22 @@ enum {
 #define AE_GU AE_GU_Q
 #define AE_DOWN AE_DOWN_Q
 
-// y [T, N] = x [T, K] @ W.T for the projection whose addresses start at layer[at].
-static inline void ae_stack_mm(const int64_t* layer, int at, const float* x, float* y,
+// y [T, N] = x [T, K] @ W.T for the projection whose addresses start at layer[at]. A
+// bfloat16 model: the float32 result rounded once to bfloat16, as Int4Linear's forward does
+// (int4_bf16_mm(x).to(bfloat16)).
+static inline void ae_stack_mm(const int64_t* layer, int at, const ae_t* x, ae_t* y,
                                int64_t T, int64_t N, int64_t K) {
-    ae_int4_mm(x, reinterpret_cast<const uint8_t*>(layer[at]),
-               reinterpret_cast<const uint16_t*>(layer[at + 1]), y, T, N, K);
+    const uint8_t* q = reinterpret_cast<const uint8_t*>(layer[at]);
+    const uint16_t* sm = reinterpret_cast<const uint16_t*>(layer[at + 1]);
+#if AE_DTYPE == 0
+    ae_int4_mm(x, q, sm, y, T, N, K);
+#else
+    static thread_local std::vector<float> ybuf;
+    if ((int64_t)ybuf.size() < T * N) ybuf.resize(T * N);
+    float* yf = ybuf.data();
+    ae_int4_bf16_mm(x, q, sm, yf, T, N, K);
+    for (int64_t i = 0; i < T * N; ++i) ae_put(y + i, yf[i]);
+#endif
 }
 #endif
 

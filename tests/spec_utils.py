@@ -10,8 +10,10 @@ from asyncengine import SamplingParams
 from asyncengine.config import EngineConfig
 from asyncengine.engine.engine import AsyncEngine
 
+# Speculating at every batch size (the default table turns it off above 4 running requests,
+# and these tests run more at once).
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, ' \
-        '"prompt_lookup_min": 1}'
+        '"prompt_lookup_min": 1, "num_speculative_tokens_per_batch_size": [[1, 1024, 4]]}'
 
 
 def make_engine(model: str, spec: str | None = NGRAM, **overrides) -> AsyncEngine:

@@ -28,9 +28,12 @@ def test_speculative_config_reads_vllms_json_and_names_bad_keys():
                           '"prompt_lookup_max": 5, "prompt_lookup_min": 2}')
     assert (s.method, s.num_speculative_tokens, s.prompt_lookup_max, s.prompt_lookup_min) == \
         ("ngram", 3, 5, 2)
-    # Default: on up to DEFAULT_MAX_BATCH running requests, off above (concurrency 32).
+    # Default: on up to DEFAULT_MAX_BATCH running requests with fewer drafts as the batch
+    # grows, off above (concurrency 32).
     assert s.k_for_batch(1) == 3 and s.k_for_batch(DEFAULT_MAX_BATCH) == 3
-    assert s.k_for_batch(32) == 0
+    assert s.k_for_batch(DEFAULT_MAX_BATCH + 1) == 0 and s.k_for_batch(32) == 0
+    s8 = parse_speculative('{"method": "ngram", "num_speculative_tokens": 8}')
+    assert [s8.k_for_batch(n) for n in range(1, 7)] == [8, 4, 3, 3, 0, 0]
     s = parse_speculative({"method": "ngram", "num_speculative_tokens": 4,
                            "num_speculative_tokens_per_batch_size": [[1, 2, 4], [3, 16, 2],
                                                                      [17, 64, 0]]})

@@ -9,10 +9,14 @@ Two methods:
   the same vocabulary proposes the drafts.
 
 ``num_speculative_tokens_per_batch_size`` (vLLM's ``[[start, end, k], ...]``, inclusive
-ranges of running requests) sets k by batch size; 0 turns speculation off. Without it, k
-applies up to :data:`DEFAULT_MAX_BATCH` running requests and speculation is off above: a
-large batch already fills the device, and a speculative step there only adds verification
-work (and costs the loop's overlap for the requests that speculate).
+ranges of running requests) sets k by batch size; 0 turns speculation off. Without it
+(:func:`default_ranges`), k applies to one request, at most 4 drafts to 2 and 3 to 3-4
+(:data:`DEFAULT_MAX_BATCH`), and speculation is off above: each verification row costs a part
+of a step (``docs/speculative.md``), while a larger batch already fills the device, so the
+rows a batch can afford shrink as it grows; and a request waiting for its verification
+leaves the next step, which splits a batch's steps. (From the grounded benchmark's outputs,
+replayed against the measured row cost, the best k was 6-8 for one request, 2-6 for two, 2-3
+for four; measured at concurrency 8 with k=2, speculation cost 3-10% a round.)
 """
 
 from __future__ import annotations
@@ -23,7 +27,12 @@ from typing import Any
 
 METHODS = ("ngram", "draft_model")
 #: Running requests up to which speculation is on when no per-batch-size table is given.
-DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_BATCH = 4
+
+
+def default_ranges(k: int) -> tuple[tuple[int, int, int], ...]:
+    """The per-batch-size table without ``num_speculative_tokens_per_batch_size``."""
+    return ((1, 1, k), (2, 2, min(k, 4)), (3, DEFAULT_MAX_BATCH, min(k, 3)))
 _FLAG = "--speculative-config"
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "model", "num_speculative_tokens_per_batch_size", "draft_tensor_parallel_size",
@@ -40,7 +49,8 @@ class SpeculativeConfig:
                 "\"prompt_lookup_min\": 2}' or '{\"method\": \"draft_model\", \"model\": PATH, "
                 "\"num_speculative_tokens\": 4}'; optional "
                 "\"num_speculative_tokens_per_batch_size\": [[start, end, k], ...] (default: "
-                f"on up to {DEFAULT_MAX_BATCH} running requests, off above); default: off"})
+                f"k for 1 running request, at most 4 for 2, 3 for 3-{DEFAULT_MAX_BATCH}, off "
+                "above); default: off"})
 
 
 @dataclass(frozen=True)
@@ -116,7 +126,7 @@ def parse_speculative(value: dict[str, Any] | str | None) -> SpeculativeSettings
             raise ValueError(f"{_FLAG}: 'model' (a path) is required for method draft_model")
     table = d.get("num_speculative_tokens_per_batch_size")
     if table is None:
-        ranges: tuple[tuple[int, int, int], ...] = ((1, DEFAULT_MAX_BATCH, k),)
+        ranges: tuple[tuple[int, int, int], ...] = default_ranges(k)
     else:
         ranges = _ranges(table, k)
     return SpeculativeSettings(method, k, lookup_max, lookup_min, model, ranges)

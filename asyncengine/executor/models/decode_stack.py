@@ -1,5 +1,5 @@
-"""A decode step's decoder layers in one C++ call (CPU, eager; int4 weights in float32, GGUF
-weights kept packed in float32 or bfloat16).
+"""A decode step's decoder layers in one C++ call (CPU, eager; int4 weights or GGUF weights
+kept packed, in float32 or bfloat16).
 
 At one decode token a SmolLM2-135M step is 30 layers of ~15 calls each (4 int4 matmuls, the
 norms, RoPE, the K/V write, attention, SiLU * up) with the module calls, views and
@@ -10,16 +10,17 @@ from C++, for every layer: the step's hidden states go in after the embedding an
 after the final norm, to the bit what the per-op path computes.
 
 It runs when a step is all decodes that ``torch_paged`` attends with its in-place kernel
-(``TorchPagedBackend.decode_plan``), with fewer than ``DEQUANT_ROWS`` tokens (the int4
-kernel's own range), for a model of the plain Llama layout (``ModelSpec.lacks``) whose
-projections are all int4 without bias: the default for the embedded Q4_1 GGUF and for
-``--quantization int4``. Or, ``kernels/decode_stack_kq.cpp``, whose projections are all
-``GGUFLinear`` (a GGUF file kept packed, ``--quantization gguf``: Q4_K_M's mix of types, a
-fused projection's parts in their own types, Qwen2's q/k/v bias), with fewer than
-``kquants.TILE_ROWS`` tokens (the packed kernel's range; from there GGUFLinear multiplies
-dequantized tiles), or, a bfloat16 model where the kernel multiplies those tiles itself
-(``kquants.fused_tiles``), up to ``kquants.FUSED_ROWS``. Anything else takes the per-layer path. ``ASYNCENGINE_CPU_KERNELS=0``
-turns it off with the other own kernels.
+(``TorchPagedBackend.decode_plan``), with fewer than ``DEQUANT_ROWS`` tokens (the int4 kernel's
+own range), for a model of the plain Llama layout (``ModelSpec.lacks``) whose projections are
+all int4 without bias: the default for the embedded Q4_1 GGUF and for ``--quantization int4``
+(in bfloat16 through Int4Linear's bfloat16 kernel, where it runs). Or,
+``kernels/decode_stack_kq.cpp``, whose projections are all ``GGUFLinear`` (a GGUF file kept
+packed, ``--quantization gguf``: Q4_K_M's mix of types, a fused projection's parts in their own
+types, Qwen2's q/k/v bias), with fewer than ``kquants.TILE_ROWS`` tokens (the packed kernel's
+range; from there GGUFLinear multiplies dequantized tiles), or, a bfloat16 model where the
+kernel multiplies those tiles itself (``kquants.fused_tiles``), up to ``kquants.FUSED_ROWS``.
+Anything else takes the per-layer path. ``ASYNCENGINE_CPU_KERNELS=0`` turns it off with the
+other own kernels.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class DecodeStack:
                  dtype: torch.dtype = torch.float32) -> None:
         self.fn = fn
         self.kquant = kquant
-        self.dtype = dtype  # of the activations, norms and KV cache (bfloat16: GGUF only)
+        self.dtype = dtype  # of the activations, norms and KV cache
         # the most tokens a step may have: the matmul kernels' packed range
         # (a bfloat16 GGUF model where the kernel multiplies bfloat16 tiles: up to FUSED_ROWS)
         self.max_rows = DEQUANT_ROWS if not kquant else (
@@ -92,7 +93,8 @@ class DecodeStack:
         self.lora_steps = 0  # steps run with adapter rows
         self._no_lora = torch.zeros(1, dtype=torch.int64)
         tables = getattr(getattr(model, "lora", None), "tables", None)
-        if tables is not None and not kquant:  # GGUF: steps with adapter rows go per layer
+        # GGUF, or int4 in bfloat16: steps with adapter rows go per layer
+        if tables is not None and not kquant and dtype == torch.float32:
             rows, widths = [], None
             for i in range(self.num_layers):
                 p = f"model.layers.{i}."
@@ -122,10 +124,13 @@ class DecodeStack:
                                   and lin.packed.is_contiguous()
                                   and lin.scale_min.is_contiguous() for lin in linears):
             return None
-        # float32; a GGUF model also in bfloat16 (its matmuls take float32 copies, as
-        # GGUFLinear's do), biases included
+        # float32 or bfloat16 (a GGUF model's matmuls take float32 copies, as GGUFLinear's
+        # do, biases included)
+        # int4 in bfloat16: Int4Linear's bfloat16 kernel (AVX-512 BF16) for every projection
         dtype = model.model.norm.weight.dtype
-        if dtype not in ((torch.float32, torch.bfloat16) if kquant else (torch.float32,)):
+        if dtype not in (torch.float32, torch.bfloat16):
+            return None
+        if dtype == torch.bfloat16 and not kquant and not all(lin._bf16 for lin in linears):
             return None
         for layer in model.model.layers:
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
