@@ -53,12 +53,14 @@ SUPPORTED = ", ".join(name for name, _, _ in TYPES.values())
 # thread, on the loaded 2-core Zen 5 (avx512_bf16, avx512_vnni) of docs/benchmarks.md, Q5_0
 # gate / Q6_K down (4.4 M weights each), kernel vs bfloat16 tiles in ms: 1 row 0.18 / 0.12 vs
 # 1.38 / 1.16; 8 rows 0.48 / 0.69 vs 1.49 / 1.25; 16 rows 1.06 / 1.35 vs 1.62 / 1.44; 32 rows
-# 2.11 / 2.72 vs 1.93 / 1.80: the tiles win from between 16 and 32 rows.
+# 2.11 / 2.72 vs 1.93 / 1.80: the tiles win from between 16 and 32 rows. (With AVX-512 BF16
+# the kernel multiplies those tiles itself from here on, up to ``FUSED_ROWS``.)
 TILE_ROWS = 16
 # Up to this many input rows a bfloat16 model's calls keep to the kernel where it multiplies
 # bfloat16 tiles itself (``kquant_tile.h``; its activations, 64 x 4864 in bfloat16, then stay
-# in L2): a 32-row decode step of the file above, same run, 223.7 ms with Python's tiles,
-# 186.0 ms with the kernel's. Larger prefill chunks go on to ``_tiled``.
+# in L2): a 32-token decode step of the file above, same run, 205.5 ms with Python's tiles,
+# 168.0 ms with the kernel's, 137.3 ms in the decode stack (docs/benchmarks.md). Larger
+# prefill chunks go on to ``_tiled``.
 FUSED_ROWS = 64
 # Weight rows per dequantized tile (a tile of 4864 inputs is ~5 MB of float32).
 _TILE = 256
