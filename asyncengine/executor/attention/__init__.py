@@ -37,16 +37,25 @@ class AttentionShape:
     max_pages_per_seq: int
 
 
-def flashinfer_unusable(device: str, dtype: torch.dtype | None, head_dim: int | None,
-                        importable: bool | str) -> str | None:
-    """Why FlashInfer cannot run this model here, or None. ``importable``: True, False (not
-    installed) or the import's error message."""
+def flashinfer_missing(device: str, importable: bool | str) -> str | None:
+    """Why no FlashInfer kernel can run here (not CUDA, the package unusable), or None.
+    ``importable``: True, False (not installed) or the import's error message."""
     if device != "cuda":
         return f"FlashInfer runs on CUDA only (the device is {device})"
     if importable is not True:
         detail = "not installed" if importable is False else f"import failed: {importable}"
         return (f"the flashinfer package is unusable ({detail}; pip install "
                 "'asyncengine[cuda]', i.e. flashinfer-python)")
+    return None
+
+
+def flashinfer_unusable(device: str, dtype: torch.dtype | None, head_dim: int | None,
+                        importable: bool | str) -> str | None:
+    """Why FlashInfer cannot run this model here, or None. ``importable``: True, False (not
+    installed) or the import's error message."""
+    missing = flashinfer_missing(device, importable)
+    if missing is not None:
+        return missing
     if dtype is not None and dtype not in FLASHINFER_DTYPES:
         return f"FlashInfer has no {dtype} kernels (use --dtype bfloat16 or float16)"
     if head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:

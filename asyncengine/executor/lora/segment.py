@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from asyncengine.executor.attention import flashinfer_missing
+
 logger = logging.getLogger("asyncengine")
 
 #: FlashInfer's encouraged float workspace for its CUTLASS segment GEMM (split results).
@@ -49,12 +51,9 @@ def segment_gemm_unusable(device: str, dtype: torch.dtype, widths: Iterable[int]
     """Why FlashInfer's segment GEMM cannot run the LoRA tables here, or None. ``widths``:
     every dimension of every slot table (in features, out features, rank width);
     ``importable``: True, False (not installed) or the import's error message."""
-    if device != "cuda":
-        return f"FlashInfer runs on CUDA only (the device is {device})"
-    if importable is not True:
-        detail = "not installed" if importable is False else f"import failed: {importable}"
-        return (f"the flashinfer package is unusable ({detail}; pip install "
-                "'asyncengine[cuda]', i.e. flashinfer-python)")
+    missing = flashinfer_missing(device, importable)
+    if missing is not None:
+        return missing
     if dtype not in SEGMENT_DTYPES:
         return f"its segment GEMM has no {dtype} kernels (use --dtype bfloat16 or float16)"
     odd = sorted({w for w in widths if w % GRANULARITY})
