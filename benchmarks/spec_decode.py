@@ -166,7 +166,9 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, Any]:
                            f"{s['spec_acceptance_length']:.2f}" if "spec_num_drafts" in s
                            else "")
                     print(f"[{kind}] c={c} round {r}: {s['output_throughput']:.2f} tok/s"
-                          f"{acc}", file=sys.stderr, flush=True)
+                          f"{acc}; ttft {s['mean_ttft_ms']:.0f} ms, tpot "
+                          f"{s['mean_tpot_ms']:.2f} ms, {s['total_output_tokens']} tokens in "
+                          f"{s['duration']:.2f} s", file=sys.stderr, flush=True)
             for kind in live:
                 t = totals[kind]
                 out = {"output_throughput": t["tokens"] / t["duration"],

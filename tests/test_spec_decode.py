@@ -121,6 +121,29 @@ def test_ngram_probe_and_the_pause_after_empty_verifications():
     assert proposer.probe(req) and proposer.propose(req, 3)  # resumed
 
 
+def test_adaptive_ngram_drafts_follow_the_last_acceptance():
+    """Adaptive (the CPU's default): after a partial acceptance of a drafts the next proposal
+    has at most max(2, a + 1); after a full one, twice as many as it had (up to k)."""
+    from types import SimpleNamespace
+
+    from asyncengine.core.spec.ngram import NgramProposer
+
+    text = list(range(10, 40))
+    fixed, adaptive = NgramProposer(2, 3), NgramProposer(2, 3, adaptive=True)
+    for proposer in (fixed, adaptive):
+        req = SimpleNamespace(spec_state=None, all_token_ids=text + [10, 11])
+        assert proposer.propose(req, 8) == text[2:10]
+        req.all_token_ids += text[2:5] + [99]  # 3 of 8 accepted, then a correction
+        assert proposer.propose(req, 8) == []  # (12, 99) unseen; the outcome is learnt
+        req.all_token_ids += [20, 21]  # (20, 21) seen: drafts again
+        drafts = proposer.propose(req, 8)
+        assert drafts == text[12:12 + (8 if proposer is fixed else 4)]
+    req = SimpleNamespace(spec_state=None, all_token_ids=text + [10, 11])
+    assert adaptive.propose(req, 2) == [12, 13]
+    req.all_token_ids += [12, 13, 14]  # all accepted (and the bonus token): cap 4
+    assert adaptive.propose(req, 8) == text[5:9]
+
+
 # -- exactness ---------------------------------------------------------------------------------
 async def _greedy_outputs(engine, prompts, n):
     outs = await generate_all(engine, prompts, SamplingParams(temperature=0, max_tokens=n,
