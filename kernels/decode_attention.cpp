@@ -74,18 +74,128 @@ static inline void ae_accumulate(float* acc, const float* w, const ae_t* vb, int
 }
 
 
+// Positions per work item of a request with `len` keys. split > 0: that many, for every
+// request. split < 0 encodes a per-request rule, -split = divisor << 20 | min_split
+// (layer_ops.decode_split): the span a request would get alone in a step, whatever the batch
+// beside it: max(min_split, ceil(len * KVH / divisor)) (the whole request where KVH >=
+// divisor), at most len, rounded up to whole blocks. A request's partition of its positions
+// then depends on its own length only, so its result does too: a verification row is
+// computed as the one-token step at its position computes it (greedy output is the same
+// with and without speculative decoding), and a request's output does not depend on which
+// others share its steps.
+static inline int64_t ae_split_of(int64_t split, int64_t len, int64_t KVH, int64_t BS) {
+    if (split > 0) return split;
+    const int64_t code = -split, min_split = code & 0xfffff, divisor = code >> 20;
+    int64_t s = KVH >= divisor ? len : std::max(min_split, (len * KVH + divisor - 1) / divisor);
+    s = std::max<int64_t>(1, std::min(s, len));
+    return (s + BS - 1) / BS * BS;
+}
+
+// One span of one (request, KV head): positions [start, end), online softmax from a fresh
+// state into m[G], l[G], acc[G * D] (qv: the G query heads, scaled).
+static inline void ae_attend_span(const float* qv, const ae_t* kc, const ae_t* vc,
+                                  const int64_t* table, int64_t start, int64_t end,
+                                  int64_t kh, int64_t G, int64_t D, int64_t BS, int64_t kv_row,
+                                  float soft_cap, float* acc, float* m, float* l, float* s) {
+    for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
+    for (int64_t g = 0; g < G; ++g) { m[g] = -INFINITY; l[g] = 0.f; }
+    for (int64_t p0 = start; p0 < end;) {
+        const int64_t off = p0 % BS;  // 0 except at a window's first block
+        const int64_t n = std::min(BS - off, end - p0);
+        const int64_t base = (table[p0 / BS] * BS + off) * kv_row + kh * D;
+        p0 += n;
+        const ae_t* kb = kc + base;
+        const ae_t* vb = vc + base;
+        ae_scores(qv, kb, s, G, D, n, BS, kv_row);
+        if (soft_cap > 0.f) {
+            const float inv = 1.f / soft_cap;
+            for (int64_t g = 0; g < G; ++g)
+                for (int64_t j = 0; j < n; ++j)
+                    s[g * BS + j] = soft_cap * std::tanh(s[g * BS + j] * inv);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+            float* sg = s + g * BS;
+            float mx = m[g];
+            int64_t j0 = 0;
+#ifdef AE_AVX2
+            if (n >= 8) {  // eight lanes at a time (a small head makes these count)
+                __m256 vm = _mm256_loadu_ps(sg);
+                for (j0 = 8; j0 + 8 <= n; j0 += 8)
+                    vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + j0));
+                __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm),
+                                      _mm256_extractf128_ps(vm, 1));
+                h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+                h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+                mx = std::max(mx, _mm_cvtss_f32(h));
+            }
+#endif
+            for (int64_t j = j0; j < n; ++j) mx = std::max(mx, sg[j]);
+            const float corr = std::exp(m[g] - mx);  // 0 on the first block
+            int64_t j1 = 0;
+            float sum = 0.f;
+#ifdef AE_AVX2
+            {
+                const __m256 vmx = _mm256_set1_ps(mx);
+                __m256 vs = _mm256_setzero_ps();
+                for (; j1 + 8 <= n; j1 += 8) {
+                    const __m256 e = ae_exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j1), vmx));
+                    _mm256_storeu_ps(sg + j1, e);
+                    vs = _mm256_add_ps(vs, e);
+                }
+                sum = ae_hsum8(vs);
+            }
+#endif
+            for (int64_t j = j1; j < n; ++j) sg[j] -= mx;
+            ae_exp_n(sg + j1, n - j1);
+            for (int64_t j = j1; j < n; ++j) sum += sg[j];
+            l[g] = l[g] * corr + sum;
+            m[g] = mx;
+            if (corr != 1.f) {
+                float* ag = acc + g * D;
+                for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
+            }
+        }
+        for (int64_t g = 0; g < G; ++g)
+            ae_accumulate(acc + g * D, s + g * BS, vb, D, n, kv_row);
+    }
+}
+
+// The spans' partial (m, l, acc[D]) of one (request, KV head), per query head: pp + (it * G +
+// g) * (D + 2) for its spans it in [first, last), merged in span order into o [G, D].
+static inline void ae_merge_spans(const float* pt, int64_t first, int64_t last, int64_t G,
+                                  int64_t D, float* acc, ae_t* o) {
+    for (int64_t g = 0; g < G; ++g) {
+        float mx = -INFINITY;
+        for (int64_t it = first; it < last; ++it)
+            mx = std::max(mx, pt[(it * G + g) * (D + 2)]);
+        float l = 0.f;
+        std::fill(acc, acc + D, 0.f);
+        for (int64_t it = first; it < last; ++it) {
+            const float* pp = pt + (it * G + g) * (D + 2);
+            const float w = std::exp(pp[0] - mx);
+            l += pp[1] * w;
+            for (int64_t d = 0; d < D; ++d) acc[d] += pp[2 + d] * w;
+        }
+        const float inv = 1.f / l;
+        for (int64_t d = 0; d < D; ++d) ae_put(o + g * D + d, acc[d] * inv);
+    }
+}
+
 // Decode attention (one query token per request) over the paged KV cache, read in place: no
 // gather copy, no padding, no mask. A key at position p of request b lives at row
 // tables[b][p / BS] of the cache, slot p % BS.
 //
-// Work items are (request, KV head, split): a split is up to `split` consecutive positions
-// (whole blocks). The query heads that share the KV head are handled together, so each key
-// and value row is loaded once for all of them. Scores are taken a block at a time, then
-// one online-softmax update per block:
+// Each (request, KV head) is cut into spans of up to `split` consecutive positions (whole
+// blocks; or a per-request count, ae_split_of). The query heads that share the KV head are
+// handled together, so each key and value row is loaded once for all of them. Scores are
+// taken a block at a time, then one online-softmax update per block:
 //   m' = max(m, max_j s_j);  l' = l e^(m - m') + sum_j e^(s_j - m');
 //   acc' = acc e^(m - m') + sum_j e^(s_j - m') v_j
-// A request whose history spans several splits (long contexts, few requests) has its
-// partial (m, l, acc) merged the same way after the parallel loop (flash-decoding).
+// and the partial (m, l, acc) of a request's spans are merged the same way (flash-decoding).
+// Work items are spans where the (request, KV head) pairs are too few to keep the threads
+// busy (a long context's spans then run on different threads, merged after the parallel
+// loop), else pairs (one thread takes a pair's spans in turn and merges them): the
+// arithmetic is the same either way, so a request's result depends on its own spans only.
 //
 // q: rows of [H, D], row r of request b is rows[b], row stride q_stride (elements);
 // kc: the K cache [num_blocks, BS, KVH, D], the V cache at kc + v_off; tables: int64
@@ -98,26 +208,32 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
                        int64_t q_stride, int64_t split, float scale, int64_t v_off,
                        int64_t window, float soft_cap) {
     const ae_t* vc = kc + v_off;
-    const int64_t G = H / KVH, kv_row = KVH * D;
-    // Items, in (b, kv head, split) order, so a request's splits are consecutive.
+    const int64_t G = H / KVH, kv_row = KVH * D, pairs = B * KVH;
+    // Spans, in (b, kv head, span) order, so a request's spans are consecutive.
     // Scratch of the calling thread, kept between calls (no allocation per call).
     static thread_local std::vector<int64_t> first_item, item_bh;
     static thread_local std::vector<float> part;
-    first_item.resize(B * KVH + 1);
+    first_item.resize(pairs + 1);
     int64_t items = 0;
-    for (int64_t bh = 0; bh < B * KVH; ++bh) {
+    for (int64_t bh = 0; bh < pairs; ++bh) {
         first_item[bh] = items;
         const int64_t len = lens[bh / KVH];
         const int64_t keys = window > 0 ? std::min(len, window) : len;
-        items += std::max<int64_t>(1, (keys + split - 1) / split);
+        const int64_t sp = ae_split_of(split, len, KVH, BS);
+        items += std::max<int64_t>(1, (keys + sp - 1) / sp);
     }
-    first_item[B * KVH] = items;
-    item_bh.resize(items);
-    for (int64_t bh = 0; bh < B * KVH; ++bh)
-        for (int64_t it = first_item[bh]; it < first_item[bh + 1]; ++it) item_bh[it] = bh;
-    const bool merge = items > B * KVH;
-    // Partial results of split requests: per item and query head, (m, l, acc[D]).
-    if (merge && (int64_t)part.size() < items * G * (D + 2)) part.resize(items * G * (D + 2));
+    first_item[pairs] = items;
+    // Spans as work items only where the pairs alone leave threads idle.
+    const bool by_span = items > pairs && pairs < 4 * (int64_t)ae_max_threads();
+    const int64_t units = by_span ? items : pairs;
+    if (by_span) {
+        item_bh.resize(items);
+        for (int64_t bh = 0; bh < pairs; ++bh)
+            for (int64_t it = first_item[bh]; it < first_item[bh + 1]; ++it) item_bh[it] = bh;
+    }
+    // Partial results of the spans of split requests: per span and query head, (m, l, acc[D]).
+    if (items > pairs && (int64_t)part.size() < items * G * (D + 2))
+        part.resize(items * G * (D + 2));
     // Thread-locals are per thread: the team reads the calling thread's through these.
     const int64_t* const fi = first_item.data();
     const int64_t* const ib = item_bh.data();
@@ -129,121 +245,58 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
 #endif
     int64_t work = 0;
     for (int64_t b = 0; b < B; ++b) work += (window > 0 ? std::min(lens[b], window) : lens[b]) * H;
-    #pragma omp parallel if (items > 1 && work >= AE_ATTN_TEAM_MIN)
+    #pragma omp parallel if (units > 1 && work >= AE_ATTN_TEAM_MIN)
     {
         static thread_local std::vector<float> scratch;
-        if ((int64_t)scratch.size() < G * (2 * D + 2 + BS)) scratch.resize(G * (2 * D + 2 + BS));
+        if ((int64_t)scratch.size() < G * (2 * D + 2 + BS) + D)
+            scratch.resize(G * (2 * D + 2 + BS) + D);
         float* qv = scratch.data();
         float* acc = qv + G * D;
         float* m = acc + G * D;
         float* l = m + G;
         float* s = l + G;
+        float* macc = s + G * BS;  // the merge's accumulator
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; ++it) {
-            const int64_t bh = ib[it], b = bh / KVH, kh = bh % KVH;
+        for (int64_t u = 0; u < units; ++u) {
+            const int64_t bh = by_span ? ib[u] : u, b = bh / KVH, kh = bh % KVH;
+            const int64_t first = fi[bh], last = fi[bh + 1];
             // Keys [lo, lens[b]): lo > 0 under a window, not block-aligned in general.
             const int64_t lo = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
-            const int64_t start = lo + (it - fi[bh]) * split;
-            const int64_t end = std::min(lens[b], start + split);
+            const int64_t sp = ae_split_of(split, lens[b], KVH, BS);
             const int64_t* table = tables + b * table_stride;
             const ae_t* qrow = q + rows[b] * q_stride + kh * G * D;
-            for (int64_t i = 0; i < G * D; ++i) { qv[i] = ae_get(qrow + i) * scale; acc[i] = 0.f; }
-            for (int64_t g = 0; g < G; ++g) { m[g] = -INFINITY; l[g] = 0.f; }
-            for (int64_t p0 = start; p0 < end;) {
-                const int64_t off = p0 % BS;  // 0 except at a window's first block
-                const int64_t n = std::min(BS - off, end - p0);
-                const int64_t base = (table[p0 / BS] * BS + off) * kv_row + kh * D;
-                p0 += n;
-                const ae_t* kb = kc + base;
-                const ae_t* vb = vc + base;
-                ae_scores(qv, kb, s, G, D, n, BS, kv_row);
-                if (soft_cap > 0.f) {
-                    const float inv = 1.f / soft_cap;
-                    for (int64_t g = 0; g < G; ++g)
-                        for (int64_t j = 0; j < n; ++j)
-                            s[g * BS + j] = soft_cap * std::tanh(s[g * BS + j] * inv);
-                }
-                for (int64_t g = 0; g < G; ++g) {
-                    float* sg = s + g * BS;
-                    float mx = m[g];
-                    int64_t j0 = 0;
-#ifdef AE_AVX2
-                    if (n >= 8) {  // eight lanes at a time (a small head makes these count)
-                        __m256 vm = _mm256_loadu_ps(sg);
-                        for (j0 = 8; j0 + 8 <= n; j0 += 8)
-                            vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + j0));
-                        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm),
-                                              _mm256_extractf128_ps(vm, 1));
-                        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-                        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-                        mx = std::max(mx, _mm_cvtss_f32(h));
+            for (int64_t i = 0; i < G * D; ++i) qv[i] = ae_get(qrow + i) * scale;
+            ae_t* o = out + (b * H + kh * G) * D;
+            for (int64_t it = by_span ? u : first; it < (by_span ? u + 1 : last); ++it) {
+                const int64_t start = lo + (it - first) * sp;
+                const int64_t end = std::min(lens[b], start + sp);
+                ae_attend_span(qv, kc, vc, table, start, end, kh, G, D, BS, kv_row, soft_cap,
+                               acc, m, l, s);
+                if (last - first == 1) {  // one span: the result
+                    for (int64_t g = 0; g < G; ++g) {
+                        const float inv = 1.f / l[g];
+                        for (int64_t d = 0; d < D; ++d)
+                            ae_put(o + g * D + d, acc[g * D + d] * inv);
                     }
-#endif
-                    for (int64_t j = j0; j < n; ++j) mx = std::max(mx, sg[j]);
-                    const float corr = std::exp(m[g] - mx);  // 0 on the first block
-                    int64_t j1 = 0;
-                    float sum = 0.f;
-#ifdef AE_AVX2
-                    {
-                        const __m256 vmx = _mm256_set1_ps(mx);
-                        __m256 vs = _mm256_setzero_ps();
-                        for (; j1 + 8 <= n; j1 += 8) {
-                            const __m256 e = ae_exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j1), vmx));
-                            _mm256_storeu_ps(sg + j1, e);
-                            vs = _mm256_add_ps(vs, e);
-                        }
-                        sum = ae_hsum8(vs);
+                } else {
+                    float* pp = pt + it * G * (D + 2);
+                    for (int64_t g = 0; g < G; ++g) {
+                        pp[g * (D + 2)] = m[g]; pp[g * (D + 2) + 1] = l[g];
+                        std::memcpy(pp + g * (D + 2) + 2, acc + g * D, D * sizeof(float));
                     }
-#endif
-                    for (int64_t j = j1; j < n; ++j) sg[j] -= mx;
-                    ae_exp_n(sg + j1, n - j1);
-                    for (int64_t j = j1; j < n; ++j) sum += sg[j];
-                    l[g] = l[g] * corr + sum;
-                    m[g] = mx;
-                    if (corr != 1.f) {
-                        float* ag = acc + g * D;
-                        for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
-                    }
-                }
-                for (int64_t g = 0; g < G; ++g)
-                    ae_accumulate(acc + g * D, s + g * BS, vb, D, n, kv_row);
-            }
-            if (merge) {
-                float* pp = pt + it * G * (D + 2);
-                for (int64_t g = 0; g < G; ++g) {
-                    pp[g * (D + 2)] = m[g]; pp[g * (D + 2) + 1] = l[g];
-                    std::memcpy(pp + g * (D + 2) + 2, acc + g * D, D * sizeof(float));
-                }
-            } else {
-                ae_t* o = out + (b * H + kh * G) * D;
-                for (int64_t g = 0; g < G; ++g) {
-                    const float inv = 1.f / l[g];
-                    for (int64_t d = 0; d < D; ++d) ae_put(o + g * D + d, acc[g * D + d] * inv);
                 }
             }
+            if (!by_span && last - first > 1) ae_merge_spans(pt, first, last, G, D, macc, o);
         }
     }
-    if (!merge) return;
-    #pragma omp parallel for schedule(static) if (B * KVH > 1)
-    for (int64_t bh = 0; bh < B * KVH; ++bh) {
-        const int64_t b = bh / KVH, kh = bh % KVH;
+    if (!by_span || items == pairs) return;
+    #pragma omp parallel for schedule(static) if (pairs > 1)
+    for (int64_t bh = 0; bh < pairs; ++bh) {
         const int64_t first = fi[bh], last = fi[bh + 1];
-        std::vector<float> acc(D);
-        for (int64_t g = 0; g < G; ++g) {
-            float mx = -INFINITY;
-            for (int64_t it = first; it < last; ++it)
-                mx = std::max(mx, pt[(it * G + g) * (D + 2)]);
-            float l = 0.f;
-            std::fill(acc.begin(), acc.end(), 0.f);
-            for (int64_t it = first; it < last; ++it) {
-                const float* pp = pt + (it * G + g) * (D + 2);
-                const float w = std::exp(pp[0] - mx);
-                l += pp[1] * w;
-                for (int64_t d = 0; d < D; ++d) acc[d] += pp[2 + d] * w;
-            }
-            ae_t* o = out + (b * H + kh * G + g) * D;
-            const float inv = 1.f / l;
-            for (int64_t d = 0; d < D; ++d) ae_put(o + d, acc[d] * inv);
-        }
+        if (last - first == 1) continue;  // written by its span
+        static thread_local std::vector<float> macc;
+        macc.resize(D);
+        const int64_t b = bh / KVH, kh = bh % KVH;
+        ae_merge_spans(pt, first, last, G, D, macc.data(), out + (b * H + kh * G) * D);
     }
 }

@@ -99,11 +99,46 @@ def test_decode_attention_matches_softmax_over_the_gathered_history(dtype):
             _close(out[b], ref, dtype)
 
 
-def test_decode_split_spreads_few_long_requests_over_the_threads():
-    # many (request, KV head) pairs: whole requests; one long request: spans of positions
-    assert layer_ops.decode_split([100] * 64, 2, 16, 2) == 112
-    split = layer_ops.decode_split([4000], 2, 16, 2)
-    assert split % 16 == 0 and layer_ops.MIN_SPLIT <= split < 4000
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_of_a_row_does_not_depend_on_the_batch(dtype, threads):
+    """Under ``decode_split``'s per-request rule a row's result is the same, to the bit, alone
+    in a step and beside others: a verification's rows (one sequence at consecutive lengths)
+    are computed as the one-token steps at their positions compute them."""
+    gen = torch.Generator().manual_seed(4)
+    blocks, bs, kv_heads, dim, heads = 64, 16, 3, 64, 9
+    kv = torch.randn(2, blocks, bs, kv_heads, dim, generator=gen).to(dtype)
+    table = torch.randperm(blocks, generator=gen)[:60]
+    lens = [700 + i for i in range(9)] + [30, 900]  # 9 draft rows of one sequence, 2 others
+    tables = torch.stack([table] * 9 + [torch.randperm(blocks, generator=gen)[:60]
+                                        for _ in range(2)])
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    rows = torch.arange(len(lens))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        split = layer_ops.decode_split(lens, kv_heads, bs, threads)
+        batch = layer_ops.decode_attention(q, kv, tables, torch.tensor(lens), rows, split, 0.125)
+        for b in (0, 4, 8, 9, 10):
+            alone = layer_ops.decode_attention(
+                q, kv, tables[b:b + 1], torch.tensor(lens[b:b + 1]), rows[b:b + 1],
+                layer_ops.decode_split(lens[b:b + 1], kv_heads, bs, threads), 0.125)
+            assert torch.equal(batch[b], alone[0])
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_decode_split_spreads_a_long_request_over_the_threads_whatever_the_batch():
+    # per request: spans of at least MIN_SPLIT positions so that it alone keeps the threads
+    # busy; the whole request where its KV heads do; never more than its positions
+    split = layer_ops.decode_split([100] * 64, 2, 16, 2)
+    assert split == layer_ops.decode_split([4000], 2, 16, 2)  # the batch does not matter
+    span = layer_ops.split_of(split, 4000, 2, 16)
+    assert span % 16 == 0 and layer_ops.MIN_SPLIT <= span < 4000
+    assert layer_ops.split_of(split, 100, 2, 16) == 112  # a short one: whole
+    assert layer_ops.split_of(split, 1000, 2, 16) == 512  # 2 x 2 spans: 1000 * 2 / 4, rounded
+    assert layer_ops.split_of(split, 4000, 8, 16) == 4000  # 8 KV heads keep 2 threads busy
+    assert layer_ops.split_of(64, 4000, 2, 16) == 64  # a positive split: as given
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
