@@ -201,6 +201,21 @@ def test_decode_kernel_reads_the_cache_in_place(heads, kv_heads, monkeypatch):
 
 
 @kernel_only
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 64), (9, 3, 64), (8, 2, 80),
+                                                    (6, 6, 128), (4, 1, 24), (5, 5, 272)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_head_sizes(heads, kv_heads, head_dim, dtype):
+    # real head sizes and query groups: 64 (7 and 3 query heads per KV head), 80 and 128
+    # take the AVX-512 path (16 keys a step, each key and value row widened once for the
+    # group), 24 and 272 the 8-wide one; every tail of a 16-key step is covered
+    cases = [(c, 1) for c in (0, 1, 15, 16, 17, 31, 40, 100)]
+    out, ref, meta, _, _ = run_step(cases, heads, kv_heads, dtype=dtype, head_dim=head_dim)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    assert [type(g).__name__ for g in meta.extra.groups] == ["_CppDecode"]
+
+
+@kernel_only
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_kernel_splits_long_contexts_and_merges_exactly(threads, monkeypatch):
     # few requests with long contexts: each is split into spans of positions that run on
