@@ -146,8 +146,10 @@ class RedisKVConnector(KVConnector):
                            self.retry)
         self._next_try = now + self.retry
 
-    def _succeeded(self) -> None:
-        if self._down_since is not None:
+    def _succeeded(self, started: float) -> None:
+        """A call begun at ``started`` (time.monotonic()) went through. One begun before the
+        store was marked down proves nothing about it now: the store stays down."""
+        if self._down_since is not None and started >= self._down_since:
             logger.warning("KV store %s is reachable again (down %.1fs)", self.url,
                            time.monotonic() - self._down_since)
             self._down_since = None
@@ -165,6 +167,7 @@ class RedisKVConnector(KVConnector):
 
     def _read_index(self) -> None:
         """The hashes this store holds, at start-up (a blocking SCAN, before serving)."""
+        started = time.monotonic()
         try:
             with redis.Redis.from_url(self.url, socket_timeout=self.timeout,
                                       socket_connect_timeout=self.timeout) as client:
@@ -179,7 +182,7 @@ class RedisKVConnector(KVConnector):
         except CONNECTION_ERRORS as e:
             self._failed(e)
         else:
-            self._succeeded()
+            self._succeeded(started)
 
     def _remember(self, block_hashes: list[bytes]) -> None:
         if len(self._known) + len(block_hashes) > MAX_KNOWN:
@@ -219,6 +222,7 @@ class RedisKVConnector(KVConnector):
 
     async def _probe(self, block_hashes: list[bytes]) -> None:
         """Learn which of these blocks the store holds (written by another server)."""
+        started = time.monotonic()
         try:
             async with self._client().pipeline(transaction=False) as pipe:
                 for h in block_hashes:
@@ -227,32 +231,34 @@ class RedisKVConnector(KVConnector):
         except CONNECTION_ERRORS as e:
             self._failed(e)
             return
-        self._succeeded()
+        self._succeeded(started)
         held = [h for h, n in zip(block_hashes, present, strict=True) if n]
         self._remember(held)
         for h in held:
             self._probed.pop(h, None)
 
     async def _ping(self) -> None:
-        self._next_try = time.monotonic() + self.retry
+        started = time.monotonic()
+        self._next_try = started + self.retry
         try:
             await self._client().ping()
         except CONNECTION_ERRORS as e:
             self._failed(e)
         else:
-            self._succeeded()
+            self._succeeded(started)
 
     # -- worker side -------------------------------------------------------------------------
     async def load(self, block_hashes: list[bytes]) -> torch.Tensor:
         blocks: list[torch.Tensor] = []
         if block_hashes and self.available:
+            started = time.monotonic()
             try:
                 values = await self._client().mget([self.key(h) for h in block_hashes])
             except CONNECTION_ERRORS as e:
                 self._failed(e)
                 values = []
             else:
-                self._succeeded()
+                self._succeeded(started)
             complete = True
             for block_hash, value in zip(block_hashes, values, strict=False):
                 block = self._decode(block_hash, value)
@@ -278,6 +284,7 @@ class RedisKVConnector(KVConnector):
         if not todo or not self.available:
             return
         kv = kv.to("cpu")
+        started = time.monotonic()
         try:
             async with self._client().pipeline(transaction=False) as pipe:
                 for i, h in todo:
@@ -287,6 +294,6 @@ class RedisKVConnector(KVConnector):
         except CONNECTION_ERRORS as e:
             self._failed(e)
             return
-        self._succeeded()
+        self._succeeded(started)
         self._remember([h for _, h in todo])
         self.num_saved_blocks += len(todo)

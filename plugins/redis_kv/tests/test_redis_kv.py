@@ -191,7 +191,7 @@ def test_a_lost_store_warns_once_serves_on_and_reconnects(server, tiny_llama, ca
     config = redis_config(tiny_llama, server.url, retry=0.2, timeout=0.5)
     engine = AsyncEngine(config, plugin_manager=pm)
     connector = engine.kv_transfer.connector
-    fresh = [[random.Random(100 + i).randrange(3, 40000) for _ in range(40)] for i in range(3)]
+    fresh = [[random.Random(100 + i).randrange(3, 40000) for _ in range(40)] for i in range(4)]
 
     async def main() -> list[list[int]]:
         out = []
@@ -205,9 +205,17 @@ def test_a_lost_store_warns_once_serves_on_and_reconnects(server, tiny_llama, ca
                 out.append([o async for o in engine.generate(fresh[1], GREEDY)][-1])
                 server.start()
                 await anyio.sleep(0.3)  # past the retry interval
+                # fresh[2]'s lookup pings the store in the background (its own save may come
+                # first and be dropped: the store is still marked down)
                 out.append([o async for o in engine.generate(fresh[2], GREEDY)][-1])
-                for _ in range(50):  # the save after the reconnection
-                    if connector._down_since is None and connector.num_saved_blocks > 2:
+                for _ in range(100):
+                    if connector._down_since is None:
+                        break
+                    await anyio.sleep(0.1)
+                saved = connector.num_saved_blocks
+                out.append([o async for o in engine.generate(fresh[3], GREEDY)][-1])
+                for _ in range(100):  # fresh[3]'s save, after the reconnection
+                    if connector.num_saved_blocks > saved:
                         break
                     await anyio.sleep(0.1)
         return [o.outputs[0].token_ids for o in out]
