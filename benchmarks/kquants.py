@@ -104,7 +104,7 @@ def make_q4_k_m(work: Path, llama_cpp: Path, llama_bin: Path, convert_path: str 
 
 
 def file_types(path: Path) -> str:
-    from asyncengine.executor.models.gguf import read_header
+    from asyncengine.executor.models.gguf_header import read_header
     from asyncengine.executor.models.kquants import type_name
 
     counts = Counter(type_name(t.ggml_type) for t in read_header(str(path)).tensors)

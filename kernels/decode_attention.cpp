@@ -91,30 +91,187 @@ static inline int64_t ae_split_of(int64_t split, int64_t len, int64_t KVH, int64
     return (s + BS - 1) / BS * BS;
 }
 
+#if defined(__AVX512F__)
+#define AE_ATTN512 1
+// Heads of up to AE_ATTN_D512 elements (a multiple of 16) take these: each key and value row
+// is loaded (and widened from bfloat16) once for all G query heads of its KV head.
+#define AE_ATTN_D512 256
+
+static inline __m512 ae_load16(const ae_t* p) {
+#if AE_DTYPE == 0
+    return _mm512_loadu_ps(p);
+#else
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+#endif
+}
+
+// lane i = sum(v[i]) for 16 vectors: halves, quarters, pairs and lanes added two vectors at
+// a time (30 shuffles, 15 adds), then one permutation into order.
+static inline __m512 ae_sum16(const __m512* v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i)  // 128-bit lanes 0-1: v[2i]'s, 2-3: v[2i + 1]'s
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; ++i)  // lane k: v[4i + k]'s
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; ++i)  // lane k, elements 0-1: v[8i + k]'s, 2-3: v[8i + 4 + k]'s
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xee));
+    const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88),  // lane k, element e:
+                                   _mm512_shuffle_ps(c[0], c[1], 0xdd));  // sum(v[4e + k])
+    const __m512i idx = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(idx, d);
+}
+
+// ae_scores for D % 16 == 0, D <= AE_ATTN_D512: 16 keys at a time, each key widened once and
+// multiplied against the G queries; each (key, head)'s 16 partial sums go to `part`, and
+// 16 keys' are summed together (ae_sum16). part: G * 256 floats.
+template <int DVT>  // D / 16 when known at compile time (the common head sizes), else 0
+static inline void ae_scores512_t(const float* q, const ae_t* kb, float* s, int64_t G,
+                                  int64_t D, int64_t n, int64_t BS, int64_t kv_row,
+                                  float* part) {
+    const int64_t DV = DVT > 0 ? DVT : D / 16;
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        const int64_t nj = std::min<int64_t>(16, n - j0);
+        for (int64_t i = 0; i < 16; ++i) {
+            if (i >= nj) {
+                for (int64_t g = 0; g < G; ++g)
+                    _mm512_store_ps(part + (g * 16 + i) * 16, _mm512_setzero_ps());
+                continue;
+            }
+            const ae_t* k = kb + (j0 + i) * kv_row;
+            __m512 kv[DVT > 0 ? DVT : AE_ATTN_D512 / 16];
+            for (int64_t dv = 0; dv < DV; ++dv) kv[dv] = ae_load16(k + 16 * dv);
+            for (int64_t g = 0; g < G; ++g) {
+                const float* qg = q + g * D;
+                __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+                __m512 a1 = _mm512_setzero_ps();
+                for (int64_t dv = 1; dv < DV; ++dv) {
+                    if (dv & 1) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * dv), kv[dv], a1);
+                    else a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * dv), kv[dv], a0);
+                }
+                _mm512_store_ps(part + (g * 16 + i) * 16, _mm512_add_ps(a0, a1));
+            }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+            const __m512* pv = (const __m512*)(part + g * 256);
+            _mm512_mask_storeu_ps(s + g * BS + j0, (__mmask16)((1u << nj) - 1), ae_sum16(pv));
+        }
+    }
+}
+
+static inline void ae_scores512(const float* q, const ae_t* kb, float* s, int64_t G,
+                                int64_t D, int64_t n, int64_t BS, int64_t kv_row,
+                                float* part) {
+    if (D == 64) ae_scores512_t<4>(q, kb, s, G, D, n, BS, kv_row, part);
+    else if (D == 128) ae_scores512_t<8>(q, kb, s, G, D, n, BS, kv_row, part);
+    else ae_scores512_t<0>(q, kb, s, G, D, n, BS, kv_row, part);
+}
+
+// acc[g][d] += sum_j w[g][j] v_j[d] for the G heads at once (w = s, row stride BS): 64
+// outputs of up to 4 heads in registers, each value row widened once per 64 outputs.
+template <int GG, int NV>  // NV vectors of 16 outputs
+static inline void ae_accumulate512_gv(float* acc, const float* w, const ae_t* vb, int64_t D,
+                                   int64_t d, int64_t n, int64_t BS, int64_t kv_row) {
+    constexpr int64_t nv = NV;
+    __m512 a[GG][NV];
+    for (int g = 0; g < GG; ++g)
+        for (int64_t v = 0; v < nv; ++v) a[g][v] = _mm512_loadu_ps(acc + g * D + d + 16 * v);
+    for (int64_t j = 0; j < n; ++j) {
+        const ae_t* vr = vb + j * kv_row + d;
+        __m512 x[NV];
+        for (int64_t v = 0; v < nv; ++v) x[v] = ae_load16(vr + 16 * v);
+        for (int g = 0; g < GG; ++g) {
+            const __m512 wj = _mm512_set1_ps(w[g * BS + j]);
+            for (int64_t v = 0; v < nv; ++v) a[g][v] = _mm512_fmadd_ps(wj, x[v], a[g][v]);
+        }
+    }
+    for (int g = 0; g < GG; ++g)
+        for (int64_t v = 0; v < nv; ++v) _mm512_storeu_ps(acc + g * D + d + 16 * v, a[g][v]);
+}
+
+template <int GG>
+static inline void ae_accumulate512_g(float* acc, const float* w, const ae_t* vb, int64_t D,
+                                      int64_t n, int64_t BS, int64_t kv_row) {
+    for (int64_t d = 0; d < D; d += 64) {
+        switch (std::min<int64_t>(4, (D - d) / 16)) {
+            case 4: ae_accumulate512_gv<GG, 4>(acc, w, vb, D, d, n, BS, kv_row); break;
+            case 3: ae_accumulate512_gv<GG, 3>(acc, w, vb, D, d, n, BS, kv_row); break;
+            case 2: ae_accumulate512_gv<GG, 2>(acc, w, vb, D, d, n, BS, kv_row); break;
+            default: ae_accumulate512_gv<GG, 1>(acc, w, vb, D, d, n, BS, kv_row); break;
+        }
+    }
+}
+
+static inline void ae_accumulate512(float* acc, const float* w, const ae_t* vb, int64_t G,
+                                    int64_t D, int64_t n, int64_t BS, int64_t kv_row) {
+    int64_t g = 0;
+    for (; g + 4 <= G; g += 4) ae_accumulate512_g<4>(acc + g * D, w + g * BS, vb, D, n, BS, kv_row);
+    switch (G - g) {
+        case 3: ae_accumulate512_g<3>(acc + g * D, w + g * BS, vb, D, n, BS, kv_row); break;
+        case 2: ae_accumulate512_g<2>(acc + g * D, w + g * BS, vb, D, n, BS, kv_row); break;
+        case 1: ae_accumulate512_g<1>(acc + g * D, w + g * BS, vb, D, n, BS, kv_row); break;
+        default: break;
+    }
+}
+#endif
+
+// Blocks of keys scored before one online-softmax update (its max, exponentials and
+// rescaling of the partial output cost the same for 16 keys as for 128).
+#ifndef AE_ATTN_SPAN_BLOCKS
+#define AE_ATTN_SPAN_BLOCKS 8
+#endif
+
 // One span of one (request, KV head): positions [start, end), online softmax from a fresh
-// state into m[G], l[G], acc[G * D] (qv: the G query heads, scaled).
+// state into m[G], l[G], acc[G * D] (qv: the G query heads, scaled). The positions go in
+// groups of up to AE_ATTN_SPAN_BLOCKS consecutive blocks: scores into s (G rows of
+// AE_ATTN_SPAN_BLOCKS * BS), one softmax update, then the values. part: ae_scores512's 64-byte
+// aligned G * 256 floats.
 static inline void ae_attend_span(const float* qv, const ae_t* kc, const ae_t* vc,
                                   const int64_t* table, int64_t start, int64_t end,
                                   int64_t kh, int64_t G, int64_t D, int64_t BS, int64_t kv_row,
-                                  float soft_cap, float* acc, float* m, float* l, float* s) {
+                                  float soft_cap, float* acc, float* m, float* l, float* s,
+                                  float* part) {
+    const int64_t SP = AE_ATTN_SPAN_BLOCKS * BS;
+    int64_t seg_base[AE_ATTN_SPAN_BLOCKS], seg_n[AE_ATTN_SPAN_BLOCKS];
+    int64_t seg_at[AE_ATTN_SPAN_BLOCKS];
+#ifdef AE_ATTN512
+    const bool wide = D % 16 == 0 && D <= AE_ATTN_D512;
+#else
+    (void)part;
+#endif
     for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
     for (int64_t g = 0; g < G; ++g) { m[g] = -INFINITY; l[g] = 0.f; }
     for (int64_t p0 = start; p0 < end;) {
-        const int64_t off = p0 % BS;  // 0 except at a window's first block
-        const int64_t n = std::min(BS - off, end - p0);
-        const int64_t base = (table[p0 / BS] * BS + off) * kv_row + kh * D;
-        p0 += n;
-        const ae_t* kb = kc + base;
-        const ae_t* vb = vc + base;
-        ae_scores(qv, kb, s, G, D, n, BS, kv_row);
+        int64_t nseg = 0, n = 0;
+        while (p0 < end && nseg < AE_ATTN_SPAN_BLOCKS) {
+            const int64_t off = p0 % BS;  // 0 except at a window's first block
+            const int64_t k = std::min(BS - off, end - p0);
+            if (n + k > SP) break;
+            seg_base[nseg] = (table[p0 / BS] * BS + off) * kv_row + kh * D;
+            seg_n[nseg] = k;
+            seg_at[nseg++] = n;
+            n += k;
+            p0 += k;
+        }
+        for (int64_t i = 0; i < nseg; ++i) {
+#ifdef AE_ATTN512
+            if (wide) ae_scores512(qv, kc + seg_base[i], s + seg_at[i], G, D, seg_n[i], SP,
+                                   kv_row, part);
+            else
+#endif
+            ae_scores(qv, kc + seg_base[i], s + seg_at[i], G, D, seg_n[i], SP, kv_row);
+        }
         if (soft_cap > 0.f) {
             const float inv = 1.f / soft_cap;
             for (int64_t g = 0; g < G; ++g)
                 for (int64_t j = 0; j < n; ++j)
-                    s[g * BS + j] = soft_cap * std::tanh(s[g * BS + j] * inv);
+                    s[g * SP + j] = soft_cap * std::tanh(s[g * SP + j] * inv);
         }
         for (int64_t g = 0; g < G; ++g) {
-            float* sg = s + g * BS;
+            float* sg = s + g * SP;
             float mx = m[g];
             int64_t j0 = 0;
 #ifdef AE_AVX2
@@ -155,8 +312,16 @@ static inline void ae_attend_span(const float* qv, const ae_t* kc, const ae_t* v
                 for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
             }
         }
-        for (int64_t g = 0; g < G; ++g)
-            ae_accumulate(acc + g * D, s + g * BS, vb, D, n, kv_row);
+        for (int64_t i = 0; i < nseg; ++i) {
+#ifdef AE_ATTN512
+            if (wide) ae_accumulate512(acc, s + seg_at[i], vc + seg_base[i], G, D, seg_n[i], SP,
+                                       kv_row);
+            else
+#endif
+            for (int64_t g = 0; g < G; ++g)
+                ae_accumulate(acc + g * D, s + g * SP + seg_at[i], vc + seg_base[i], D,
+                              seg_n[i], kv_row);
+        }
     }
 }
 
@@ -248,14 +413,17 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
     #pragma omp parallel if (units > 1 && work >= AE_ATTN_TEAM_MIN)
     {
         static thread_local std::vector<float> scratch;
-        if ((int64_t)scratch.size() < G * (2 * D + 2 + BS) + D)
-            scratch.resize(G * (2 * D + 2 + BS) + D);
+        const int64_t SP = AE_ATTN_SPAN_BLOCKS * BS;
+        const int64_t need = G * (2 * D + 2 + SP) + D + G * 256 + 16;
+        if ((int64_t)scratch.size() < need) scratch.resize(need);
         float* qv = scratch.data();
         float* acc = qv + G * D;
         float* m = acc + G * D;
         float* l = m + G;
         float* s = l + G;
-        float* macc = s + G * BS;  // the merge's accumulator
+        float* macc = s + G * SP;  // the merge's accumulator
+        // ae_scores512's partial sums, 64-byte aligned
+        float* part = (float*)(((uintptr_t)(macc + D) + 63) & ~(uintptr_t)63);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < units; ++u) {
             const int64_t bh = by_span ? ib[u] : u, b = bh / KVH, kh = bh % KVH;
@@ -271,7 +439,7 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
                 const int64_t start = lo + (it - first) * sp;
                 const int64_t end = std::min(lens[b], start + sp);
                 ae_attend_span(qv, kc, vc, table, start, end, kh, G, D, BS, kv_row, soft_cap,
-                               acc, m, l, s);
+                               acc, m, l, s, part);
                 if (last - first == 1) {  // one span: the result
                     for (int64_t g = 0; g < G; ++g) {
                         const float inv = 1.f / l[g];

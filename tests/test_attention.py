@@ -8,7 +8,12 @@ import random
 import pytest
 import torch
 
-from asyncengine.executor.attention import decode_chunks, get_attention_backend, torch_paged
+from asyncengine.executor.attention import (
+    decode_chunks,
+    get_attention_backend,
+    torch_paged,
+    torch_paged_plan,
+)
 from asyncengine.executor.attention.base import AttentionMetadata
 from asyncengine.executor.attention.decode_chunks import ChunkedDecode
 from asyncengine.executor.attention.torch_paged import TorchPagedBackend
@@ -163,7 +168,7 @@ def test_long_decodes_are_read_in_chunks_and_match_reference(heads, kv_heads, sd
 
 def test_chunked_decode_with_tiny_chunks(monkeypatch, sdpa):
     # one block per chunk: dozens of merges, each row leaving at its own chunk
-    monkeypatch.setattr(torch_paged, "DECODE_CHUNK_TOKENS", 4)
+    monkeypatch.setattr(torch_paged_plan, "DECODE_CHUNK_TOKENS", 4)
     monkeypatch.setattr(decode_chunks, "DECODE_CHUNK_TOKENS", 4)
     cases = [(c, 1) for c in (0, 3, 4, 17, 40, 63, 5, 8)] + [(6, 3)]
     out, ref, meta, _, _ = run_step(cases, 6, 2)
@@ -197,7 +202,22 @@ def test_decode_kernel_reads_the_cache_in_place(heads, kv_heads, monkeypatch):
     cases = [(c, 1) for c in (0, 3, 4, 17, 40, 63, 5, 8, 1500, 700)]
     out, ref, meta, _, _ = run_step(cases, heads, kv_heads)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    assert [type(g).__name__ for g in meta.extra.groups] == ["_CppDecode"]
+    assert [type(g).__name__ for g in meta.extra.groups] == ["CppDecode"]
+
+
+@kernel_only
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 64), (9, 3, 64), (8, 2, 80),
+                                                    (6, 6, 128), (4, 1, 24), (5, 5, 272)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_head_sizes(heads, kv_heads, head_dim, dtype):
+    # real head sizes and query groups: 64 (7 and 3 query heads per KV head), 80 and 128
+    # take the AVX-512 path (16 keys a step, each key and value row widened once for the
+    # group), 24 and 272 the 8-wide one; every tail of a 16-key step is covered
+    cases = [(c, 1) for c in (0, 1, 15, 16, 17, 31, 40, 100)]
+    out, ref, meta, _, _ = run_step(cases, heads, kv_heads, dtype=dtype, head_dim=head_dim)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    assert [type(g).__name__ for g in meta.extra.groups] == ["CppDecode"]
 
 
 @kernel_only

@@ -11,6 +11,7 @@ import torch
 
 from asyncengine.config import EngineConfig
 from asyncengine.executor import build as build_module
+from asyncengine.executor import kv_sizing
 from asyncengine.executor.attention import get_attention_backend, resolve_backend_name
 from asyncengine.executor.attention.torch_paged import TorchPagedBackend
 from asyncengine.executor.kv_sizing import (
@@ -63,15 +64,15 @@ def test_build_sizes_the_cuda_kv_cache_from_the_profile(monkeypatch):
     backend.extra_kv_blocks = 1
     device = SimpleNamespace(type="cuda", torch_device=torch.device("cpu"))
     at_start = MemorySnapshot(free=40 * GIB, total=40 * GIB, reserved=0)
-    monkeypatch.setattr(build_module, "profile_cuda_memory",
+    monkeypatch.setattr(kv_sizing, "profile_cuda_memory",
                         lambda *a, **k: (15 * GIB, GIB))  # peak in torch, outside torch
     per_block = backend.bytes_per_block(16, 16, 8, 64, torch.bfloat16)  # 512 KiB
-    blocks = build_module._num_blocks(config, model, backend, torch.bfloat16, device, 4096,
+    blocks = kv_sizing.num_kv_blocks(config, model, backend, torch.bfloat16, device, 4096,
                                       at_start)
     assert blocks == (20 * GIB - 16 * GIB) // per_block - 1
-    monkeypatch.setattr(build_module, "profile_cuda_memory", lambda *a, **k: (19 * GIB, GIB))
+    monkeypatch.setattr(kv_sizing, "profile_cuda_memory", lambda *a, **k: (19 * GIB, GIB))
     with pytest.raises(ValueError, match="--gpu-memory-utilization"):
-        build_module._num_blocks(config, model, backend, torch.bfloat16, device, 4096, at_start)
+        kv_sizing.num_kv_blocks(config, model, backend, torch.bfloat16, device, 4096, at_start)
 
 
 def test_profiling_forward_runs_on_the_cpu(tiny_llama):

@@ -212,7 +212,7 @@ def test_mixed_types_give_transformers_greedy_tokens(mixed_gguf):
 
 def _with_tensor_type(src: str, dst: str, tensor: str, qtype: int) -> str:
     """A copy of the GGUF ``src`` whose ``tensor`` claims GGML type ``qtype``."""
-    from asyncengine.executor.models.gguf import read_header
+    from asyncengine.executor.models.gguf_header import read_header
 
     data = bytearray(open(src, "rb").read())
     name = tensor.encode()

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from asyncengine.config import EngineConfig, parse_size
+from asyncengine.config import EngineConfig
 from asyncengine.core.sched import BUILTIN_SCHEDULERS
 from asyncengine.core.sched.interface import Scheduler
 from asyncengine.executor.attention import AttentionShape, get_attention_backend
@@ -26,12 +26,11 @@ from asyncengine.executor.attention.prewarm import one_line as _one_line
 from asyncengine.executor.attention.prewarm import prewarm_attention
 from asyncengine.executor.device import Device, make_device
 from asyncengine.executor.kv_sizing import (
-    MemorySnapshot,
+    auto_kv_size,
     check_free_memory,
     cuda_snapshot,
-    kv_blocks_for_budget,
-    kv_cache_budget,
-    profile_cuda_memory,
+    max_model_len_of,
+    num_kv_blocks,
 )
 from asyncengine.executor.models.loader import load_model, pick_dtype, resolve_model
 from asyncengine.executor.models.registry import architecture_of
@@ -44,7 +43,6 @@ from asyncengine.text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("asyncengine")
 
-CPU_KV_CACHE_DEFAULT = 1 << 30  # 1 GiB: ~45k tokens of the embedded model in bfloat16
 
 T = TypeVar("T")
 
@@ -126,7 +124,7 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
     at_start = None
     if device.type == "cuda":
         at_start = cuda_snapshot()  # before the weights: what the engine started from
-        if _auto_kv_size(config):
+        if auto_kv_size(config):
             check_free_memory(at_start, config.cache.gpu_memory_utilization)
     source = resolve_model(mc.model, config.load.load_format, mc.revision,
                            config.load.download_dir)
@@ -145,7 +143,7 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
         _check_family_supports(source.hf_config, "tensor_parallel", "--tensor-parallel-size")
         make_plan(source.hf_config, 0, tp_size)  # an unsplittable model fails before spawning
         if device.type == "cuda":  # the NCCL path: written, not run in this repository
-            if _auto_kv_size(config):
+            if auto_kv_size(config):
                 raise ValueError("--tensor-parallel-size > 1 on CUDA: give --kv-cache-memory "
                                  "(the memory profile runs rank 0's shard alone)")
             device.eager_on_thread = True  # collectives block: never on the event loop
@@ -164,7 +162,7 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
         revision=mc.revision, chat_template=mc.chat_template)
     tokenizer.byte_pieces()  # the detokenizer's table, built now rather than at a request
     model_name = (mc.served_model_name or [source.name])[0]
-    max_model_len = _max_model_len(config, source.hf_config, model)
+    max_model_len = max_model_len_of(config, source.hf_config)
     block_size = config.cache.block_size
     shape = AttentionShape(
         num_heads=getattr(model, "num_heads", None) or source.hf_config.num_attention_heads,
@@ -182,7 +180,7 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
         from asyncengine.executor.lora.manager import LoRAManager
 
         lora = LoRAManager(model, config.lora, device.torch_device, dtype)
-    num_blocks = _num_blocks(config, model, attn_backend, dtype, device, max_model_len,
+    num_blocks = num_kv_blocks(config, model, attn_backend, dtype, device, max_model_len,
                              at_start)
     kv_caches = _off_the_loop_thread(device, lambda: attn_backend.allocate_kv_cache(
         model.num_layers, num_blocks, block_size, model.num_kv_heads,
@@ -285,21 +283,6 @@ def _resolve_kv_connector(config: EngineConfig, scheduler_cls: type,
     return cls
 
 
-def _max_model_len(config: EngineConfig, hf_config: Any, model: torch.nn.Module) -> int:
-    # A sliding window bounds what attention sees, not the context: the context is the
-    # model's position limit (or --max-model-len).
-    from asyncengine.executor.models.family import text_config
-
-    native = getattr(text_config(hf_config), "max_position_embeddings", None) or 2048
-    wanted = config.model.max_model_len
-    if wanted is None:
-        return min(native, 8192)
-    if wanted > native:
-        raise ValueError(f"--max-model-len {wanted} exceeds the model's context length "
-                         f"({native})")
-    return wanted
-
-
 def _check_family_supports(hf_config: Any, path: str, flag: str) -> None:
     """ValueError naming ``flag`` when the model's family lacks ``path`` (``family.py``)."""
     from asyncengine.executor.models.family import describe
@@ -310,37 +293,6 @@ def _check_family_supports(hf_config: Any, path: str, flag: str) -> None:
         return  # not a built-in family: the plugin model decides
     if path in lacks:
         raise ValueError(f"{flag}: {lacks[path]}")
-
-
-def _auto_kv_size(config: EngineConfig) -> bool:
-    cc = config.cache
-    return cc.num_gpu_blocks_override is None and cc.kv_cache_memory == "auto"
-
-
-def _num_blocks(config: EngineConfig, model: torch.nn.Module, attn_backend: Any,
-                dtype: torch.dtype, device: Device, max_model_len: int,
-                at_start: MemorySnapshot | None = None) -> int:
-    cc = config.cache
-    if cc.num_gpu_blocks_override is not None:
-        return cc.num_gpu_blocks_override
-    per_block = attn_backend.bytes_per_block(model.num_layers, cc.block_size,
-                                             model.num_kv_heads, model.head_dim, dtype)
-    flag = "--kv-cache-memory"
-    if cc.kv_cache_memory != "auto":
-        budget = parse_size(cc.kv_cache_memory, "kv_cache_memory")
-    elif device.type == "cuda":
-        sc = config.scheduler
-        peak, non_torch = profile_cuda_memory(
-            model, attn_backend, cc.block_size, sc.max_num_batched_tokens, sc.max_num_seqs,
-            dtype, device.torch_device, at_start)
-        budget = kv_cache_budget(at_start.total, cc.gpu_memory_utilization, peak, non_torch)
-        flag = "--gpu-memory-utilization"
-        logger.info("memory profile: peak %.2f GiB in torch, %.2f GiB outside it; KV cache "
-                    "budget %.2f GiB", peak / 2**30, non_torch / 2**30, budget / 2**30)
-    else:
-        budget = CPU_KV_CACHE_DEFAULT
-    return kv_blocks_for_budget(budget, per_block, cc.block_size, max_model_len,
-                                extra_blocks=attn_backend.extra_kv_blocks, flag=flag)
 
 
 def _sampling_method(device: Device, vocab_size: int) -> str | None:

@@ -26,15 +26,26 @@ needs CUDA and has not run on a GPU yet.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from asyncengine.config import parse_size
 from asyncengine.executor.attention.base import AttentionBackend, AttentionMetadata
 from asyncengine.executor.sampler.batch import SamplingBatch
 from asyncengine.executor.sampler.logprobs import logprob_tensors
 from asyncengine.executor.sampler.sampler import sample_ids
+
+if TYPE_CHECKING:
+    from asyncengine.config import EngineConfig
+    from asyncengine.executor.device import Device
+
+logger = logging.getLogger("asyncengine.executor.build")
+
+CPU_KV_CACHE_DEFAULT = 1 << 30  # 1 GiB: ~45k tokens of the embedded model in bfloat16
 
 GIB = 1 << 30
 
@@ -146,3 +157,53 @@ def profile_cuda_memory(model: torch.nn.Module, backend: AttentionBackend, block
 def cuda_snapshot() -> MemorySnapshot:
     free, total = torch.cuda.mem_get_info()
     return MemorySnapshot(free=free, total=total, reserved=torch.cuda.memory_reserved())
+
+
+def max_model_len_of(config: EngineConfig, hf_config: Any) -> int:
+    """The context length: ``--max-model-len``, at most the model's own (ValueError naming
+    the flag beyond it), else the model's capped at 8192."""
+    # A sliding window bounds what attention sees, not the context: the context is the
+    # model's position limit (or --max-model-len).
+    from asyncengine.executor.models.family import text_config
+
+    native = getattr(text_config(hf_config), "max_position_embeddings", None) or 2048
+    wanted = config.model.max_model_len
+    if wanted is None:
+        return min(native, 8192)
+    if wanted > native:
+        raise ValueError(f"--max-model-len {wanted} exceeds the model's context length "
+                         f"({native})")
+    return wanted
+
+
+def auto_kv_size(config: EngineConfig) -> bool:
+    """Whether the KV cache is sized by measurement (no override, no fixed size)."""
+    cc = config.cache
+    return cc.num_gpu_blocks_override is None and cc.kv_cache_memory == "auto"
+
+def num_kv_blocks(config: EngineConfig, model: torch.nn.Module, attn_backend: Any,
+                  dtype: torch.dtype, device: Device, max_model_len: int,
+                  at_start: MemorySnapshot | None = None) -> int:
+    """KV-cache blocks: the override, ``--kv-cache-memory``, the CUDA profile under
+    ``--gpu-memory-utilization``, or ``CPU_KV_CACHE_DEFAULT`` on the CPU."""
+    cc = config.cache
+    if cc.num_gpu_blocks_override is not None:
+        return cc.num_gpu_blocks_override
+    per_block = attn_backend.bytes_per_block(model.num_layers, cc.block_size,
+                                             model.num_kv_heads, model.head_dim, dtype)
+    flag = "--kv-cache-memory"
+    if cc.kv_cache_memory != "auto":
+        budget = parse_size(cc.kv_cache_memory, "kv_cache_memory")
+    elif device.type == "cuda":
+        sc = config.scheduler
+        peak, non_torch = profile_cuda_memory(
+            model, attn_backend, cc.block_size, sc.max_num_batched_tokens, sc.max_num_seqs,
+            dtype, device.torch_device, at_start)
+        budget = kv_cache_budget(at_start.total, cc.gpu_memory_utilization, peak, non_torch)
+        flag = "--gpu-memory-utilization"
+        logger.info("memory profile: peak %.2f GiB in torch, %.2f GiB outside it; KV cache "
+                    "budget %.2f GiB", peak / 2**30, non_torch / 2**30, budget / 2**30)
+    else:
+        budget = CPU_KV_CACHE_DEFAULT
+    return kv_blocks_for_budget(budget, per_block, cc.block_size, max_model_len,
+                                extra_blocks=attn_backend.extra_kv_blocks, flag=flag)

@@ -22,15 +22,13 @@ folded into the query-row axis, so SDPA sees ``[G, kv_heads, Q * group, head_dim
 against ``[G, kv_heads, L, head_dim]`` keys.
 
 On the CPU in eager mode (float32, bfloat16: ``kernels/layer_ops.usable``) the decodes instead
-form one ``_CppDecode`` group: the own kernel ``decode_attention.cpp`` reads each request's
+form one ``CppDecode`` group: the own kernel ``decode_attention.cpp`` reads each request's
 blocks in place through its block table, with no gather copy, no padding and no mask, and the
 step's K/V are written by one ``kv_write`` call instead of two ``index_copy_``. The SDPA
 groups above remain the path for prefills, for other dtypes and devices, and the reference.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -42,72 +40,15 @@ from asyncengine.executor.attention.base import (
     AttentionOptions,
 )
 from asyncengine.executor.attention.decode_chunks import (
-    DECODE_CHUNK_TOKENS,
     ChunkedDecode,
     chunked_decode,
-    make_chunked_decode,
+)
+from asyncengine.executor.attention.torch_paged_plan import (
+    CppDecode,
+    StepPlan,
+    make_plan,
 )
 from asyncengine.executor.kernels import layer_ops
-
-# Prefill chunks share a padded SDPA call while padded work <= SLACK * real work + FREE.
-_SLACK = 2.0
-_FREE = 16384
-
-
-@dataclass
-class _Group:
-    """Requests attended in one SDPA call."""
-
-    max_q: int
-    token_rows: torch.Tensor | None = None  # [G, Q] rows of q (padding repeats a real row)
-    blocks: torch.Tensor | None = None  # [G, max_blocks] block ids (padding: block 0)
-    mask: torch.Tensor | None = None  # [G, 1, Q, L] True = attend; None = attend all
-    last_key: torch.Tensor | None = None  # [G, Q] the last key position each row attends
-    valid: torch.Tensor | None = None  # rows of the flat [G * Q] output that are real
-    dest_rows: torch.Tensor | None = None  # [n_valid] rows of the step output they fill
-    fresh: tuple[int, int] | None = None  # (start, end): one prompt with no cached context
-    ordered: bool = False  # no padding, and the rows are consecutive step rows
-    first_row: int = 0
-    num_rows: int = 0
-    block_size: int = 0
-    _masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
-
-    def mask_for(self, group: int, dtype: torch.dtype,
-                 window: int | None = None) -> torch.Tensor | None:
-        """The mask with each query row repeated ``group`` times (rows are (t, head) pairs), made
-        additive in ``dtype`` (0 / -inf: what SDPA turns a boolean mask into, once per layer
-        otherwise), once per step; ``window`` narrows it to the last ``window`` keys."""
-        if self.mask is None and window is None:
-            return None
-        key = (group, dtype, window)
-        if key not in self._masks:
-            mask = self.mask
-            if window is not None:
-                L = self.blocks.shape[1] * self.block_size
-                keys = torch.arange(L, device=self.last_key.device)[None, None, :]
-                inside = keys > (self.last_key[:, :, None] - window)  # [G, Q, L]
-                mask = inside[:, None] if mask is None else mask & inside[:, None]
-            mask = mask if self.max_q == 1 else mask.repeat_interleave(group, dim=2)
-            self._masks[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device
-                                           ).masked_fill_(~mask, float("-inf"))
-        return self._masks[key]
-
-
-@dataclass
-class _CppDecode:
-    """The step's decodes, attended by ``layer_ops.decode_attention`` (cache read in place)."""
-
-    rows: torch.Tensor  # [B] int64: each decode's row of q (and of the step output)
-    tables: torch.Tensor  # [B, n] int64 block tables, contiguous
-    lens: torch.Tensor  # [B] int64 keys per request
-    split: int  # positions per work item
-
-
-@dataclass
-class _Plan:
-    groups: list[_Group | ChunkedDecode | _CppDecode]
-    identity: bool  # one group whose output rows are exactly the step's rows, in order
-    cpp: bool  # K/V written by the CPU kernel
 
 
 class TorchPagedBackend(AttentionBackend):
@@ -127,24 +68,24 @@ class TorchPagedBackend(AttentionBackend):
         metadata.extra = None
 
     def decode_plan(self, metadata: AttentionMetadata, x: torch.Tensor,
-                    kv_heads: int) -> _CppDecode | None:
+                    kv_heads: int) -> CppDecode | None:
         """The step's in-place decode attention, when every token of the step is a decode that
         ``decode_attention.cpp`` attends (rows 0 .. T-1 in order, K/V written by ``kv_write``);
         else None. ``x``: any of the step's activations (its dtype and device decide). For
         callers that run the layers' kernels themselves (``models/decode_stack.py``)."""
-        plan: _Plan | None = metadata.extra
+        plan: StepPlan | None = metadata.extra
         if plan is None:
-            plan = metadata.extra = _make_plan(metadata, x, kv_heads, self.variants)
-        if plan.cpp and plan.identity and isinstance(plan.groups[0], _CppDecode):
+            plan = metadata.extra = make_plan(metadata, x, kv_heads, self.variants)
+        if plan.cpp and plan.identity and isinstance(plan.groups[0], CppDecode):
             return plan.groups[0]
         return None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float,
                 options: AttentionOptions = PLAIN) -> torch.Tensor:
-        plan: _Plan | None = metadata.extra
+        plan: StepPlan | None = metadata.extra
         if plan is None:
-            plan = metadata.extra = _make_plan(metadata, q, kv_cache.shape[3], self.variants)
+            plan = metadata.extra = make_plan(metadata, q, kv_cache.shape[3], self.variants)
         window, cap = options.window, options.soft_cap
         T, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
@@ -157,7 +98,7 @@ class TorchPagedBackend(AttentionBackend):
             v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
         out = None if plan.identity else q.new_empty(T, num_heads, head_dim)
         for g in plan.groups:
-            if isinstance(g, _CppDecode):
+            if isinstance(g, CppDecode):
                 o = layer_ops.decode_attention(q, kv_cache, g.tables, g.lens, g.rows, g.split,
                                                scale, window, cap)
                 if out is None:
@@ -233,54 +174,6 @@ def _fresh_mask(n: int, window: int | None, like: torch.Tensor) -> torch.Tensor:
         ~keep, float("-inf"))
 
 
-def _make_plan(metadata: AttentionMetadata, q: torch.Tensor, kv_heads: int,
-               variants: bool = False) -> _Plan:
-    device = metadata.slot_mapping.device
-    q_lens, seq_lens = metadata.query_lens, metadata.seq_lens
-    decodes = [i for i, n in enumerate(q_lens) if n == 1]
-    prefills = [i for i, n in enumerate(q_lens) if n > 1]
-    groups: list[_Group | ChunkedDecode | _CppDecode] = []
-    cpp = layer_ops.usable(q)
-    if decodes and cpp:
-        groups.append(_cpp_decode(decodes, metadata, kv_heads))
-    elif decodes:
-        longest = max(seq_lens[i] for i in decodes)
-        if longest > DECODE_CHUNK_TOKENS and device.type == "cpu" and not variants:
-            groups.append(make_chunked_decode(decodes, metadata, device))
-        else:
-            groups.append(_padded_group(decodes, metadata, device))
-    for members in _pack(prefills, q_lens, seq_lens):
-        i = members[0]
-        if len(members) == 1 and q_lens[i] == seq_lens[i]:
-            start = metadata.query_start_loc[i]
-            groups.append(_Group(max_q=q_lens[i], fresh=(start, start + q_lens[i])))
-        else:
-            groups.append(_padded_group(members, metadata, device))
-    total = metadata.query_start_loc[-1]
-    first = groups[0]
-    if isinstance(first, _CppDecode):
-        identity = len(groups) == 1 and len(decodes) == total
-    else:
-        identity = len(groups) == 1 and not isinstance(first, ChunkedDecode) and (
-            first.fresh == (0, total) or (first.ordered and first.num_rows == total))
-    return _Plan(groups, identity, cpp)
-
-
-def _cpp_decode(decodes: list[int], meta: AttentionMetadata, kv_heads: int) -> _CppDecode:
-    qsl, seq_lens = meta.query_start_loc, meta.seq_lens
-    tables = meta.block_tables
-    if len(decodes) == tables.shape[0]:  # every request decodes: rows 0..B-1 in order
-        lens = seq_lens
-        rows = torch.arange(len(decodes))
-    else:
-        lens = [seq_lens[i] for i in decodes]
-        rows = torch.tensor([qsl[i] for i in decodes])
-        tables = tables[torch.tensor(decodes)]
-    split = layer_ops.decode_split(lens, kv_heads, meta.block_size, torch.get_num_threads())
-    return _CppDecode(rows=rows, tables=tables.contiguous(), lens=torch.tensor(lens),
-                      split=split)
-
-
 def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """kv_cache [2, num_blocks, bs, kv_heads, dim], blocks [G, n] -> K, V: [G, kv_heads, n*bs, dim]
     each."""
@@ -294,58 +187,3 @@ def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor,
     return k, v
 
 
-def _pack(reqs: list[int], q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
-    """Greedily group requests (by length) while padding stays cheap."""
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    real = max_q = max_kv = 0
-    for i in sorted(reqs, key=lambda i: (seq_lens[i], q_lens[i])):
-        r = real + q_lens[i] * seq_lens[i]
-        mq, mk = max(max_q, q_lens[i]), max(max_kv, seq_lens[i])
-        if cur and (len(cur) + 1) * mq * mk > _SLACK * r + _FREE:
-            groups.append(cur)
-            cur, r, mq, mk = [], q_lens[i] * seq_lens[i], q_lens[i], seq_lens[i]
-        cur.append(i)
-        real, max_q, max_kv = r, mq, mk
-    if cur:
-        groups.append(cur)
-    return groups
-
-
-def _padded_group(members: list[int], meta: AttentionMetadata, device: torch.device) -> _Group:
-    bs = meta.block_size
-    qsl = meta.query_start_loc
-    q_lens = [qsl[i + 1] - qsl[i] for i in members]
-    seq_lens = [meta.seq_lens[i] for i in members]
-    Q = max(q_lens)
-    n_blocks = [(s + bs - 1) // bs for s in seq_lens]
-    max_blocks = max(n_blocks)
-    rows = [[qsl[i] + min(t, n - 1) for t in range(Q)]
-            for i, n in zip(members, q_lens, strict=True)]
-    token_rows = torch.tensor(rows, dtype=torch.long)  # [G, Q]
-    q_len_t = torch.tensor(q_lens)
-    ctx = torch.tensor(seq_lens) - q_len_t  # [G] tokens before this step's
-    t = torch.arange(Q)
-    real = t[None, :] < q_len_t[:, None]  # [G, Q]
-    last_key = torch.where(real, ctx[:, None] + t[None, :], 0)  # [G, Q] causal limit
-    mask = torch.arange(max_blocks * bs)[None, None, :] <= last_key[:, :, None]  # [G, Q, L]
-    tables = meta.block_tables
-    if len(members) == tables.shape[0] and members == list(range(len(members))):
-        blocks = tables[:, :max_blocks]
-    else:
-        blocks = tables[torch.tensor(members, device=tables.device), :max_blocks]
-    group = _Group(max_q=Q, token_rows=token_rows.to(device), blocks=blocks.to(device),
-                   last_key=last_key.to(device), block_size=bs)
-    if not bool(mask.all()):
-        group.mask = mask[:, None].to(device)
-    flat_rows = token_rows.flatten()
-    if bool(real.all()):
-        group.dest_rows = flat_rows.to(device)
-        flat = flat_rows.tolist()
-        group.ordered = flat == list(range(flat[0], flat[0] + len(flat)))
-        group.first_row, group.num_rows = flat[0], len(flat)
-    else:
-        valid = real.flatten().nonzero().squeeze(1)
-        group.valid = valid.to(device)
-        group.dest_rows = flat_rows[valid].to(device)
-    return group

@@ -65,7 +65,7 @@ def fix_tensor(arch: str, name: str, w: np.ndarray) -> np.ndarray:
 def config(arch: str, md: dict[str, Any], base: dict[str, Any],
            read: Any) -> Any | None:
     """A transformers config for ``arch`` (None when not one of these); ``base`` holds the
-    keys every architecture shares (``gguf.config_from_header``), ``read(name)`` a small
+    keys every architecture shares (``gguf_header.config_from_header``), ``read(name)`` a small
     tensor of the file as float32."""
     import transformers
 

@@ -62,8 +62,11 @@ TILE_ROWS = 16
 # 168.0 ms with the kernel's, 137.3 ms in the decode stack (docs/benchmarks.md). Larger
 # prefill chunks go on to ``_tiled``.
 FUSED_ROWS = 64
-# Weight rows per dequantized tile (a tile of 4864 inputs is ~5 MB of float32).
-_TILE = 256
+# Weights per dequantized tile of ``_tiled`` (2 MB in bfloat16): oneDNN's bfloat16 GEMM over a
+# 2048-token prefill chunk, one thread, the Zen 5 of docs/benchmarks.md: K = 4864 at 53 rows a
+# tile (the old 2**18 weights) 356 GFLOP/s, at 128 492, at 256 499; K = 896 at 292 rows 469,
+# at 1024 506.
+_TILE_WEIGHTS = 1 << 20
 
 
 def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
@@ -214,12 +217,13 @@ class GGUFLinear(nn.Module):
 
     def _tiled(self, x2: torch.Tensor) -> torch.Tensor:
         """Many input rows (a prefill chunk, a large decode batch): a tile of weight rows
-        dequantized at a time (~1 MB), multiplied through oneDNN / MKL, in bfloat16 where the
-        CPU has bfloat16 dot products and the model runs in bfloat16 (``tile_dtype``)."""
+        dequantized at a time (2 MB in bfloat16), multiplied through oneDNN / MKL, in bfloat16
+        where the CPU has bfloat16 dot products and the model runs in bfloat16
+        (``tile_dtype``)."""
         dtype = tile_dtype(x2.dtype)
         xc = x2.to(dtype).contiguous()
         out = torch.empty(x2.shape[0], self.out_features, dtype=dtype)
-        rows = max(16, (1 << 18) // self.in_features)
+        rows = max(16, _TILE_WEIGHTS // self.in_features)
         col = 0
         for raw, qtype in self.parts():
             n = raw.shape[0]

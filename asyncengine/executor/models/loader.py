@@ -105,7 +105,7 @@ def _gguf_config(directory: str, file: str, size: int, mtime: float) -> Any:
     # architectures go through transformers, which parses the whole vocabulary (seconds).
     from transformers import AutoConfig
 
-    from asyncengine.executor.models.gguf import config_from_header, read_header
+    from asyncengine.executor.models.gguf_header import config_from_header, read_header
 
     try:
         config = config_from_header(read_header(os.path.join(directory, file)))
@@ -260,7 +260,7 @@ def _gguf_matrix_types(source: ModelSource, fmt: str) -> set[str]:
     formats)."""
     if fmt != "gguf":
         return set()
-    from asyncengine.executor.models.gguf import read_header
+    from asyncengine.executor.models.gguf_header import read_header
     from asyncengine.executor.models.kquants import type_name
 
     # matrices and a mixture's stacked experts; not its routers (``ffn_gate_inp``), which
