@@ -10,7 +10,7 @@ best round (on a shared machine a load spike can slow one round tenfold: the bes
 the closest to a quiet machine's figures).
 
     python benchmarks/spec_decode.py [--concurrency 1 8 32] [--max-tokens 160] [--rounds 3]
-        [--spec '{"method": "ngram", ...}'] [--llama-server PATH] [--threads 2]
+        [--spec '{"method": "ngram", ...}'] [--llama-server PATH] [--threads 2] [--warmups 1]
 """
 
 from __future__ import annotations
@@ -135,6 +135,11 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, Any]:
                 results[kind] = {}
             except RuntimeError as e:
                 results[kind] = f"failed: {e}"
+        for kind in live:  # first-request costs (lazy set-up) stay out of round 0
+            for _ in range(args.warmups):
+                cfg = BenchConfig(base_url=servers[kind][1], endpoint="chat", num_prompts=1,
+                                  concurrency=1, max_tokens=16, temperature=0.0)
+                await run_benchmark(cfg, grounded_prompts(1, offset=7))
         for c in args.concurrency:
             n = max(c, 2)
             totals = {k: dict.fromkeys(("tokens", "duration", "drafts", "draft_tokens",
@@ -223,6 +228,9 @@ def main() -> int:
                         help="rounds per concurrency level; a round sends max(c, 2) requests "
                              "to each server in turn (default 3)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--warmups", type=int, default=1,
+                        help="requests sent to each server before the rounds, not counted "
+                             "(default 1)")
     parser.add_argument("--spec", default=SPEC, help="asyncengine's --speculative-config")
     parser.add_argument("--llama-server", default=LLAMA_SERVER)
     parser.add_argument("--llama-spec", default=LLAMA_SPEC,

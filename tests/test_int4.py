@@ -251,3 +251,21 @@ def test_bfloat16_kernels_agree_and_do_not_depend_on_the_row_count():
         torch.testing.assert_close(alone, x.float() @ w8.T, atol=1e-4, rtol=1e-5)
         for m in range(2, 16):
             assert torch.equal(packed_kernels.int8_bf16_mm(x[:m], qi, scales), alone[:m]), m
+
+
+def test_bfloat16_prefill_rows_take_the_bfloat16_gemm():
+    """From ``BF16_GEMM_ROWS`` bfloat16 rows (prefill chunks) an int4 layer multiplies by its
+    weights dequantized to bfloat16 (a GEMM); below, the row kernel: the two agree."""
+    from asyncengine.executor.models import int4
+
+    if not packed_kernels.bf16_available("int4_bf16"):
+        pytest.skip("no AVX-512 BF16 here")
+    torch.manual_seed(0)
+    layer = Int4Linear(torch.randn(96, 576) * 0.05)
+    x = torch.randn(int4.BF16_GEMM_ROWS + 8, 576).bfloat16()
+    gemm = layer(x)
+    w = layer.dequantized().bfloat16()
+    assert gemm.dtype == torch.bfloat16
+    assert torch.equal(gemm, torch.nn.functional.linear(x, w))
+    rows = torch.cat([layer(x[i:i + 8]) for i in range(0, len(x), 8)])  # the row kernel
+    torch.testing.assert_close(gemm.float(), rows.float(), atol=2e-2, rtol=2e-2)
