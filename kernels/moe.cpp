@@ -78,6 +78,18 @@ static inline void ae_moe_silu8(const float* gu, float* a, int64_t M, int64_t I)
     }
 }
 
+// The experts routed at least one token (offs: [E + 1] row offsets), in order, into `active`;
+// returns the most rows any expert has.
+static inline int64_t ae_active_experts(const int64_t* offs, int64_t E,
+                                        std::vector<int64_t>& active) {
+    int64_t max_rows = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        if (offs[e + 1] > offs[e]) active.push_back(e);
+        max_rows = std::max(max_rows, offs[e + 1] - offs[e]);
+    }
+    return max_rows;
+}
+
 #ifdef AE_MOE_512
 #include <type_traits>
 #ifndef AE_MOE_AHEAD
@@ -193,11 +205,7 @@ static void ae_moe512(const float* x, const int64_t* rows, const int64_t* offs, 
                       int64_t k, int64_t E) {
     const int64_t K = m13.K, I = m2.K, kind = m13.kind, R = T * k;
     std::vector<int64_t> active;
-    int64_t max_rows = 0;
-    for (int64_t e = 0; e < E; ++e) {
-        if (offs[e + 1] > offs[e]) active.push_back(e);
-        max_rows = std::max(max_rows, offs[e + 1] - offs[e]);
-    }
+    const int64_t max_rows = ae_active_experts(offs, E, active);
     const int64_t n_active = (int64_t)active.size();
     std::vector<int8_t> xq;
     std::vector<float> xf, a(R * I);
@@ -289,11 +297,7 @@ extern "C" void kernel(const float* x, const int64_t* rows, const int64_t* offs,
     if (kind == AE_MOE_BF16) return;  // 512-bit tiles only (the caller asks wide_tiles())
     const int64_t R = T * k;
     std::vector<int64_t> active;
-    int64_t max_rows = 0;
-    for (int64_t e = 0; e < E; ++e) {
-        if (offs[e + 1] > offs[e]) active.push_back(e);
-        max_rows = std::max(max_rows, offs[e + 1] - offs[e]);
-    }
+    const int64_t max_rows = ae_active_experts(offs, E, active);
     const int64_t n_active = (int64_t)active.size();
     const AeExpertMat m13{kind, 2 * I, K, g13, w13, s13};
     const AeExpertMat m2{kind, K, I, g2, w2, s2};
