@@ -27,7 +27,6 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -114,9 +113,8 @@ def file_types(path: Path) -> str:
 def matrix_timing(path: Path) -> None:
     """Layer 0's gate (Q5_0) and down (Q6_K) projections, one thread, best of 20 calls: the
     packed kernel against float32 and bfloat16 tiles (``kquants.TILE_ROWS``' measurement)."""
-    import time
-
     import torch
+    from kquant_mm import best  # benchmarks/kquant_mm.py: best of n calls after one warm-up
 
     from asyncengine.executor.kernels import packed as packed_kernels
     from asyncengine.executor.models import kquants
@@ -127,14 +125,6 @@ def matrix_timing(path: Path) -> None:
     source = resolve_model(str(path))
     packed = read_packed(source.gguf_path, source.hf_config)
 
-    def best(fn: Callable[[], object], reps: int = 20) -> float:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times) * 1e3
-
     print("rows  matrix           type   kernel ms  f32 tiles ms  bf16 tiles ms")
     for m in (1, 4, 8, 16, 32):
         for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.down_proj.weight"):
@@ -143,9 +133,9 @@ def matrix_timing(path: Path) -> None:
             x = torch.randn(m, t.k)
             out = torch.empty(m, t.raw.shape[0])
             xb = x.bfloat16()
-            kernel = best(functools.partial(packed_kernels.kquant_mm, x, t.raw, t.qtype, out))
-            f32 = best(functools.partial(lin._tiled, x))
-            bf16 = best(functools.partial(lin._tiled, xb))
+            kernel = best(functools.partial(packed_kernels.kquant_mm, x, t.raw, t.qtype, out), 20)
+            f32 = best(functools.partial(lin._tiled, x), 20)
+            bf16 = best(functools.partial(lin._tiled, xb), 20)
             print(f"{m:4d}  {name.split('.')[3]:15s}  {kquants.type_name(t.qtype):5s} "
                   f"{kernel:10.3f} {f32:13.3f} {bf16:14.3f}", flush=True)
 

@@ -160,6 +160,18 @@ def test_mixed_batch_gives_pefts_greedy_tokens(lora_families, family, quantizati
         assert stack is not None and stack.lora_table is not None and stack.lora_steps > 0
 
 
+def dense_add_lora(x: torch.Tensor, base: torch.Tensor, table: SlotTable,
+                   slots: torch.Tensor, S: int) -> torch.Tensor:
+    """``base`` plus the adapters' deltas through the dense torch path (not the kernel)."""
+    ops.USE_KERNEL = False
+    try:
+        dense = base.clone()
+        add_lora(x, dense, table, LoRAStep(slots, S))
+    finally:
+        ops.USE_KERNEL = True
+    return dense
+
+
 def test_kernel_equals_the_torch_path():
     gen = torch.Generator().manual_seed(0)
     S, R, K, N_ = 4, 12, 64, 96
@@ -187,10 +199,5 @@ def test_kernel_equals_the_torch_path():
     got = base.clone()
     add_lora(x, got, table, LoRAStep(slots, S))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    ops.USE_KERNEL = False
-    try:
-        dense = base.clone()
-        add_lora(x, dense, table, LoRAStep(slots, S))
-    finally:
-        ops.USE_KERNEL = True
-    torch.testing.assert_close(dense, want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(dense_add_lora(x, base, table, slots, S), want, rtol=1e-5,
+                               atol=1e-4)
