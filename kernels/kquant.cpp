@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "kquant_small.h"
+#include "kquant_q5_0.h"
 #include "kquant_tile.h"
 
 // kernel()'s type that asks whether kq_tile is compiled in (out[0] = 1 or 0)
@@ -177,7 +178,11 @@ static bool kq_small(const float* x, const uint8_t* w, float* out, int64_t M, in
     switch (type) {
         case KQ_Q4_0: kq_small_q32<KQ_Q4_0>(x, w, out, M, N, K, ldo, rb); return true;
         case KQ_Q4_1: kq_small_q32<KQ_Q4_1>(x, w, out, M, N, K, ldo, rb); return true;
+#ifdef AE_KQ512
+        case KQ_Q5_0: kq_small_q5_0(x, w, out, M, N, K, ldo, rb); return true;
+#else
         case KQ_Q5_0: kq_small_q32<KQ_Q5_0>(x, w, out, M, N, K, ldo, rb); return true;
+#endif
         case KQ_Q5_1: kq_small_q32<KQ_Q5_1>(x, w, out, M, N, K, ldo, rb); return true;
         case KQ_Q8_0: kq_small_q32<KQ_Q8_0>(x, w, out, M, N, K, ldo, rb); return true;
         case KQ_Q4_K: kq_small_k<KQ_Q4_K>(x, w, out, M, N, K, ldo, rb); return true;

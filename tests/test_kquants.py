@@ -88,6 +88,21 @@ def test_packed_matmul_equals_float_matmul(qtype: T, m: int) -> None:
     assert ((got - want).abs() / scale).max() < (5e-5 if rounded else 1e-5)
 
 
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_0, T.Q4_0, T.Q8_0], ids=lambda t: t.name)
+def test_packed_rows_do_not_depend_on_the_batch(qtype: T) -> None:
+    """Below TILE_ROWS rows each input row's result is the same to the bit whether it is
+    multiplied alone or with others (a one-token step and a speculative verification of the
+    same request must agree for greedy output to stay identical)."""
+    rng = np.random.default_rng(int(qtype))
+    k = 512 if kquants.TYPES[qtype][1] == 256 else 928
+    raw = torch.from_numpy(random_rows(qtype, 37, k, rng).copy())
+    lin = kquants.GGUFLinear(k, [kquants.Part(raw, int(qtype))])
+    x = torch.randn(kquants.TILE_ROWS - 1, k)
+    together = lin(x)
+    for i in range(x.shape[0]):
+        assert torch.equal(lin(x[i:i + 1])[0], together[i])
+
 # ---- a tiny model in Q4_K_M's mix of types, against transformers loading the same file ----
 
 # Layer 0 as llama-quantize's Q4_K_M lays a layer out (Q4_K, Q6_K for attn_v and ffn_down),
