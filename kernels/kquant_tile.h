@@ -17,7 +17,7 @@
 #pragma once
 #include "kquant_small.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #define AE_KQ_BF16 1
 #define AE_TILE_W 4
 #define AE_TILE_X 4
@@ -33,6 +33,73 @@ static inline void kq_to_bf16(const float* src, uint16_t* dst, int64_t n) {
     }
 }
 
+// 32 bytes of quants q (unsigned, or signed when `sgn`) times s, minus m when `sub`, as 32
+// bfloat16 (the float32 products and differences kquant.h forms, then rounded).
+static inline void kq_bf16_32(__m256i q, bool sgn, __m512 s0, __m512 s1, __m512 m0, __m512 m1,
+                              bool sub, uint16_t* dst) {
+    const __m128i a = _mm256_castsi256_si128(q), b = _mm256_extracti128_si256(q, 1);
+    __m512 f0 = _mm512_mul_ps(s0, _mm512_cvtepi32_ps(sgn ? _mm512_cvtepi8_epi32(a)
+                                                          : _mm512_cvtepu8_epi32(a)));
+    __m512 f1 = _mm512_mul_ps(s1, _mm512_cvtepi32_ps(sgn ? _mm512_cvtepi8_epi32(b)
+                                                          : _mm512_cvtepu8_epi32(b)));
+    if (sub) {
+        f0 = _mm512_sub_ps(f0, m0);
+        f1 = _mm512_sub_ps(f1, m1);
+    }
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
+}
+
+// A Q4_K / Q5_K super-block as 256 bfloat16: kquant.h's kq_block_k45, (d sc) q - (dmin m),
+// with the quants unpacked 32 at a time in registers.
+static inline void kq_k45_bf16(const uint8_t* b, bool five, uint16_t* dst) {
+    const float d = kq_f16(b), dmin = kq_f16(b + 2);
+    uint8_t sc[8], mn[8];
+    kq_scale_min(b + 4, sc, mn);
+    const uint8_t* qs = b + 16 + (five ? 32 : 0);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), b5 = _mm256_set1_epi8(0x10);
+    const __m256i qh = five ? _mm256_loadu_si256((const __m256i*)(b + 16)) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+        __m256i q[2] = {_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)};
+        for (int h = 0; h < 2; ++h) {
+            const int j = 2 * c + h;
+            if (five)  // bit j of qh[l]: the fifth bit of element l of sub-block j
+                q[h] = _mm256_mask_add_epi8(
+                    q[h], _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << j))), q[h], b5);
+            const __m512 s = _mm512_set1_ps(d * (float)sc[j]);
+            const __m512 m = _mm512_set1_ps(dmin * (float)mn[j]);
+            kq_bf16_32(q[h], false, s, s, m, m, true, dst + 32 * j);
+        }
+    }
+}
+
+// A Q6_K super-block as 256 bfloat16: kquant.h's kq_block_q6k, (d scale) (q - 32).
+static inline void kq_q6k_bf16(const uint8_t* b, uint16_t* dst) {
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = (const int8_t*)(b + 192);
+    const float d = kq_f16(b + 208);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x30);
+    const __m256i c32 = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; ++h) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i*)(qh + 32 * h));
+        const __m256i q[4] = {
+            _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2)),
+            _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2))};
+        for (int i = 0; i < 4; ++i) {
+            const __m512 s0 = _mm512_set1_ps(d * (float)sc[8 * h + 2 * i]);
+            const __m512 s1 = _mm512_set1_ps(d * (float)sc[8 * h + 2 * i + 1]);
+            kq_bf16_32(_mm256_sub_epi8(q[i], c32), true, s0, s1, s0, s1, false,
+                       dst + 128 * h + 32 * i);
+        }
+    }
+}
+
 // One weight row of `type` as bfloat16: the blocks of 32 straight from their quants in
 // registers (kquant_small.h's kq_quants32; d (q - off), d q + m, as kquant.h's kq_block32
 // computes them, then rounded), the other types through kq_dequant_row's float32 row `tmp`.
@@ -40,6 +107,14 @@ static inline void kq_row_bf16(int64_t type, const uint8_t* src, uint16_t* dst, 
                                float* tmp) {
     const bool q32 = type == KQ_Q4_0 || type == KQ_Q4_1 || type == KQ_Q5_0 || type == KQ_Q5_1
                      || type == KQ_Q8_0;
+    if (type == KQ_Q4_K || type == KQ_Q5_K || type == KQ_Q6_K) {
+        const int64_t bb = kq_row_bytes(type, 256);
+        for (int64_t b = 0; b < K / 256; ++b) {
+            if (type == KQ_Q6_K) kq_q6k_bf16(src + b * bb, dst + 256 * b);
+            else kq_k45_bf16(src + b * bb, type == KQ_Q5_K, dst + 256 * b);
+        }
+        return;
+    }
     if (!q32) {
         kq_dequant_row(type, src, tmp, K);
         kq_to_bf16(tmp, dst, K);

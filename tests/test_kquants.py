@@ -337,3 +337,26 @@ def test_fused_bfloat16_tiles_match_the_tiled_path(qtype, monkeypatch):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want.float(),
                                    atol=0.01 * want.abs().max().item(), rtol=0.01)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q8_0, T.Q4_1],
+                         ids=lambda t: t.name)
+def test_fused_bfloat16_tiles_dequantize_bit_exactly(qtype, monkeypatch):
+    """``kquant_tile.h`` unpacks each weight row straight to bfloat16 in registers: one-hot
+    inputs read the weights back, which must be the ``gguf`` reference rounded to bfloat16
+    once, to the bit."""
+    from asyncengine.executor import cpu_flags
+    from asyncengine.executor.kernels import packed as packed_kernels
+
+    if not (kquants.kernels_available() and packed_kernels.kquant_bf16_tile()):
+        pytest.skip("no AVX-512 BF16 here")
+    monkeypatch.setattr(cpu_flags, "cpu_has_bf16", lambda: True)
+    rng = np.random.default_rng(int(qtype))
+    k, n = 512, 37
+    raw = random_rows(qtype, n, k, rng)
+    want = torch.from_numpy(dequantize(raw, qtype).reshape(n, k).astype(np.float32))
+    lin = kquants.GGUFLinear(k, [kquants.Part(torch.from_numpy(raw.copy()), int(qtype))])
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    for c0 in range(0, k, 32):  # 32 one-hot rows at a time: the fused tiles' regime
+        got = lin(eye[c0:c0 + 32])
+        assert torch.equal(got.T.float(), want[:, c0:c0 + 32].bfloat16().float())
