@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "kquant_small.h"
-#include "kquant_q5_0.h"
+#include "kquant_q32.h"
 #include "kquant_tile.h"
 
 // kernel()'s type that asks whether kq_tile is compiled in (out[0] = 1 or 0)
@@ -63,70 +63,13 @@ static inline void kq_q32_group(const uint8_t* row, int64_t bb, int64_t b0,
     }
 }
 
-#ifdef AE_KQ512
-// kq_q32_group with AVX-512: blocks in pairs, one 512-bit byte dot product per pair (G even).
-// Q8_0's signs: x negated under the mask of negative quants (AVX-512 has no vpsignb).
-template <int TYPE, int G>
-static inline void kq_q32_group512(const uint8_t* row, int64_t bb, int64_t b0,
-                                   const ae_rounded& rx, const float* dx, const float* sx,
-                                   int64_t M, int64_t blocks, kq_acc* acc) {
-    constexpr bool has_min = TYPE == KQ_Q4_1 || TYPE == KQ_Q5_1;
-    constexpr float off = TYPE == KQ_Q4_0 ? -8.f : TYPE == KQ_Q5_0 ? -16.f : 0.f;
-    constexpr bool q8 = TYPE == KQ_Q8_0;
-    __m512i u[G / 2];
-    __mmask64 neg[G / 2];
-    float d[G], m[G];
-    #pragma GCC unroll 8
-    for (int p = 0; p < G / 2; ++p) {
-        __m256i q[2];
-        for (int h = 0; h < 2; ++h) {
-            const int j = 2 * p + h;
-            const uint8_t* blk = row + (b0 + j) * bb;
-            d[j] = kq_f16(blk);
-            m[j] = has_min ? kq_f16(blk + 2) : off * d[j];
-            q[h] = q8 ? _mm256_loadu_si256((const __m256i*)(blk + 2)) : kq_quants32(blk, TYPE);
-        }
-        const __m512i qq = kq_pair(q[0], q[1]);
-        if (q8) {
-            neg[p] = _mm512_movepi8_mask(qq);
-            u[p] = _mm512_abs_epi8(qq);  // -128 -> 0x80, 128 as unsigned
-        } else {
-            neg[p] = 0;
-            u[p] = qq;
-        }
-    }
-    const __m256 mv = kq_lanes<G>(m), dv = kq_lanes<G>(d);
-    const __m512i zero = _mm512_setzero_si512();
-    for (int64_t r = 0; r < M; ++r) {
-        const int64_t i0 = r * blocks + b0;
-        const int8_t* xq = rx.xq + 32 * i0;
-        const int8_t* xr = rx.xr + 32 * i0;
-        const __m512 dd = _mm512_zextps256_ps512(_mm256_mul_ps(dv, kq_lanes<G>(dx + i0)));
-        __m512 a[2] = {kq_acc_add8(acc[r], _mm256_mul_ps(mv, kq_lanes<G>(sx + i0))),
-                       _mm512_setzero_ps()};
-        #pragma GCC unroll 4
-        for (int p = 0; p < G / 2; ++p) {
-            __m512i xv = _mm512_loadu_si512(xq + 64 * p);
-            __m512i rv = _mm512_loadu_si512(xr + 64 * p);
-            if (q8) {
-                xv = _mm512_mask_sub_epi8(xv, neg[p], zero, xv);
-                rv = _mm512_mask_sub_epi8(rv, neg[p], zero, rv);
-            }
-            const __m512i t = kq_dot64(u[p], xv, rv);
-            a[p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), kq_spread(dd, p), a[p & 1]);
-        }
-        acc[r] = _mm512_add_ps(a[0], a[1]);
-    }
-}
-#endif
-
 // Few input rows (decode) over Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: these blocks are all
 // w = d q + m with q in [0, 31] (Q4_0: m = -8 d, Q5_0: m = -16 d) or, Q8_0, signed q and
 // m = 0, so int4.cpp's / int8.cpp's byte dot products apply: the activations rounded to
 // int8 per block, twice (x ~= dx (xq + xr / 256), exact to ~1.5e-5 of the block maximum,
 // common.h), a block costs two byte dot products (kq_dot32, kquant_small.h) and one FMA, and
 // the min term is exact (m times the block's float sum of x). Blocks go in groups of 8, then
-// 4, then 1 (kq_q32_group).
+// 4, then 1 (kq_q32_group). AVX2 only: with AVX-512 VNNI, kquant_q32.h's kq_small_pairs.
 template <int TYPE>
 static void kq_small_q32(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
                          int64_t K, int64_t ldo, int64_t rb) {
@@ -144,26 +87,12 @@ static void kq_small_q32(const float* x, const uint8_t* w, float* out, int64_t M
         __m256 acc[AE_SMALL_ROWS];
         for (int64_t r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
         int64_t b = 0;
-#ifdef AE_KQ512
-        kq_acc acc2[AE_SMALL_ROWS];
-        for (int64_t r = 0; r < M; ++r) acc2[r] = kq_acc_zero();
-        for (; b + 8 <= blocks; b += 8)
-            kq_q32_group512<TYPE, 8>(row, bb, b, rx, dx, sx, M, blocks, acc2);
-        for (; b + 4 <= blocks; b += 4)
-            kq_q32_group512<TYPE, 4>(row, bb, b, rx, dx, sx, M, blocks, acc2);
-#endif
         for (; b + 8 <= blocks; b += 8)
             kq_q32_group<TYPE, 8>(row, bb, b, rx, dx, sx, M, blocks, acc);
         for (; b + 4 <= blocks; b += 4)
             kq_q32_group<TYPE, 4>(row, bb, b, rx, dx, sx, M, blocks, acc);
         for (; b < blocks; ++b) kq_q32_group<TYPE, 1>(row, bb, b, rx, dx, sx, M, blocks, acc);
-        for (int64_t r = 0; r < M; ++r) {
-            float v = ae_hsum8(acc[r]);
-#ifdef AE_KQ512
-            v += kq_acc_sum(acc2[r]);
-#endif
-            out[r * ldo + n] = v;
-        }
+        for (int64_t r = 0; r < M; ++r) out[r * ldo + n] = ae_hsum8(acc[r]);
     }
 }
 #endif
@@ -176,15 +105,19 @@ static void kq_small_q32(const float* x, const uint8_t* w, float* out, int64_t M
 static bool kq_small(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
                      int64_t K, int64_t ldo, int64_t type, int64_t rb) {
     switch (type) {
+#ifdef AE_KQ512
+        case KQ_Q4_0: kq_small_pairs<KQ_Q4_0>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q4_1: kq_small_pairs<KQ_Q4_1>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q5_0: kq_small_pairs<KQ_Q5_0>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q5_1: kq_small_pairs<KQ_Q5_1>(x, w, out, M, N, K, ldo, rb); return true;
+        case KQ_Q8_0: kq_small_pairs<KQ_Q8_0>(x, w, out, M, N, K, ldo, rb); return true;
+#else
         case KQ_Q4_0: kq_small_q32<KQ_Q4_0>(x, w, out, M, N, K, ldo, rb); return true;
         case KQ_Q4_1: kq_small_q32<KQ_Q4_1>(x, w, out, M, N, K, ldo, rb); return true;
-#ifdef AE_KQ512
-        case KQ_Q5_0: kq_small_q5_0(x, w, out, M, N, K, ldo, rb); return true;
-#else
         case KQ_Q5_0: kq_small_q32<KQ_Q5_0>(x, w, out, M, N, K, ldo, rb); return true;
-#endif
         case KQ_Q5_1: kq_small_q32<KQ_Q5_1>(x, w, out, M, N, K, ldo, rb); return true;
         case KQ_Q8_0: kq_small_q32<KQ_Q8_0>(x, w, out, M, N, K, ldo, rb); return true;
+#endif
         case KQ_Q4_K: kq_small_k<KQ_Q4_K>(x, w, out, M, N, K, ldo, rb); return true;
         case KQ_Q5_K: kq_small_k<KQ_Q5_K>(x, w, out, M, N, K, ldo, rb); return true;
         case KQ_Q6_K: kq_small_k<KQ_Q6_K>(x, w, out, M, N, K, ldo, rb); return true;
