@@ -145,7 +145,10 @@ async def measure(args: argparse.Namespace, kinds: list[str]) -> dict[str, Any]:
             totals = {k: dict.fromkeys(("tokens", "duration", "drafts", "draft_tokens",
                                         "accepted", "best"), 0.0) for k in live}
             for r in range(args.rounds):
-                prompts = grounded_prompts(n, offset=(r + 1) * 1000 + c)
+                # Round r starts r * n prompts further on, so that the rounds cover
+                # different passages and functions (the four-digit request numbers keep
+                # each prompt's token count).
+                prompts = grounded_prompts(n, offset=(r + 1) * 1000 + c + r * n)
                 order = live[r % len(live):] + live[:r % len(live)]
                 for kind in order:
                     cfg = BenchConfig(base_url=servers[kind][1], endpoint="chat", num_prompts=n,

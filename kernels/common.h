@@ -186,12 +186,36 @@ static inline __m256 ae_load8(const ae_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 #endif
 }
+#if AE_DTYPE != 0
+// 8 floats rounded to bfloat16 as ae_put rounds each (nearest even; a NaN stays a NaN, quiet),
+// in integer lanes: the same bits as ae_put, eight at a time.
+static inline __m128i ae_bf16_round8(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i hi = _mm256_srli_epi32(bits, 16);
+    const __m256i odd = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(  // |bits| > inf's, both nonnegative as int32
+        _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    const __m256i out = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+    // words 0-3 | 4-7 of each 128-bit lane (all < 2^16: no saturation), then lanes together
+    return _mm256_castsi256_si128(
+        _mm256_permute4x64_epi64(_mm256_packus_epi32(out, out), 0x08));
+}
+#endif
 static inline void ae_store8(ae_t* p, __m256 v) {
 #if AE_DTYPE == 0
     _mm256_storeu_ps(p, v);
 #else
-    float t[8]; _mm256_storeu_ps(t, v);
-    for (int i = 0; i < 8; ++i) ae_put(p + i, t[i]);
+    _mm_storeu_si128((__m128i*)p, ae_bf16_round8(v));
+#endif
+}
+// v rounded to the element type and back (what ae_store8 then ae_load8 give).
+static inline __m256 ae_round8(__m256 v) {
+#if AE_DTYPE == 0
+    return v;
+#else
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(ae_bf16_round8(v)), 16));
 #endif
 }
 static inline float ae_hsum8(__m256 a) {

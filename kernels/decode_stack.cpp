@@ -78,7 +78,11 @@ static inline void ae_stack_mm(const int64_t* layer, int at, const ae_t* x, ae_t
     if ((int64_t)ybuf.size() < T * N) ybuf.resize(T * N);
     float* yf = ybuf.data();
     ae_int4_bf16_mm(x, q, sm, yf, T, N, K);
-    for (int64_t i = 0; i < T * N; ++i) ae_put(y + i, yf[i]);
+    int64_t i = 0;
+#ifdef AE_AVX2
+    for (; i + 8 <= T * N; i += 8) ae_store8(y + i, _mm256_loadu_ps(yf + i));
+#endif
+    for (; i < T * N; ++i) ae_put(y + i, yf[i]);
 #endif
 }
 #endif

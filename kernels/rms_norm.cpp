@@ -33,7 +33,14 @@ extern "C" void kernel(const ae_t* x, ae_t* residual, const ae_t* w, ae_t* out, 
         }
         const ae_t* y = yt ? yt : xt;
         const float inv = 1.f / std::sqrt(ss / (float)N + eps);
-        for (i = 0; i < N; ++i) {
+        i = 0;
+#ifdef AE_AVX2
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (; i + 8 <= N; i += 8)  // the loop below, eight at a time
+            ae_store8(ot + i, _mm256_mul_ps(ae_load8(w + i),
+                                            ae_round8(_mm256_mul_ps(ae_load8(y + i), vinv))));
+#endif
+        for (; i < N; ++i) {
             ae_t n;
             ae_put(&n, ae_get(y + i) * inv);
             ae_put(ot + i, ae_get(w + i) * ae_get(&n));

@@ -45,6 +45,28 @@ def test_rms_norm_with_and_without_residual(dtype, rows):
     _close(layer_ops.rms_norm(wide[:, 50:250], w, 1e-6), ref(wide[:, 50:250]), dtype)
 
 
+def test_bfloat16_rounding_eight_at_a_time_is_round_to_nearest_even():
+    """The kernels round eight floats to bfloat16 at a time (common.h: ae_bf16_round8): the
+    residual add of rms_norm, rounded so, is PyTorch's bfloat16 add to the bit: ties to even,
+    overflow to infinity, subnormals kept, infinities and NaNs through."""
+    tie = 2.0 ** -8  # half a bfloat16 ulp at 1
+    pairs = [(1.0, tie), (1 + 2 ** -7, tie), (-1.0, -tie), (3.0, 3 * tie), (1.0, tie / 2),
+             (3.3e38, 3.3e38), (-3.3e38, -3.3e38), (1e-39, 1e-40), (-1e-39, 2e-39),
+             (float("inf"), 1.0), (-float("inf"), 5.0), (float("nan"), 1.0), (0.0, -0.0),
+             (-0.0, -0.0), (65504.0, 8.0), (2.0 ** -126, -(2.0 ** -127))]
+    n = 64  # eight vectors of eight
+    x = torch.randn(2, n, generator=torch.Generator().manual_seed(9))
+    r = torch.randn(2, n, generator=torch.Generator().manual_seed(10)) * 1e-3
+    for i, (a, b) in enumerate(pairs):
+        x.view(-1)[i], r.view(-1)[i] = a, b
+    x, r = x.to(torch.bfloat16), r.to(torch.bfloat16)
+    _, new_res = layer_ops.rms_norm(x, torch.ones(n, dtype=torch.bfloat16), 1e-6, r.clone())
+    expected = x + r
+    finite = ~expected.isnan()
+    assert torch.equal(new_res[finite].view(torch.int16), expected[finite].view(torch.int16))
+    assert torch.equal(new_res.isnan(), expected.isnan())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 300])
 def test_silu_mul(dtype, rows):
