@@ -26,25 +26,6 @@
 #define AE_MOE_HINT _MM_HINT_T0
 #endif
 
-// Lane i = the sum of v[i]'s 16 lanes.
-static inline __m512 ae_sum16(const __m512* v) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; ++i)  // 128-bit lanes 0-1: v[2i]'s 8 partial sums, 2-3: v[2i+1]'s
-        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 4; ++i)  // lane L: v[4i + L]'s 4
-        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    for (int i = 0; i < 2; ++i)  // lane L: v[8i + L] twice, v[8i + 4 + L] twice
-        c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]),
-                             _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
-    const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
-    // lane 4L + s of d holds v[4s + L]
-    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(idx, d);
-}
-
 // Input rows of a tile: float rows (f); int16 rows (h, fac = d); or rows rounded twice (q, r,
 // fac = d / 256) with xb: per block pair of 16 lanes [0, sum_b / fac] interleaved, as the
 // float16 (scale, min) pairs are.
