@@ -19,17 +19,49 @@
 #pragma once
 #include "kquant_small.h"
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Byte sizes and offsets of the blocks of 32: the quants' offset qs, Q5's fifth bits' qh.
+template <int TYPE>
+struct kq_q32_layout {
+    static constexpr bool has_min = TYPE == KQ_Q4_1 || TYPE == KQ_Q5_1;
+    static constexpr bool five = TYPE == KQ_Q5_0 || TYPE == KQ_Q5_1;
+    static constexpr int bb = TYPE == KQ_Q4_0 ? 18 : TYPE == KQ_Q4_1 ? 20 : TYPE == KQ_Q5_0 ? 22
+                            : TYPE == KQ_Q5_1 ? 24 : 34;
+    static constexpr int qs = 2 + (has_min ? 2 : 0) + (five ? 4 : 0);
+    static constexpr int qh = has_min ? 4 : 2;
+};
+
+// The unsigned quants of the Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks b0 and b1 as 64 bytes in
+// element order (b0's 0..31, then b1's).
+template <int TYPE>
+static inline __m512i kq_pair_quants(const uint8_t* b0, const uint8_t* b1) {
+    using L = kq_q32_layout<TYPE>;
+    const __m256i v = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(b0 + L::qs))),
+        _mm_loadu_si128((const __m128i*)(b1 + L::qs)), 1);
+    // 128-bit lanes: b0 0..15, b1 0..15, b0 16..31, b1 16..31 -> element order
+    __m512i u = _mm512_and_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1),
+        _mm512_set1_epi8(0x0f));
+    u = _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0));
+    if (L::five) {
+        uint32_t h0, h1;
+        std::memcpy(&h0, b0 + L::qh, 4);
+        std::memcpy(&h1, b1 + L::qh, 4);
+        u = _mm512_mask_add_epi8(u, _cvtu64_mask64((uint64_t)h0 | ((uint64_t)h1 << 32)), u,
+                                 _mm512_set1_epi8(0x10));
+    }
+    return u;
+}
+#endif
+
 #ifdef AE_KQ512
 template <int TYPE, int M>
 static void kq_small_pairs(const float* x, const uint8_t* w, float* out, int64_t N, int64_t K,
                            int64_t ldo, int64_t rb) {
     constexpr bool q8 = TYPE == KQ_Q8_0;
-    constexpr bool has_min = TYPE == KQ_Q4_1 || TYPE == KQ_Q5_1;
-    constexpr bool five = TYPE == KQ_Q5_0 || TYPE == KQ_Q5_1;
-    constexpr int bb = TYPE == KQ_Q4_0 ? 18 : TYPE == KQ_Q4_1 ? 20 : TYPE == KQ_Q5_0 ? 22
-                     : TYPE == KQ_Q5_1 ? 24 : 34;
-    constexpr int qs = 2 + (has_min ? 2 : 0) + (five ? 4 : 0);  // the quants' offset
-    constexpr int qh = has_min ? 4 : 2;                          // Q5's fifth bits'
+    constexpr bool has_min = kq_q32_layout<TYPE>::has_min;
+    constexpr int bb = kq_q32_layout<TYPE>::bb;
     // the min term: m sum(x) (Q4_1 / Q5_1), -off d sum(x) (Q4_0 / Q5_0), none (Q8_0)
     constexpr float off = TYPE == KQ_Q4_0 ? 8.f : TYPE == KQ_Q5_0 ? 16.f : 0.f;
     const int64_t blocks = K / 32, pairs = blocks / 2;
@@ -48,7 +80,6 @@ static void kq_small_pairs(const float* x, const uint8_t* w, float* out, int64_t
             for (int l = 0; l < 8; ++l) dst[l] = rx.xa[2 * i];
             SX[i] = rx.xb[2 * i + 1];
         }
-    const __m512i m4 = _mm512_set1_epi8(0x0f), b5 = _mm512_set1_epi8(0x10);
     const __m512i zero = _mm512_setzero_si512();
     const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     auto halves = [](const uint8_t* b0, const uint8_t* b1, int at) {  // two f16 as floats
@@ -76,21 +107,7 @@ static void kq_small_pairs(const float* x, const uint8_t* w, float* out, int64_t
                 neg = _mm512_movepi8_mask(q);
                 u = _mm512_abs_epi8(q);  // -128 -> 0x80, 128 as unsigned
             } else {
-                const __m256i v = _mm256_inserti128_si256(
-                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(b0 + qs))),
-                    _mm_loadu_si128((const __m128i*)(b1 + qs)), 1);
-                // 128-bit lanes: b0 0..15, b1 0..15, b0 16..31, b1 16..31 -> element order
-                u = _mm512_and_si512(
-                    _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1),
-                    m4);
-                u = _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0));
-            }
-            if (five) {
-                uint32_t h0, h1;
-                std::memcpy(&h0, b0 + qh, 4);
-                std::memcpy(&h1, b1 + qh, 4);
-                u = _mm512_mask_add_epi8(u, _cvtu64_mask64((uint64_t)h0 | ((uint64_t)h1 << 32)),
-                                         u, b5);
+                u = kq_pair_quants<TYPE>(b0, b1);
             }
             const __m128 d2 = halves(b0, b1, 0);
             const __m128 m2 = has_min ? halves(b0, b1, 2) : d2;

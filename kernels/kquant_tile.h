@@ -16,6 +16,7 @@
 // bfloat16 needs one instruction per 32 weights and no per-block float work.
 #pragma once
 #include "kquant_small.h"
+#include "kquant_q32.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #define AE_KQ_BF16 1
@@ -100,6 +101,39 @@ static inline void kq_q6k_bf16(const uint8_t* b, uint16_t* dst) {
     }
 }
 
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 rows as bfloat16 by table: a block's 16 or 32 possible values
+// (kquant.h's d (q - off) or d q + m for every q, in float32, rounded once) looked up by its
+// quants (vpermw), the blocks unpacked in pairs (kquant_q32.h). An odd last block is left
+// for kq_row_bf16's per-block loop to finish: the number of blocks done.
+template <int TYPE>
+static inline int64_t kq_row_bf16_table(const uint8_t* src, uint16_t* dst, int64_t K) {
+    using L = kq_q32_layout<TYPE>;
+    constexpr float off = TYPE == KQ_Q4_0 ? 8.f : TYPE == KQ_Q5_0 ? 16.f : 0.f;
+    const __m512 q0 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 lo = _mm512_sub_ps(q0, _mm512_set1_ps(off));  // q - off, exact
+    const __m512 hi = _mm512_add_ps(lo, _mm512_set1_ps(16.f));
+    const int64_t blocks = K / 32;
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+        const uint8_t* b0 = src + L::bb * b;
+        const __m512i u = kq_pair_quants<TYPE>(b0, b0 + L::bb);
+        for (int h = 0; h < 2; ++h) {
+            const uint8_t* blk = b0 + h * L::bb;
+            const __m512 d = _mm512_set1_ps(kq_f16(blk));
+            __m512 t0 = _mm512_mul_ps(d, lo), t1 = _mm512_mul_ps(d, hi);
+            if (L::has_min) {
+                const __m512 m = _mm512_set1_ps(kq_f16(blk + 2));
+                t0 = _mm512_add_ps(t0, m);
+                t1 = _mm512_add_ps(t1, m);
+            }
+            const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);
+            const __m512i idx = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(u, h));
+            _mm512_storeu_si512(dst + 32 * (b + h), _mm512_permutexvar_epi16(idx, table));
+        }
+    }
+    return b;
+}
+
 // One weight row of `type` as bfloat16: the blocks of 32 straight from their quants in
 // registers (kquant_small.h's kq_quants32; d (q - off), d q + m, as kquant.h's kq_block32
 // computes them, then rounded), the other types through kq_dequant_row's float32 row `tmp`.
@@ -123,7 +157,15 @@ static inline void kq_row_bf16(int64_t type, const uint8_t* src, uint16_t* dst, 
     const bool has_min = type == KQ_Q4_1 || type == KQ_Q5_1;
     const int off = type == KQ_Q4_0 ? 8 : type == KQ_Q5_0 ? 16 : 0;
     const int64_t bb = kq_row_bytes(type, 32);
-    for (int64_t b = 0; b < K / 32; ++b) {
+    int64_t b = 0;  // Q4 / Q5: all but an odd last block by table
+    switch (type) {
+        case KQ_Q4_0: b = kq_row_bf16_table<KQ_Q4_0>(src, dst, K); break;
+        case KQ_Q4_1: b = kq_row_bf16_table<KQ_Q4_1>(src, dst, K); break;
+        case KQ_Q5_0: b = kq_row_bf16_table<KQ_Q5_0>(src, dst, K); break;
+        case KQ_Q5_1: b = kq_row_bf16_table<KQ_Q5_1>(src, dst, K); break;
+        default: break;
+    }
+    for (; b < K / 32; ++b) {
         const uint8_t* blk = src + b * bb;
         const __m512 d = _mm512_set1_ps(kq_f16(blk));
         __m256i q = type == KQ_Q8_0 ? _mm256_loadu_si256((const __m256i*)(blk + 2))

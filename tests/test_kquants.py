@@ -339,8 +339,8 @@ def test_fused_bfloat16_tiles_match_the_tiled_path(qtype, monkeypatch):
                                    atol=0.01 * want.abs().max().item(), rtol=0.01)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q8_0, T.Q4_1],
-                         ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
+                                   T.Q8_0], ids=lambda t: t.name)
 def test_fused_bfloat16_tiles_dequantize_bit_exactly(qtype, monkeypatch):
     """``kquant_tile.h`` unpacks each weight row straight to bfloat16 in registers: one-hot
     inputs read the weights back, which must be the ``gguf`` reference rounded to bfloat16
@@ -352,7 +352,7 @@ def test_fused_bfloat16_tiles_dequantize_bit_exactly(qtype, monkeypatch):
         pytest.skip("no AVX-512 BF16 here")
     monkeypatch.setattr(cpu_flags, "cpu_has_bf16", lambda: True)
     rng = np.random.default_rng(int(qtype))
-    k, n = 512, 37
+    k, n = (512 if kquants.TYPES[qtype][1] == 256 else 544), 37  # 17 blocks of 32: a pair short
     raw = random_rows(qtype, n, k, rng)
     want = torch.from_numpy(dequantize(raw, qtype).reshape(n, k).astype(np.float32))
     lin = kquants.GGUFLinear(k, [kquants.Part(torch.from_numpy(raw.copy()), int(qtype))])
