@@ -162,6 +162,9 @@ class CPUDevice(Device):
         import torch
 
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
+        from asyncengine.executor.cpu_malloc import keep_step_buffers
+
+        keep_step_buffers()  # no page faults per step for the step's large buffers
 
 
 class CUDAStepHandle(StepHandle):
