@@ -20,8 +20,10 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #define AE_KQ_BF16 1
+#ifndef AE_TILE_W
 #define AE_TILE_W 4  // AE_TILE_W x AE_TILE_X = 16: ae_sum16's
 #define AE_TILE_X 4
+#endif
 // From this many input rows kquant.cpp's kernel takes kq_tile (kquants.TILE_ROWS).
 #define AE_TILE_MIN_ROWS 16
 
@@ -230,14 +232,15 @@ static void kq_tile(const float* x, const uint8_t* w, float* out, int64_t M, int
                             acc[i][r] = _mm512_dpbf16_ps(acc[i][r], wv[i], xv);
                     }
                 }
-                // the 16 sums reduced together (lane 4 r + i: input row r, weight row i)
+                // the 16 sums reduced together (lane W r + i: input row r, weight row i)
                 __m512 v[16];
                 for (int r = 0; r < AE_TILE_X; ++r)
-                    for (int i = 0; i < AE_TILE_W; ++i) v[4 * r + i] = acc[i][r];
+                    for (int i = 0; i < AE_TILE_W; ++i) v[AE_TILE_W * r + i] = acc[i][r];
                 const __m512 sums = ae_sum16(v);
                 for (int r = 0; r < nx; ++r)
-                    _mm512_mask_storeu_ps(out + (r0 + r) * ldo + n0 - 4 * r,
-                                          (__mmask16)(((1u << nw) - 1) << (4 * r)), sums);
+                    _mm512_mask_storeu_ps(out + (r0 + r) * ldo + n0 - AE_TILE_W * r,
+                                          (__mmask16)(((1u << nw) - 1) << (AE_TILE_W * r)),
+                                          sums);
             }
         }
     }
