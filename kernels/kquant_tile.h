@@ -129,7 +129,8 @@ static inline int64_t kq_row_bf16_table(const uint8_t* src, uint16_t* dst, int64
                 t1 = _mm512_add_ps(t1, m);
             }
             const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);
-            const __m512i idx = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(u, h));
+            const __m512i idx = _mm512_cvtepu8_epi16(h == 0 ? _mm512_castsi512_si256(u)
+                                                            : _mm512_extracti64x4_epi64(u, 1));
             _mm512_storeu_si512(dst + 32 * (b + h), _mm512_permutexvar_epi16(idx, table));
         }
     }
