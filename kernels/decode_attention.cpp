@@ -306,6 +306,16 @@ static inline void ae_attend_span(const float* qv, const ae_t* kc, const ae_t* v
     }
 }
 
+// o[i] = a[i] * inv rounded to the element type, eight at a time (ae_store8: ae_put's bits).
+static inline void ae_put_scaled(ae_t* o, const float* a, float inv, int64_t n) {
+    int64_t i = 0;
+#ifdef AE_AVX2
+    const __m256 v = _mm256_set1_ps(inv);
+    for (; i + 8 <= n; i += 8) ae_store8(o + i, _mm256_mul_ps(_mm256_loadu_ps(a + i), v));
+#endif
+    for (; i < n; ++i) ae_put(o + i, a[i] * inv);
+}
+
 // The spans' partial (m, l, acc[D]) of one (request, KV head), per query head: pp + (it * G +
 // g) * (D + 2) for its spans it in [first, last), merged in span order into o [G, D].
 static inline void ae_merge_spans(const float* pt, int64_t first, int64_t last, int64_t G,
@@ -323,7 +333,7 @@ static inline void ae_merge_spans(const float* pt, int64_t first, int64_t last, 
             for (int64_t d = 0; d < D; ++d) acc[d] += pp[2 + d] * w;
         }
         const float inv = 1.f / l;
-        for (int64_t d = 0; d < D; ++d) ae_put(o + g * D + d, acc[d] * inv);
+        ae_put_scaled(o + g * D, acc, inv, D);
     }
 }
 
@@ -414,7 +424,12 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
             const int64_t sp = ae_split_of(split, lens[b], KVH, BS);
             const int64_t* table = tables + b * table_stride;
             const ae_t* qrow = q + rows[b] * q_stride + kh * G * D;
-            for (int64_t i = 0; i < G * D; ++i) qv[i] = ae_get(qrow + i) * scale;
+            int64_t i = 0;
+#ifdef AE_AVX2
+            for (const __m256 vs = _mm256_set1_ps(scale); i + 8 <= G * D; i += 8)
+                _mm256_storeu_ps(qv + i, _mm256_mul_ps(ae_load8(qrow + i), vs));
+#endif
+            for (; i < G * D; ++i) qv[i] = ae_get(qrow + i) * scale;
             ae_t* o = out + (b * H + kh * G) * D;
             for (int64_t it = by_span ? u : first; it < (by_span ? u + 1 : last); ++it) {
                 const int64_t start = lo + (it - first) * sp;
@@ -422,11 +437,8 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
                 ae_attend_span(qv, kc, vc, table, start, end, kh, G, D, BS, kv_row, soft_cap,
                                acc, m, l, s, part);
                 if (last - first == 1) {  // one span: the result
-                    for (int64_t g = 0; g < G; ++g) {
-                        const float inv = 1.f / l[g];
-                        for (int64_t d = 0; d < D; ++d)
-                            ae_put(o + g * D + d, acc[g * D + d] * inv);
-                    }
+                    for (int64_t g = 0; g < G; ++g)
+                        ae_put_scaled(o + g * D, acc + g * D, 1.f / l[g], D);
                 } else {
                     float* pp = pt + it * G * (D + 2);
                     for (int64_t g = 0; g < G; ++g) {

@@ -26,6 +26,7 @@
 #define kernel ae_rope
 #include "rope.cpp"
 #undef kernel
+#define AE_SILU_TEAM_MIN 4096  // the stack's threads are hot: a few rows are worth sharing
 #define kernel ae_silu_mul
 #include "silu_mul.cpp"
 #undef kernel

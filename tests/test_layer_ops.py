@@ -150,6 +150,44 @@ def test_decode_attention_of_a_row_does_not_depend_on_the_batch(dtype, threads):
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dim,window,cap", [(64, None, None), (64, 200, 30.0), (24, None, None)])
+def test_verification_rows_are_each_the_row_alone(dtype, threads, dim, window, cap):
+    """Verification-shaped batches: two requests' 1 + k rows (one sequence each, consecutive
+    lengths, the same block table) across the boundaries where the spans and the key groups
+    are cut (128-key groups, the 256-position least span, a 384-position span), beside plain
+    decodes. Every row's result is, to the bit, the one-row step's at its length."""
+    gen = torch.Generator().manual_seed(5)
+    blocks, bs, kv_heads, heads = 96, 16, 3, 9
+    kv = torch.randn(2, blocks, bs, kv_heads, dim, generator=gen).to(dtype)
+    first = {120: 17, 250: 13, 380: 9}
+    for start, rows_of_one in first.items():
+        lens = [start + i for i in range(rows_of_one)]
+        lens = [40] + lens + [start + 3 + i for i in range(5)] + [700]
+        own = [torch.randperm(blocks, generator=gen)[:48] for _ in range(4)]
+        tables = torch.stack([own[0]] + [own[1]] * rows_of_one + [own[2]] * 5 + [own[3]])
+        q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            batch = _attend_rows(q, kv, tables, lens, list(range(len(lens))), window, cap)
+            for b in range(len(lens)):
+                alone = _attend_rows(q, kv, tables, lens, [b], window, cap)
+                assert torch.equal(batch[b], alone[0]), (start, b)
+        finally:
+            torch.set_num_threads(previous)
+
+
+def _attend_rows(q, kv, tables, lens, sel, window, cap):
+    """decode_attention of the rows ``sel`` (q's rows, tables' rows, lens) as one step."""
+    split = layer_ops.decode_split([lens[i] for i in sel], kv.shape[3], kv.shape[2],
+                                   torch.get_num_threads())
+    return layer_ops.decode_attention(q, kv, tables[sel].contiguous(),
+                                      torch.tensor([lens[i] for i in sel]), torch.tensor(sel),
+                                      split, 0.125, window, cap)
+
+
 def test_decode_split_spreads_a_long_request_over_the_threads_whatever_the_batch():
     # per request: spans of at least MIN_SPLIT positions so that it alone keeps the threads
     # busy; the whole request where its KV heads do; never more than its positions
