@@ -6,8 +6,9 @@
 // AE_TILE_W weight rows at a time are dequantized (kquant.h, bit-exact, then rounded to
 // bfloat16 to nearest even, as torch's .to(bfloat16)) into a buffer of the calling thread;
 // then a register tile of AE_TILE_W weight rows x AE_TILE_X input rows costs one vdpbf16ps
-// per 32 weights per input row, the lanes running along K (each accumulator summed across
-// its lanes once at the end): no transposed copy of the weights is needed.
+// per 32 weights per input row, the lanes running along K (the tile's 16 accumulators summed
+// across their lanes together at the end, ae_sum16): no transposed copy of the weights is
+// needed.
 //
 // Why not byte dot products here: on the Zen 5 of docs/benchmarks.md a 32-row call of the
 // 4 x 4 register-blocked VNNI kernel (activations rounded to int8 twice per block: two
@@ -18,7 +19,8 @@
 #include "kquant_small.h"
 #include "kquant_q32.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512BF16__)
 #define AE_KQ_BF16 1
 #ifndef AE_TILE_W
 #define AE_TILE_W 4  // AE_TILE_W x AE_TILE_X = 16: ae_sum16's
@@ -88,12 +90,13 @@ static inline void kq_q6k_bf16(const uint8_t* b, uint16_t* dst) {
         const __m256i l0 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h));
         const __m256i l1 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h + 32));
         const __m256i hb = _mm256_loadu_si256((const __m256i*)(qh + 32 * h));
-        const __m256i q[4] = {
-            _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2)),
-            _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2))};
+        auto part = [&](__m256i lo4, __m256i hi2) {  // 4 low bits | 2 high bits as bits 4-5
+            return _mm256_or_si256(_mm256_and_si256(lo4, m4), _mm256_and_si256(hi2, m2));
+        };
+        const __m256i q[4] = {part(l0, _mm256_slli_epi16(hb, 4)),
+                              part(l1, _mm256_slli_epi16(hb, 2)),
+                              part(_mm256_srli_epi16(l0, 4), hb),
+                              part(_mm256_srli_epi16(l1, 4), _mm256_srli_epi16(hb, 2))};
         for (int i = 0; i < 4; ++i) {
             const __m512 s0 = _mm512_set1_ps(d * (float)sc[8 * h + 2 * i]);
             const __m512 s1 = _mm512_set1_ps(d * (float)sc[8 * h + 2 * i + 1]);
