@@ -192,9 +192,11 @@ static inline float kq_acc_sum(kq_acc a) { return ae_hsum8(a); }
 #endif
 
 // out[r * ldo + n] for r < M <= AE_SMALL_ROWS, n < N: x [M, K] float, w N rows of rb bytes.
-template <int TYPE>
-static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
-                       int64_t K, int64_t ldo, int64_t rb) {
+// M is a template parameter (kq_small_k below picks it): each row count its own unrolled
+// loops, the rows' accumulators in registers.
+template <int TYPE, int M>
+static void kq_small_k_rows(const float* x, const uint8_t* w, float* out, int64_t N, int64_t K,
+                            int64_t ldo, int64_t rb) {
     const int64_t sbs = K / 256, bb = rb / sbs, blocks = K / 32, groups = K / 16;
     const ae_rounded rx = ae_round_rows(x, M, K);
     static thread_local std::vector<float> sums;  // [M, K / 16]: the float sums of x
@@ -214,8 +216,8 @@ static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, 
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
         const uint8_t* row = w + n * rb;
-        kq_acc acc[AE_SMALL_ROWS];
-        for (int64_t r = 0; r < M; ++r) acc[r] = kq_acc_zero();
+        kq_acc acc[M];
+        for (int r = 0; r < M; ++r) acc[r] = kq_acc_zero();
         kq_sb s;
         for (int64_t b = 0; b < sbs; ++b) {
             const uint8_t* blk = row + b * bb;
@@ -233,7 +235,8 @@ static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, 
                     ? _mm512_movepi8_mask(kq_pair(s.sg[2 * p], s.sg[2 * p + 1])) : 0;
             }
             const __m512 O2 = kq_pairf(s.O[0], s.O[1]);
-            for (int64_t r = 0; r < M; ++r) {
+            #pragma GCC unroll 8
+            for (int r = 0; r < M; ++r) {
                 const int64_t i0 = r * blocks + 8 * b;
                 const int8_t* xq = rx.xq + 32 * i0;
                 const int8_t* xr = rx.xr + 32 * i0;
@@ -255,7 +258,8 @@ static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, 
                 acc[r] = _mm512_add_ps(a[0], a[1]);
             }
 #else
-            for (int64_t r = 0; r < M; ++r) {
+            #pragma GCC unroll 8
+            for (int r = 0; r < M; ++r) {
                 const int64_t i0 = r * blocks + 8 * b;
                 const int8_t* xq = rx.xq + 32 * i0;
                 const int8_t* xr = rx.xr + 32 * i0;
@@ -279,7 +283,18 @@ static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, 
             }
 #endif
         }
-        for (int64_t r = 0; r < M; ++r) out[r * ldo + n] = kq_acc_sum(acc[r]);
+        for (int r = 0; r < M; ++r) out[r * ldo + n] = kq_acc_sum(acc[r]);
+    }
+}
+
+template <int TYPE>
+static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
+                       int64_t K, int64_t ldo, int64_t rb) {
+    switch (M) {
+#define KQ_CASE(c) case c: kq_small_k_rows<TYPE, c>(x, w, out, N, K, ldo, rb); return;
+        KQ_CASE(1) KQ_CASE(2) KQ_CASE(3) KQ_CASE(4) KQ_CASE(5) KQ_CASE(6) KQ_CASE(7) KQ_CASE(8)
+#undef KQ_CASE
+        default: return;
     }
 }
 #endif
