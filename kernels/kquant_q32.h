@@ -155,15 +155,12 @@ static void kq_small_pairs(const float* x, const uint8_t* w, float* out, int64_t
     }
 }
 
-// kq_small_pairs for M <= AE_SMALL_ROWS input rows (each count its own unrolled loop)
+// kq_small_pairs for M <= AE_SMALL_ROWS input rows (kquant_small.h's kq_by_rows)
 template <int TYPE>
 static void kq_small_pairs(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
                            int64_t K, int64_t ldo, int64_t rb) {
-    switch (M) {
-#define KQ_CASE(c) case c: kq_small_pairs<TYPE, c>(x, w, out, N, K, ldo, rb); return;
-        KQ_CASE(1) KQ_CASE(2) KQ_CASE(3) KQ_CASE(4) KQ_CASE(5) KQ_CASE(6) KQ_CASE(7) KQ_CASE(8)
-#undef KQ_CASE
-        default: return;
-    }
+    kq_by_rows(M, [&](auto rows) {
+        kq_small_pairs<TYPE, decltype(rows)::value>(x, w, out, N, K, ldo, rb);
+    });
 }
 #endif

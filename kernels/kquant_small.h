@@ -16,11 +16,24 @@
 // per call), two FMAs per super-block. u <= 63 and |xq|, |xr| <= 127 keep vpmaddubsw's pair
 // sums inside int16, and t inside int32.
 #pragma once
+#include <type_traits>
 #include "kquant.h"
 
 // Input rows of one pass of the byte dot products (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K /
 // Q5_K / Q6_K): each weight block is unpacked once per pass.
 #define AE_SMALL_ROWS 8
+
+// f(std::integral_constant<int, M>) for 1 <= M <= AE_SMALL_ROWS: a kernel templated on its row
+// count, each count its own unrolled loops with the rows' accumulators in registers.
+template <typename F>
+static inline void kq_by_rows(int64_t M, F&& f) {
+    switch (M) {
+#define KQ_CASE(c) case c: f(std::integral_constant<int, c>{}); return;
+        KQ_CASE(1) KQ_CASE(2) KQ_CASE(3) KQ_CASE(4) KQ_CASE(5) KQ_CASE(6) KQ_CASE(7) KQ_CASE(8)
+#undef KQ_CASE
+        default: return;
+    }
+}
 
 #ifdef AE_AVX2
 // The 32 quants of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block as bytes in element order (0..31): low
@@ -290,11 +303,8 @@ static void kq_small_k_rows(const float* x, const uint8_t* w, float* out, int64_
 template <int TYPE>
 static void kq_small_k(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
                        int64_t K, int64_t ldo, int64_t rb) {
-    switch (M) {
-#define KQ_CASE(c) case c: kq_small_k_rows<TYPE, c>(x, w, out, N, K, ldo, rb); return;
-        KQ_CASE(1) KQ_CASE(2) KQ_CASE(3) KQ_CASE(4) KQ_CASE(5) KQ_CASE(6) KQ_CASE(7) KQ_CASE(8)
-#undef KQ_CASE
-        default: return;
-    }
+    kq_by_rows(M, [&](auto rows) {
+        kq_small_k_rows<TYPE, decltype(rows)::value>(x, w, out, N, K, ldo, rb);
+    });
 }
 #endif
