@@ -5,9 +5,13 @@
 #include "kquant_small.h"
 #include "kquant_q32.h"
 #include "kquant_tile.h"
+#include "kquant_tile8.h"
 
 // kernel()'s type that asks whether kq_tile is compiled in (out[0] = 1 or 0)
 #define KQ_ASK_BF16_TILE -1
+// A flag on kernel()'s type: from AE_TILE_MIN_ROWS rows, the bfloat16 tiles (kq_tile) even
+// where the int8 ones (kq_tile8) take the type (the tests check both on one CPU).
+#define KQ_BF16_TILES 0x100
 
 #ifdef AE_AVX2
 // G floats from p as the low lanes of a vector (the rest zero).
@@ -150,8 +154,18 @@ extern "C" void kernel(const float* x, const uint8_t* w, float* out, int64_t M, 
 #endif
         return;
     }
+    const bool bf16_tiles = type & KQ_BF16_TILES;
+    type &= ~(int64_t)KQ_BF16_TILES;
     const int64_t rb = kq_row_bytes(type, K);
     if (rb == 0) return;
+#if defined(AE_KQ_TILE8) && defined(AE_KQ_BF16)
+    // from AE_TILE_MIN_ROWS rows, the blocks of 32 by byte dot products across 16 weight rows
+    // (kquant_tile8.h), the other types by bfloat16 tiles
+    if (M >= AE_TILE_MIN_ROWS && kq_tile8_type(type) && K % 32 == 0 && !bf16_tiles) {
+        kq_tile8_any(x, w, out, M, N, K, ldo, type, rb);
+        return;
+    }
+#endif
 #ifdef AE_KQ_BF16
     // from AE_TILE_MIN_ROWS rows (a bfloat16 model: kquants.py sends them here only then),
     // dequantized bfloat16 tiles multiplied in place (kquant_tile.h)

@@ -355,8 +355,70 @@ def test_fused_bfloat16_tiles_dequantize_bit_exactly(qtype, monkeypatch):
     k, n = (512 if kquants.TYPES[qtype][1] == 256 else 544), 37  # 17 blocks of 32: a pair short
     raw = random_rows(qtype, n, k, rng)
     want = torch.from_numpy(dequantize(raw, qtype).reshape(n, k).astype(np.float32))
-    lin = kquants.GGUFLinear(k, [kquants.Part(torch.from_numpy(raw.copy()), int(qtype))])
-    eye = torch.eye(k, dtype=torch.bfloat16)
+    w = torch.from_numpy(raw.copy())
+    eye = torch.eye(k)
+    out = torch.empty(32, n)
     for c0 in range(0, k, 32):  # 32 one-hot rows at a time: the fused tiles' regime
-        got = lin(eye[c0:c0 + 32])
-        assert torch.equal(got.T.float(), want[:, c0:c0 + 32].bfloat16().float())
+        # (the flag: the bfloat16 tiles also for the types kquant_tile8.h takes on this CPU)
+        packed_kernels.kquant_mm(eye[c0:c0 + 32], w, int(qtype) | packed_kernels.KQ_BF16_TILES,
+                                 out)
+        assert torch.equal(out.T.bfloat16().float(), want[:, c0:c0 + 32].bfloat16().float())
+
+
+def int8_rounded_matmul(x: torch.Tensor, raw: np.ndarray, qtype: T, k: int) -> torch.Tensor:
+    """What ``kquant_tile8.h`` computes, in float64: the activations rounded to int8 per block
+    of 32 as ``common.h`` rounds them (d = max|x| / 127 and x / d rounded to nearest even, in
+    float32), the weights exact; Q4_1 / Q5_1's min term (with ``c d`` for the centred quants)
+    times the float sum of the block's x."""
+    m, n, blocks = x.shape[0], raw.shape[0], k // 32
+    xb = x.numpy().astype(np.float32).reshape(m, blocks, 32)
+    d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    xq = np.rint((xb * inv[..., None]).astype(np.float32)).astype(np.float64)
+    w = dequantize(raw, qtype).reshape(n, blocks, 32).astype(np.float64)
+    c = np.zeros((n, blocks))  # the part of each block's weights taken by the float sum of x
+    if qtype in (T.Q4_1, T.Q5_1):
+        size = kquants.TYPES[qtype][2]
+        f16 = raw.reshape(n, blocks, size)[..., :4].copy().view(np.float16).astype(np.float64)
+        c = f16[..., 1] + (16 if qtype == T.Q5_1 else 8) * f16[..., 0]
+    ints = np.einsum("nbj,mbj->mnb", w - c[..., None], xq) * d[:, None, :]
+    mins = np.einsum("nb,mb->mn", c, xb.astype(np.float64).sum(-1))
+    return torch.from_numpy(ints.sum(-1) + mins)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0], ids=lambda t: t.name)
+def test_int8_tiles_compute_their_rounding_exactly(qtype, monkeypatch):
+    """From ``TILE_ROWS`` rows of a bfloat16 model, ``kquant_tile8.h`` multiplies the blocks of
+    32 by byte dot products across 16 weight rows: the activations' int8 rounding is the only
+    approximation (every block's sum is exact in int32), the result is within the float32
+    roundings of that rounded product, close to the float product, and each row's result does
+    not depend on the batch (16 to 64 rows; short strips and row groups included)."""
+    from asyncengine.executor import cpu_flags
+    from asyncengine.executor.kernels import packed as packed_kernels
+
+    if not (kquants.kernels_available() and packed_kernels.kquant_bf16_tile()):
+        pytest.skip("no AVX-512 BF16 here")
+    monkeypatch.setattr(cpu_flags, "cpu_has_bf16", lambda: True)
+    rng = np.random.default_rng(int(qtype) + 40)
+    k, n = 928, 37  # 29 blocks; 2 strips of 16 rows and a short one
+    raw = quantized_matrix(qtype, n, k, rng)
+    w = torch.from_numpy(raw.copy())
+    wf = torch.from_numpy(dequantize(raw, qtype).reshape(n, k)).double()
+    x = torch.randn(64, k)
+    x[3, :64] = 0.0  # all-zero blocks
+    together = torch.empty(64, n)
+    packed_kernels.kquant_mm(x, w, int(qtype), together)
+    scale = (x.double().abs() @ wf.abs().T).clamp_min(1e-30)
+    want = int8_rounded_matmul(x, raw, qtype, k)
+    assert ((together.double() - want).abs() / scale).max() < 1e-5
+    assert ((together.double() - x.double() @ wf.T).abs() / scale).max() < 1e-2
+    for m in (16, 19, 33):
+        out = torch.empty(m, n)
+        packed_kernels.kquant_mm(x[:m].contiguous(), w, int(qtype), out)
+        assert torch.equal(out, together[:m])
+    # and through the model's linear, bfloat16 in and out
+    lin = kquants.GGUFLinear(k, [kquants.Part(w, int(qtype))])
+    xb = x[:19].bfloat16()
+    out = torch.empty(19, n)
+    packed_kernels.kquant_mm(xb.float(), w, int(qtype), out)
+    assert torch.equal(lin(xb), out.bfloat16())

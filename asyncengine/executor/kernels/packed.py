@@ -169,6 +169,10 @@ def kquant_mm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor) -
     _load("kquant")(x, w, out, m, w.shape[0], k, out.stride(0), qtype)
 
 
+# A flag on ``kquant_mm``'s type: from ``kquants.TILE_ROWS`` rows, the bfloat16 tiles
+# (``kquant_tile.h``) even for the types ``kquant_tile8.h`` takes (tests check both).
+KQ_BF16_TILES = 0x100
+
 _KQ_TILE: list[bool] = []
 
 

@@ -1,0 +1,231 @@
+// Many input rows (decode batches of AE_TILE_MIN_ROWS and up) over the blocks of 32 (Q4_0,
+// Q4_1, Q5_0, Q5_1, Q8_0) with AVX-512 VNNI: byte dot products whose lanes run across 16
+// weight rows (output columns), not along K.
+//
+// kquant_tile.h's bfloat16 tiles need one vdpbf16ps per 32 weights per input row. A vpdpbusd
+// does 64 byte products, but along K each 32-weight block has its own scale, so byte dot
+// products with lanes along K pay a conversion, a multiply and an FMA per block per weight
+// row per input row (the 4 x 4 VNNI tile tried first lost to bfloat16). With the lanes across
+// 16 weight rows instead, one input row's four activation bytes are broadcast to all lanes,
+// and a block of 16 weight rows x 32 costs that input row 8 vpdpbusd, then one conversion, a
+// multiply by the 16 rows' scales and an FMA by the activations' block scale: 11 instructions
+// for 512 products against bfloat16's 16.
+//
+// The 16 rows' blocks are brought into that layout (lane c: 4 bytes of weight row c) by
+// 128-bit loads and a transposition (gathers cost more than the dot products here), once per call, into a buffer of the thread that
+// stays in L1 / L2 while every input row goes by. The quants stay unsigned (Q8_0's shifted by
+// 128) and the activations are rounded to int8 once per block (x ~= dx xq, dx = max|x| / 127,
+// as llama.cpp's Q8_0 activations), so each block's sum is exact in int32, the offset
+// (-off sum(xq), Q8_0's -128 sum(xq)) its starting value; Q4_1 / Q5_1's min term is m times
+// the block's float sum of x. The rounding of the activations is the only approximation.
+#pragma once
+#include "kquant_small.h"
+#include "kquant_q32.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512BITALG__)
+#define AE_KQ_TILE8 1
+
+// Rows of input taken together over one block of weights (their sums stay in registers).
+#define AE_TILE8_ROWS 8
+
+// The blocks of 32 a call takes here.
+static inline bool kq_tile8_type(int64_t type) {
+    return type == KQ_Q4_0 || type == KQ_Q4_1 || type == KQ_Q5_0 || type == KQ_Q5_1
+           || type == KQ_Q8_0;
+}
+
+// One block of 16 weight rows in lanes: g[j] lane c = the unsigned quants 4 j .. 4 j + 3 of
+// row c's block; d lane c its scale, m its min (Q4_1 / Q5_1).
+struct kq_strip_block {
+    __m512i g[8];
+    __m512 d, m;
+};
+
+// Q[j] lane c = dword j (j < NJ, NJ 2 or 4) of the 16 bytes at p[c] + at: 16 rows' bytes
+// loaded four rows to a vector, then transposed (four vpermt2d, four 128-bit lane shuffles).
+template <int NJ>
+static inline void kq_rows_t4(const uint8_t* const* p, int64_t at, __m512i* Q) {
+    __m512i A[4];
+    for (int q = 0; q < 4; ++q) {
+        __m512i a = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(p[4 * q] + at)));
+        a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(p[4 * q + 1] + at)), 1);
+        a = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(p[4 * q + 2] + at)), 2);
+        A[q] = _mm512_inserti32x4(a, _mm_loadu_si128((const __m128i*)(p[4 * q + 3] + at)), 3);
+    }
+    // A[q] dword 4 l + j: row 4 q + l's dword j. Lanes 0..7 <- dword j of 8 rows, 8..15 <-
+    // dword j + 1 (the second source's indices from 16).
+    const __m512i i01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28,
+                                          1, 5, 9, 13, 17, 21, 25, 29);
+    const __m512i T0 = _mm512_permutex2var_epi32(A[0], i01, A[1]);
+    const __m512i U0 = _mm512_permutex2var_epi32(A[2], i01, A[3]);
+    Q[0] = _mm512_shuffle_i64x2(T0, U0, 0x44);
+    Q[1] = _mm512_shuffle_i64x2(T0, U0, 0xEE);
+    if (NJ == 4) {
+        const __m512i i23 = _mm512_add_epi32(i01, _mm512_set1_epi32(2));
+        const __m512i T1 = _mm512_permutex2var_epi32(A[0], i23, A[1]);
+        const __m512i U1 = _mm512_permutex2var_epi32(A[2], i23, A[3]);
+        Q[2] = _mm512_shuffle_i64x2(T1, U1, 0x44);
+        Q[3] = _mm512_shuffle_i64x2(T1, U1, 0xEE);
+    }
+}
+
+// The block at byte `at` of 16 weight rows p[0..15], unpacked into `dst`.
+template <int TYPE>
+static inline void kq_strip_unpack(const uint8_t* const* p, int64_t at, kq_strip_block* dst) {
+    using L = kq_q32_layout<TYPE>;
+    __m512i H[2];  // the block's first 8 bytes: d (| m << 16), then Q5_0 / Q5_1's qh
+    kq_rows_t4<2>(p, at, H);
+    dst->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(H[0]));
+    if (L::has_min)  // d q + m = d (q - c) + (m + c d), c the middle of q's range
+        dst->m = _mm512_fmadd_ps(dst->d, _mm512_set1_ps(L::five ? 16.f : 8.f),
+                                 _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
+                                     _mm512_srli_epi32(H[0], 16))));
+    __m512i Q[4];
+    if (TYPE == KQ_Q8_0) {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);  // q + 128, unsigned
+        for (int h = 0; h < 2; ++h) {
+            kq_rows_t4<4>(p, at + 2 + 16 * h, Q);
+            for (int j = 0; j < 4; ++j) dst->g[4 * h + j] = _mm512_xor_si512(Q[j], flip);
+        }
+        return;
+    }
+    kq_rows_t4<4>(p, at + L::qs, Q);
+    // Q5_0: qh is bytes 2..5 (the halves of two dwords), Q5_1: bytes 4..7
+    const __m512i qh = TYPE == KQ_Q5_0 ? _mm512_shrdi_epi32(H[0], H[1], 16) : H[1];
+    const __m512i m4 = _mm512_set1_epi8(0x0f), five = _mm512_set1_epi8(0x10);
+    // byte t of lane c (two lanes a qword): bit 4 j + t of the lane's qh (+ 16: high nibbles)
+    const __m512i sel = _mm512_set1_epi64(0x2322212003020100LL);
+    for (int j = 0; j < 4; ++j) {
+        __m512i lo = _mm512_and_si512(Q[j], m4);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi32(Q[j], 4), m4);
+        if (L::five) {
+            const __m512i s = _mm512_add_epi8(sel, _mm512_set1_epi8((char)(4 * j)));
+            lo = _mm512_mask_add_epi8(lo, _mm512_bitshuffle_epi64_mask(qh, s), lo, five);
+            hi = _mm512_mask_add_epi8(
+                hi, _mm512_bitshuffle_epi64_mask(qh, _mm512_add_epi8(s, _mm512_set1_epi8(16))),
+                hi, five);
+        }
+        dst->g[j] = lo;
+        dst->g[4 + j] = hi;
+    }
+}
+
+// Cache lines to fetch ahead: `lines` of 64 bytes from `at`.
+struct kq_prefetch {
+    const char* at;
+    int64_t lines;
+};
+
+// R input rows against one strip (16 weight rows, all blocks in `S`): out columns n0.. of
+// rows r0..r0 + R - 1, the first `nw` columns stored.
+template <int TYPE, int R>
+static inline void kq_strip_rows(const kq_strip_block* S, int64_t blocks, const int8_t* xq,
+                                 const int32_t* x0, const float* dx, const float* sx,
+                                 int64_t K, float* out, int64_t ldo, __mmask16 keep,
+                                 kq_prefetch pf) {
+    const int64_t per = pf.at ? (pf.lines + blocks - 1) / blocks : 0;
+    constexpr bool has_min = kq_q32_layout<TYPE>::has_min;
+    __m512 acc[R];
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        const kq_strip_block& B = S[b];
+        for (int64_t i = b * per; i < std::min(pf.lines, (b + 1) * per); ++i)
+            _mm_prefetch(pf.at + 64 * i, _MM_HINT_T0);
+        __m512i s[R];
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) s[r] = _mm512_set1_epi32(x0[r * blocks + b]);
+        #pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+            #pragma GCC unroll 8
+            for (int r = 0; r < R; ++r)
+                s[r] = _mm512_dpbusd_epi32(s[r], B.g[j], _mm512_set1_epi32(
+                    ((const int32_t*)(xq + r * K + 32 * b))[j]));
+        }
+        #pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const int64_t i = r * blocks + b;
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[r]), B.d),
+                                     _mm512_set1_ps(dx[i]), acc[r]);
+            if (has_min) acc[r] = _mm512_fmadd_ps(B.m, _mm512_set1_ps(sx[i]), acc[r]);
+        }
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
+}
+
+// out[r * ldo + n] for r < M, n < N: x [M, K] float, w N rows of rb bytes of TYPE.
+template <int TYPE>
+static void kq_tile8(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
+                     int64_t K, int64_t ldo, int64_t rb) {
+    // the quants' offset (Q4_1 / Q5_1: centred too, their min term takes the difference)
+    constexpr int off = TYPE == KQ_Q4_0 || TYPE == KQ_Q4_1 ? 8
+                        : TYPE == KQ_Q5_0 || TYPE == KQ_Q5_1 ? 16 : 128;
+    const int64_t blocks = K / 32;
+    const ae_rounded rx = ae_round_rows(x, M, K);  // xq: the first rounding
+    static thread_local std::vector<float> fs;
+    static thread_local std::vector<int32_t> is;
+    if ((int64_t)fs.size() < 2 * M * blocks) fs.resize(2 * M * blocks);
+    if ((int64_t)is.size() < M * blocks) is.resize(M * blocks);
+    float* dx = fs.data();
+    float* sx = dx + M * blocks;
+    int32_t* x0 = is.data();
+    for (int64_t i = 0; i < M * blocks; ++i) {
+        dx[i] = rx.xa[2 * i] * 256.f;
+        sx[i] = rx.xb[2 * i + 1];
+        int32_t s = 0;
+        for (int j = 0; j < 32; ++j) s += rx.xq[32 * i + j];
+        x0[i] = -off * s;
+    }
+    const int64_t strips = (N + 15) / 16;
+    #pragma omp parallel
+    {
+        std::vector<kq_strip_block> buf(blocks);
+        kq_strip_block* S = buf.data();
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < strips; ++t) {
+            const int64_t n0 = 16 * t, nw = std::min<int64_t>(16, N - n0);
+            // lane c: weight row n0 + c (a short strip repeats its last row)
+            const uint8_t* p[16];
+            for (int c = 0; c < 16; ++c) p[c] = w + (n0 + std::min<int64_t>(c, nw - 1)) * rb;
+            for (int64_t b = 0; b < blocks; ++b)
+                kq_strip_unpack<TYPE>(p, b * kq_q32_layout<TYPE>::bb, S + b);
+            // the next strip's bytes (contiguous) fetched a few lines a block while the
+            // first rows go by (all at once, the prefetches would queue behind each other)
+            kq_prefetch pf{nullptr, 0};
+            if (t + 1 < strips) {
+                pf.at = (const char*)(w + (n0 + 16) * rb);
+                pf.lines = (std::min<int64_t>(16, N - n0 - 16) * rb + 63) / 64;
+            }
+            const __mmask16 keep = (__mmask16)((1u << nw) - 1);
+            int64_t r0 = 0;
+            for (; r0 + AE_TILE8_ROWS <= M; r0 += AE_TILE8_ROWS)
+                kq_strip_rows<TYPE, AE_TILE8_ROWS>(S, blocks, rx.xq + r0 * K, x0 + r0 * blocks,
+                                                   dx + r0 * blocks, sx + r0 * blocks, K,
+                                                   out + r0 * ldo + n0, ldo, keep,
+                                                   r0 == 0 ? pf : kq_prefetch{nullptr, 0});
+            if (r0 < M)
+                kq_by_rows(M - r0, [&](auto rr) {
+                    kq_strip_rows<TYPE, decltype(rr)::value>(
+                        S, blocks, rx.xq + r0 * K, x0 + r0 * blocks, dx + r0 * blocks,
+                        sx + r0 * blocks, K, out + r0 * ldo + n0, ldo, keep,
+                        r0 == 0 ? pf : kq_prefetch{nullptr, 0});
+                });
+        }
+    }
+}
+
+// kq_tile8 for a type of kq_tile8_type.
+static inline void kq_tile8_any(const float* x, const uint8_t* w, float* out, int64_t M,
+                                int64_t N, int64_t K, int64_t ldo, int64_t type, int64_t rb) {
+    switch (type) {
+        case KQ_Q4_0: kq_tile8<KQ_Q4_0>(x, w, out, M, N, K, ldo, rb); return;
+        case KQ_Q4_1: kq_tile8<KQ_Q4_1>(x, w, out, M, N, K, ldo, rb); return;
+        case KQ_Q5_0: kq_tile8<KQ_Q5_0>(x, w, out, M, N, K, ldo, rb); return;
+        case KQ_Q5_1: kq_tile8<KQ_Q5_1>(x, w, out, M, N, K, ldo, rb); return;
+        case KQ_Q8_0: kq_tile8<KQ_Q8_0>(x, w, out, M, N, K, ldo, rb); return;
+        default: return;
+    }
+}
+#endif
