@@ -1,6 +1,6 @@
 // Many input rows (decode batches of AE_TILE_MIN_ROWS and up) over the blocks of 32 (Q4_0,
-// Q4_1, Q5_0, Q5_1, Q8_0) with AVX-512 VNNI: byte dot products whose lanes run across 16
-// weight rows (output columns), not along K.
+// Q4_1, Q5_0, Q5_1, Q8_0) and the k-quants (Q4_K, Q5_K, Q6_K; kquant_tile8_k.h) with AVX-512
+// VNNI: byte dot products whose lanes run across 16 weight rows (output columns), not along K.
 //
 // kquant_tile.h's bfloat16 tiles need one vdpbf16ps per 32 weights per input row. A vpdpbusd
 // does 64 byte products, but along K each 32-weight block has its own scale, so byte dot
@@ -9,15 +9,17 @@
 // 16 weight rows instead, one input row's four activation bytes are broadcast to all lanes,
 // and a block of 16 weight rows x 32 costs that input row 8 vpdpbusd, then one conversion, a
 // multiply by the 16 rows' scales and an FMA by the activations' block scale: 11 instructions
-// for 512 products against bfloat16's 16.
+// for 512 products against bfloat16's 16, and no bfloat16 weights to make.
 //
 // The 16 rows' blocks are brought into that layout (lane c: 4 bytes of weight row c) by
-// 128-bit loads and a transposition (gathers cost more than the dot products here), once per call, into a buffer of the thread that
-// stays in L1 / L2 while every input row goes by. The quants stay unsigned (Q8_0's shifted by
+// 128-bit loads and a transposition (gathers cost more than the dot products here), once per
+// call, into a buffer of the thread that stays in L1 / L2 while every input row goes by; the
+// next 16 rows' bytes are prefetched meanwhile. The quants stay unsigned (Q8_0's shifted by
 // 128) and the activations are rounded to int8 once per block (x ~= dx xq, dx = max|x| / 127,
 // as llama.cpp's Q8_0 activations), so each block's sum is exact in int32, the offset
-// (-off sum(xq), Q8_0's -128 sum(xq)) its starting value; Q4_1 / Q5_1's min term is m times
-// the block's float sum of x. The rounding of the activations is the only approximation.
+// (-off sum(xq)) its starting value; Q4_1 / Q5_1 / Q4_K / Q5_K's min term is m times the
+// block's float sum of x. The rounding of the activations is the only approximation, and a
+// row's result does not depend on the rows beside it.
 #pragma once
 #include "kquant_small.h"
 #include "kquant_q32.h"
@@ -29,11 +31,26 @@
 // Rows of input taken together over one block of weights (their sums stay in registers).
 #define AE_TILE8_ROWS 8
 
-// The blocks of 32 a call takes here.
+// The types a call takes here: the blocks of 32 and the k-quants (kquant_tile8_k.h).
 static inline bool kq_tile8_type(int64_t type) {
     return type == KQ_Q4_0 || type == KQ_Q4_1 || type == KQ_Q5_0 || type == KQ_Q5_1
-           || type == KQ_Q8_0;
+           || type == KQ_Q8_0 || type == KQ_Q4_K || type == KQ_Q5_K || type == KQ_Q6_K;
 }
+
+// Per type: the quants' offset (taken off in int32: the block's dot products start at -off
+// sum(xq)), whether a min term (m times the float sum of x) follows, whether each block of
+// 32 has two factors (Q6_K: one per 16), and how many blocks of 32 one unpacking fills.
+template <int TYPE>
+struct kq_t8 {
+    static constexpr int off = TYPE == KQ_Q4_0 || TYPE == KQ_Q4_1 || TYPE == KQ_Q4_K ? 8
+                             : TYPE == KQ_Q5_0 || TYPE == KQ_Q5_1 || TYPE == KQ_Q5_K ? 16
+                             : TYPE == KQ_Q6_K ? 32 : 128;
+    static constexpr bool has_min = TYPE == KQ_Q4_1 || TYPE == KQ_Q5_1 || TYPE == KQ_Q4_K
+                                    || TYPE == KQ_Q5_K;
+    static constexpr bool halves = TYPE == KQ_Q6_K;
+    static constexpr int per_unpack = TYPE == KQ_Q4_K || TYPE == KQ_Q5_K || TYPE == KQ_Q6_K
+                                      ? 8 : 1;
+};
 
 // One block of 16 weight rows in lanes: g[j] lane c = the unsigned quants 4 j .. 4 j + 3 of
 // row c's block; d lane c its scale, m its min (Q4_1 / Q5_1).
@@ -111,6 +128,8 @@ static inline void kq_strip_unpack(const uint8_t* const* p, int64_t at, kq_strip
     }
 }
 
+#include "kquant_tile8_k.h"
+
 // Cache lines to fetch ahead: `lines` of 64 bytes from `at`.
 struct kq_prefetch {
     const char* at;
@@ -125,7 +144,7 @@ static inline void kq_strip_rows(const kq_strip_block* S, int64_t blocks, const 
                                  int64_t K, float* out, int64_t ldo, __mmask16 keep,
                                  kq_prefetch pf) {
     const int64_t per = pf.at ? (pf.lines + blocks - 1) / blocks : 0;
-    constexpr bool has_min = kq_q32_layout<TYPE>::has_min;
+    using T8 = kq_t8<TYPE>;
     __m512 acc[R];
     #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -135,20 +154,40 @@ static inline void kq_strip_rows(const kq_strip_block* S, int64_t blocks, const 
             _mm_prefetch(pf.at + 64 * i, _MM_HINT_T0);
         __m512i s[R];
         #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) s[r] = _mm512_set1_epi32(x0[r * blocks + b]);
+        for (int r = 0; r < R; ++r) s[r] = _mm512_set1_epi32(x0[2 * (r * blocks + b)]);
         #pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < (T8::halves ? 4 : 8); ++j) {
             #pragma GCC unroll 8
             for (int r = 0; r < R; ++r)
                 s[r] = _mm512_dpbusd_epi32(s[r], B.g[j], _mm512_set1_epi32(
                     ((const int32_t*)(xq + r * K + 32 * b))[j]));
+        }
+        if (T8::halves) {  // Q6_K: elements 16-31 have their own factor (B.m)
+            __m512i s2[R];
+            #pragma GCC unroll 8
+            for (int r = 0; r < R; ++r)
+                s2[r] = _mm512_set1_epi32(x0[2 * (r * blocks + b) + 1]);
+            #pragma GCC unroll 8
+            for (int j = 4; j < 8; ++j) {
+                #pragma GCC unroll 8
+                for (int r = 0; r < R; ++r)
+                    s2[r] = _mm512_dpbusd_epi32(s2[r], B.g[j], _mm512_set1_epi32(
+                        ((const int32_t*)(xq + r * K + 32 * b))[j]));
+            }
+            #pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2[r]), B.m,
+                                                 _mm512_mul_ps(_mm512_cvtepi32_ps(s[r]), B.d));
+                acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(dx[r * blocks + b]), acc[r]);
+            }
+            continue;
         }
         #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
             const int64_t i = r * blocks + b;
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[r]), B.d),
                                      _mm512_set1_ps(dx[i]), acc[r]);
-            if (has_min) acc[r] = _mm512_fmadd_ps(B.m, _mm512_set1_ps(sx[i]), acc[r]);
+            if (T8::has_min) acc[r] = _mm512_fmadd_ps(B.m, _mm512_set1_ps(sx[i]), acc[r]);
         }
     }
     #pragma GCC unroll 8
@@ -159,24 +198,23 @@ static inline void kq_strip_rows(const kq_strip_block* S, int64_t blocks, const 
 template <int TYPE>
 static void kq_tile8(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
                      int64_t K, int64_t ldo, int64_t rb) {
-    // the quants' offset (Q4_1 / Q5_1: centred too, their min term takes the difference)
-    constexpr int off = TYPE == KQ_Q4_0 || TYPE == KQ_Q4_1 ? 8
-                        : TYPE == KQ_Q5_0 || TYPE == KQ_Q5_1 ? 16 : 128;
+    constexpr int off = kq_t8<TYPE>::off;
     const int64_t blocks = K / 32;
     const ae_rounded rx = ae_round_rows(x, M, K);  // xq: the first rounding
     static thread_local std::vector<float> fs;
     static thread_local std::vector<int32_t> is;
     if ((int64_t)fs.size() < 2 * M * blocks) fs.resize(2 * M * blocks);
-    if ((int64_t)is.size() < M * blocks) is.resize(M * blocks);
+    if ((int64_t)is.size() < 2 * M * blocks) is.resize(2 * M * blocks);
     float* dx = fs.data();
     float* sx = dx + M * blocks;
     int32_t* x0 = is.data();
     for (int64_t i = 0; i < M * blocks; ++i) {
         dx[i] = rx.xa[2 * i] * 256.f;
         sx[i] = rx.xb[2 * i + 1];
-        int32_t s = 0;
-        for (int j = 0; j < 32; ++j) s += rx.xq[32 * i + j];
-        x0[i] = -off * s;
+        int32_t s0 = 0, s1 = 0;  // the sums of xq over elements 0-15 and 16-31
+        for (int j = 0; j < 16; ++j) { s0 += rx.xq[32 * i + j]; s1 += rx.xq[32 * i + 16 + j]; }
+        x0[2 * i] = -off * (kq_t8<TYPE>::halves ? s0 : s0 + s1);
+        x0[2 * i + 1] = -off * s1;
     }
     const int64_t strips = (N + 15) / 16;
     #pragma omp parallel
@@ -189,8 +227,16 @@ static void kq_tile8(const float* x, const uint8_t* w, float* out, int64_t M, in
             // lane c: weight row n0 + c (a short strip repeats its last row)
             const uint8_t* p[16];
             for (int c = 0; c < 16; ++c) p[c] = w + (n0 + std::min<int64_t>(c, nw - 1)) * rb;
-            for (int64_t b = 0; b < blocks; ++b)
-                kq_strip_unpack<TYPE>(p, b * kq_q32_layout<TYPE>::bb, S + b);
+            if constexpr (kq_t8<TYPE>::per_unpack == 8) {  // super-blocks of 256
+                const int64_t bb = kq_row_bytes(TYPE, 256);
+                for (int64_t b = 0; b < blocks; b += 8) {
+                    if (TYPE == KQ_Q6_K) kq_strip_unpack_q6k(p, b / 8 * bb, S + b);
+                    else kq_strip_unpack_k45<TYPE == KQ_Q5_K>(p, b / 8 * bb, S + b);
+                }
+            } else {
+                for (int64_t b = 0; b < blocks; ++b)
+                    kq_strip_unpack<TYPE>(p, b * kq_q32_layout<TYPE>::bb, S + b);
+            }
             // the next strip's bytes (contiguous) fetched a few lines a block while the
             // first rows go by (all at once, the prefetches would queue behind each other)
             kq_prefetch pf{nullptr, 0};
@@ -201,14 +247,14 @@ static void kq_tile8(const float* x, const uint8_t* w, float* out, int64_t M, in
             const __mmask16 keep = (__mmask16)((1u << nw) - 1);
             int64_t r0 = 0;
             for (; r0 + AE_TILE8_ROWS <= M; r0 += AE_TILE8_ROWS)
-                kq_strip_rows<TYPE, AE_TILE8_ROWS>(S, blocks, rx.xq + r0 * K, x0 + r0 * blocks,
+                kq_strip_rows<TYPE, AE_TILE8_ROWS>(S, blocks, rx.xq + r0 * K, x0 + 2 * r0 * blocks,
                                                    dx + r0 * blocks, sx + r0 * blocks, K,
                                                    out + r0 * ldo + n0, ldo, keep,
                                                    r0 == 0 ? pf : kq_prefetch{nullptr, 0});
             if (r0 < M)
                 kq_by_rows(M - r0, [&](auto rr) {
                     kq_strip_rows<TYPE, decltype(rr)::value>(
-                        S, blocks, rx.xq + r0 * K, x0 + r0 * blocks, dx + r0 * blocks,
+                        S, blocks, rx.xq + r0 * K, x0 + 2 * r0 * blocks, dx + r0 * blocks,
                         sx + r0 * blocks, K, out + r0 * ldo + n0, ldo, keep,
                         r0 == 0 ? pf : kq_prefetch{nullptr, 0});
                 });
@@ -225,6 +271,9 @@ static inline void kq_tile8_any(const float* x, const uint8_t* w, float* out, in
         case KQ_Q5_0: kq_tile8<KQ_Q5_0>(x, w, out, M, N, K, ldo, rb); return;
         case KQ_Q5_1: kq_tile8<KQ_Q5_1>(x, w, out, M, N, K, ldo, rb); return;
         case KQ_Q8_0: kq_tile8<KQ_Q8_0>(x, w, out, M, N, K, ldo, rb); return;
+        case KQ_Q4_K: kq_tile8<KQ_Q4_K>(x, w, out, M, N, K, ldo, rb); return;
+        case KQ_Q5_K: kq_tile8<KQ_Q5_K>(x, w, out, M, N, K, ldo, rb); return;
+        case KQ_Q6_K: kq_tile8<KQ_Q6_K>(x, w, out, M, N, K, ldo, rb); return;
         default: return;
     }
 }

@@ -377,22 +377,33 @@ def int8_rounded_matmul(x: torch.Tensor, raw: np.ndarray, qtype: T, k: int) -> t
     xq = np.rint((xb * inv[..., None]).astype(np.float32)).astype(np.float64)
     w = dequantize(raw, qtype).reshape(n, blocks, 32).astype(np.float64)
     c = np.zeros((n, blocks))  # the part of each block's weights taken by the float sum of x
-    if qtype in (T.Q4_1, T.Q5_1):
-        size = kquants.TYPES[qtype][2]
-        f16 = raw.reshape(n, blocks, size)[..., :4].copy().view(np.float16).astype(np.float64)
+    size = kquants.TYPES[qtype][2]
+    if qtype in (T.Q4_1, T.Q5_1):  # d q + m = d (q - 8 or 16) + (m + 8 or 16 d)
+        f16 = raw.reshape(n, blocks, size)[..., :4].copy().view(np.float16).astype(np.float32)
         c = f16[..., 1] + (16 if qtype == T.Q5_1 else 8) * f16[..., 0]
+    elif qtype in (T.Q4_K, T.Q5_K):  # (d sc) q - dmin mn = (d sc) (q - 8 or 16) + ...
+        sb = raw.reshape(n, k // 256, size)
+        f16 = sb[..., :4].copy().view(np.float16).astype(np.float32)  # d, dmin
+        s = sb[..., 4:16].astype(np.int32)
+        sc = np.concatenate([s[..., :4] & 63, (s[..., 8:] & 15) | ((s[..., :4] >> 2) & 48)], -1)
+        mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:] >> 4) | ((s[..., 4:8] >> 2) & 48)],
+                            -1)
+        dsc = f16[..., :1] * sc.astype(np.float32)
+        c = ((16 if qtype == T.Q5_K else 8) * dsc - f16[..., 1:] * mn).reshape(n, blocks)
     ints = np.einsum("nbj,mbj->mnb", w - c[..., None], xq) * d[:, None, :]
     mins = np.einsum("nb,mb->mn", c, xb.astype(np.float64).sum(-1))
     return torch.from_numpy(ints.sum(-1) + mins)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K,
+                                   T.Q6_K], ids=lambda t: t.name)
 def test_int8_tiles_compute_their_rounding_exactly(qtype, monkeypatch):
     """From ``TILE_ROWS`` rows of a bfloat16 model, ``kquant_tile8.h`` multiplies the blocks of
-    32 by byte dot products across 16 weight rows: the activations' int8 rounding is the only
-    approximation (every block's sum is exact in int32), the result is within the float32
-    roundings of that rounded product, close to the float product, and each row's result does
-    not depend on the batch (16 to 64 rows; short strips and row groups included)."""
+    32 and the k-quants by byte dot products across 16 weight rows: the activations' int8
+    rounding (per block of 32) is the only approximation (every block's sum is exact in
+    int32), the result is within the float32 roundings of that rounded product, close to the
+    float product, and each row's result does not depend on the batch (16 to 64 rows; short
+    strips and row groups included)."""
     from asyncengine.executor import cpu_flags
     from asyncengine.executor.kernels import packed as packed_kernels
 
@@ -400,7 +411,8 @@ def test_int8_tiles_compute_their_rounding_exactly(qtype, monkeypatch):
         pytest.skip("no AVX-512 BF16 here")
     monkeypatch.setattr(cpu_flags, "cpu_has_bf16", lambda: True)
     rng = np.random.default_rng(int(qtype) + 40)
-    k, n = 928, 37  # 29 blocks; 2 strips of 16 rows and a short one
+    # 29 blocks of 32 / 3 super-blocks; 2 strips of 16 rows and a short one
+    k, n = (768 if kquants.TYPES[qtype][1] == 256 else 928), 37
     raw = quantized_matrix(qtype, n, k, rng)
     w = torch.from_numpy(raw.copy())
     wf = torch.from_numpy(dequantize(raw, qtype).reshape(n, k)).double()

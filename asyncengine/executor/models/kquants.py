@@ -21,11 +21,11 @@ rows at a time (correct, slow). From ``TILE_ROWS`` input rows on (prefill chunks
 batches of 8 and more), a call dequantizes a tile of weight rows at a time and multiplies
 through oneDNN / MKL, in bfloat16 where the CPU has bfloat16 dot products (``tile_dtype``,
 chosen and logged once at start-up); where the kernel is built with AVX-512 BF16, up to
-``FUSED_ROWS`` rows the kernel multiplies them itself: the blocks of 32 (Q4_0 / Q4_1 / Q5_0 /
-Q5_1 / Q8_0) by byte dot products across 16 weight rows over activations rounded to int8
-once per block (``kernels/kquant_tile8.h``, where the CPU also has AVX-512 VNNI and BITALG),
-the other types as bfloat16 tiles (``kernels/kquant_tile.h``); no tile leaves the cache, no
-Python runs per tile.
+``FUSED_ROWS`` rows the kernel multiplies them itself: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
+Q4_K / Q5_K / Q6_K by byte dot products across 16 weight rows over activations rounded to
+int8 once per block of 32 (``kernels/kquant_tile8.h``, where the CPU also has AVX-512 VNNI
+and BITALG), the other types as bfloat16 tiles (``kernels/kquant_tile.h``); no tile leaves
+the cache, no Python runs per tile.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def fused_tiles(dtype: torch.dtype) -> bool:
     """Whether, for activations of ``dtype``, the kernel itself multiplies from ``TILE_ROWS``
     rows (AVX-512 BF16: ``kquant_tile.h``'s bfloat16 tiles, the arithmetic of ``_tiled``'s up
     to float32 summation order, or ``kquant_tile8.h``'s byte dot products for the blocks of
-    32; no tile leaves the cache, no Python per tile)."""
+    32 and the k-quants; no tile leaves the cache, no Python per tile)."""
     return (tile_dtype(dtype) == torch.bfloat16 and kernels_available()
             and packed_kernels.kquant_bf16_tile())
 

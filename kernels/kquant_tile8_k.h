@@ -1,0 +1,96 @@
+// kquant_tile8.h's strips for the k-quants: a super-block of 256 of 16 weight rows unpacked
+// into eight blocks of 32 in lanes (kq_strip_block), each with its float factors, so that the
+// byte dot products run as for the blocks of 32.
+//   - Q4_K / Q5_K: sub-block s is w = (d sc_s) q - dmin mn_s (kquant.h's kq_block_k45), taken
+//     as (d sc_s) (q - c) + (c d sc_s - dmin mn_s) with c the middle of q's range (8, 16):
+//     the block's factor `d` and its min term `m` (times the float sum of the block's x);
+//   - Q6_K: the 32 elements of a block have two int8 scales (elements 0-15, 16-31), w = (d
+//     sc) (q - 32): `d` and `m` hold the two factors, and the block's byte dot products are
+//     summed in two halves (kquant_tile8.h's kq_strip_rows).
+#pragma once
+
+#ifdef AE_KQ_TILE8
+// Byte j of every lane of v as a signed or unsigned 32-bit integer.
+static inline __m512i kq_lane_byte(__m512i v, int j, bool sgn) {
+    const __m512i top = _mm512_slli_epi32(v, 24 - 8 * j);
+    return sgn ? _mm512_srai_epi32(top, 24) : _mm512_srli_epi32(top, 24);
+}
+
+// The Q4_K / Q5_K super-block at byte `at` of rows p[0..15], into S[0..7].
+template <bool FIVE>
+static inline void kq_strip_unpack_k45(const uint8_t* const* p, int64_t at, kq_strip_block* S) {
+    __m512i H[4];  // d | dmin << 16, then the 12 bytes of 6-bit scales and mins
+    kq_rows_t4<4>(p, at, H);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(H[0]));
+    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(H[0], 16)));
+    const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15);
+    const __m512i m30 = _mm512_set1_epi32(0x30);
+    __m512i sc[8], mn[8];  // kquant.h's kq_scale_min, in every lane
+    for (int i = 0; i < 4; ++i) {
+        sc[i] = _mm512_and_si512(_mm512_srli_epi32(H[1], 8 * i), m6);
+        mn[i] = _mm512_and_si512(_mm512_srli_epi32(H[2], 8 * i), m6);
+        sc[4 + i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(H[3], 8 * i), m4),
+                                    _mm512_and_si512(_mm512_srli_epi32(H[1], 8 * i + 2), m30));
+        mn[4 + i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(H[3], 8 * i + 4), m4),
+                                    _mm512_and_si512(_mm512_srli_epi32(H[2], 8 * i + 2), m30));
+    }
+    __m512i qh[8];  // Q5_K: bit s of byte l, the fifth bit of element l of sub-block s
+    if (FIVE) {
+        kq_rows_t4<4>(p, at + 16, qh);
+        kq_rows_t4<4>(p, at + 32, qh + 4);
+    }
+    const int64_t qs = at + 16 + (FIVE ? 32 : 0);
+    const __m512i n4 = _mm512_set1_epi8(0x0f), five = _mm512_set1_epi8(0x10);
+    const __m512 c = _mm512_set1_ps(FIVE ? 16.f : 8.f);
+    for (int cc = 0; cc < 4; ++cc) {
+        __m512i Q[8];  // bytes [32 cc, 32 cc + 32): sub-block 2 cc low, 2 cc + 1 high nibbles
+        kq_rows_t4<4>(p, qs + 32 * cc, Q);
+        kq_rows_t4<4>(p, qs + 32 * cc + 16, Q + 4);
+        for (int h = 0; h < 2; ++h) {
+            const int s = 2 * cc + h;
+            kq_strip_block& B = S[s];
+            for (int j = 0; j < 8; ++j) {
+                __m512i g = _mm512_and_si512(h ? _mm512_srli_epi32(Q[j], 4) : Q[j], n4);
+                if (FIVE)
+                    g = _mm512_mask_add_epi8(
+                        g, _mm512_test_epi8_mask(qh[j], _mm512_set1_epi8((char)(1 << s))), g,
+                        five);
+                B.g[j] = g;
+            }
+            B.d = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc[s]));
+            B.m = _mm512_fnmadd_ps(dmin, _mm512_cvtepi32_ps(mn[s]), _mm512_mul_ps(c, B.d));
+        }
+    }
+}
+
+// The Q6_K super-block at byte `at` of rows p[0..15], into S[0..7]: block 4 h + i is
+// kquant.h's (h, i), element l from ql[64 h + 32 (i % 2) + l] (nibble i / 2) and bits 2 i of
+// qh[32 h + l].
+static inline void kq_strip_unpack_q6k(const uint8_t* const* p, int64_t at, kq_strip_block* S) {
+    __m512i sc[4], tail[4];
+    kq_rows_t4<4>(p, at + 192, sc);    // the 16 int8 scales
+    kq_rows_t4<4>(p, at + 194, tail);  // bytes 206..209: d in the upper half of the last
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(tail[3], 16)));
+    const __m512i n4 = _mm512_set1_epi8(0x0f), b45 = _mm512_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+        __m512i L[16], Hb[8];
+        for (int q = 0; q < 4; ++q) kq_rows_t4<4>(p, at + 64 * h + 16 * q, L + 4 * q);
+        kq_rows_t4<4>(p, at + 128 + 32 * h, Hb);
+        kq_rows_t4<4>(p, at + 128 + 32 * h + 16, Hb + 4);
+        for (int i = 0; i < 4; ++i) {
+            kq_strip_block& B = S[4 * h + i];
+            for (int j = 0; j < 8; ++j) {
+                const __m512i lo = _mm512_and_si512(
+                    _mm512_srli_epi32(L[8 * (i % 2) + j], 4 * (i / 2)), n4);
+                const __m512i hb = i < 3 ? _mm512_slli_epi32(Hb[j], 4 - 2 * i)
+                                         : _mm512_srli_epi32(Hb[j], 2);
+                B.g[j] = _mm512_or_si512(lo, _mm512_and_si512(hb, b45));
+            }
+            const int k = 8 * h + 2 * i;  // the scales of elements 0-15 and 16-31
+            B.d = _mm512_mul_ps(d, _mm512_cvtepi32_ps(kq_lane_byte(sc[k / 4], k % 4, true)));
+            B.m = _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+                kq_lane_byte(sc[(k + 1) / 4], (k + 1) % 4, true)));
+        }
+    }
+}
+#endif
