@@ -7,11 +7,18 @@
 #include "kquant_tile.h"
 #include "kquant_tile8.h"
 
-// kernel()'s type that asks whether kq_tile is compiled in (out[0] = 1 or 0)
+// kernel()'s types that ask whether kq_tile / kq_tile8 are compiled in (out[0] = 1 or 0)
 #define KQ_ASK_BF16_TILE -1
+#define KQ_ASK_INT8_TILE -2
 // A flag on kernel()'s type: from AE_TILE_MIN_ROWS rows, the bfloat16 tiles (kq_tile) even
 // where the int8 ones (kq_tile8) take the type (the tests check both on one CPU).
 #define KQ_BF16_TILES 0x100
+// A flag on kernel()'s type: x is bfloat16 [M, K] (kq_tile8 reads it as it is; any other
+// path gets it widened to float32 first).
+#define KQ_X_BF16 0x200
+// A flag on kernel()'s type: out is bfloat16 (row stride ldo), written by kq_tile8 as it
+// rounds its sums; only the calls kq_tile8 takes may set it.
+#define KQ_OUT_BF16 0x400
 
 #ifdef AE_AVX2
 // G floats from p as the low lanes of a vector (the rest zero).
@@ -154,18 +161,50 @@ extern "C" void kernel(const float* x, const uint8_t* w, float* out, int64_t M, 
 #endif
         return;
     }
-    const bool bf16_tiles = type & KQ_BF16_TILES;
-    type &= ~(int64_t)KQ_BF16_TILES;
+    if (type == KQ_ASK_INT8_TILE) {  // whether kq_tile8 is (and taken): out[0] = 1 or 0
+#if defined(AE_KQ_TILE8) && defined(AE_KQ_BF16)
+        out[0] = 1.f;
+#else
+        out[0] = 0.f;
+#endif
+        return;
+    }
+    const bool bf16_tiles = type & KQ_BF16_TILES, x_bf16 = type & KQ_X_BF16;
+    const bool out_bf16 = type & KQ_OUT_BF16;
+    type &= ~(int64_t)(KQ_BF16_TILES | KQ_X_BF16 | KQ_OUT_BF16);
     const int64_t rb = kq_row_bytes(type, K);
     if (rb == 0) return;
 #if defined(AE_KQ_TILE8) && defined(AE_KQ_BF16)
     // from AE_TILE_MIN_ROWS rows, the blocks of 32 by byte dot products across 16 weight rows
     // (kquant_tile8.h), the other types by bfloat16 tiles
     if (M >= AE_TILE_MIN_ROWS && kq_tile8_type(type) && K % 32 == 0 && !bf16_tiles) {
-        kq_tile8_any(x, w, out, M, N, K, ldo, type, rb);
+        kq_tile8_any(x, x_bf16, w, out, out_bf16, M, N, K, ldo, type, rb);
         return;
     }
 #endif
+    if (out_bf16) {  // the other paths write float32: into scratch, then rounded
+        std::vector<float> f(M * N);
+        kernel(x, w, f.data(), M, N, K, N, type | (x_bf16 ? KQ_X_BF16 : 0));
+        uint16_t* o = (uint16_t*)out;
+        for (int64_t r = 0; r < M; ++r)
+            for (int64_t n = 0; n < N; ++n) {
+                uint32_t bits;
+                std::memcpy(&bits, &f[r * N + n], 4);
+                bits += 0x7fff + ((bits >> 16) & 1);  // nearest even (finite sums)
+                o[r * ldo + n] = (uint16_t)(bits >> 16);
+            }
+        return;
+    }
+    if (x_bf16) {  // the other paths read float32
+        static thread_local std::vector<float> xf;
+        if ((int64_t)xf.size() < M * K) xf.resize(M * K);
+        const uint16_t* h = (const uint16_t*)x;
+        for (int64_t i = 0; i < M * K; ++i) {
+            const uint32_t bits = (uint32_t)h[i] << 16;
+            std::memcpy(&xf[i], &bits, 4);
+        }
+        x = xf.data();
+    }
 #ifdef AE_KQ_BF16
     // from AE_TILE_MIN_ROWS rows (a bfloat16 model: kquants.py sends them here only then),
     // dequantized bfloat16 tiles multiplied in place (kquant_tile.h)

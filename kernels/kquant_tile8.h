@@ -141,7 +141,7 @@ struct kq_prefetch {
 template <int TYPE, int R>
 static inline void kq_strip_rows(const kq_strip_block* S, int64_t blocks, const int8_t* xq,
                                  const int32_t* x0, const float* dx, const float* sx,
-                                 int64_t K, float* out, int64_t ldo, __mmask16 keep,
+                                 int64_t K, void* out, bool obf, int64_t ldo, __mmask16 keep,
                                  kq_prefetch pf) {
     const int64_t per = pf.at ? (pf.lines + blocks - 1) / blocks : 0;
     using T8 = kq_t8<TYPE>;
@@ -191,36 +191,84 @@ static inline void kq_strip_rows(const kq_strip_block* S, int64_t blocks, const 
         }
     }
     #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
+    for (int r = 0; r < R; ++r) {
+        if (obf)  // bfloat16, rounded to nearest even as torch's .to(bfloat16)
+            _mm256_mask_storeu_epi16((uint16_t*)out + r * ldo, keep,
+                                     (__m256i)_mm512_cvtneps_pbh(acc[r]));
+        else
+            _mm512_mask_storeu_ps((float*)out + r * ldo, keep, acc[r]);
+    }
 }
 
-// out[r * ldo + n] for r < M, n < N: x [M, K] float, w N rows of rb bytes of TYPE.
-template <int TYPE>
-static void kq_tile8(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
-                     int64_t K, int64_t ldo, int64_t rb) {
-    constexpr int off = kq_t8<TYPE>::off;
-    const int64_t blocks = K / 32;
-    const ae_rounded rx = ae_round_rows(x, M, K);  // xq: the first rounding
-    static thread_local std::vector<float> fs;
-    static thread_local std::vector<int32_t> is;
-    if ((int64_t)fs.size() < 2 * M * blocks) fs.resize(2 * M * blocks);
-    if ((int64_t)is.size() < 2 * M * blocks) is.resize(2 * M * blocks);
-    float* dx = fs.data();
-    float* sx = dx + M * blocks;
-    int32_t* x0 = is.data();
-    for (int64_t i = 0; i < M * blocks; ++i) {
-        dx[i] = rx.xa[2 * i] * 256.f;
-        sx[i] = rx.xb[2 * i + 1];
-        int32_t s0 = 0, s1 = 0;  // the sums of xq over elements 0-15 and 16-31
-        for (int j = 0; j < 16; ++j) { s0 += rx.xq[32 * i + j]; s1 += rx.xq[32 * i + 16 + j]; }
-        x0[2 * i] = -off * (kq_t8<TYPE>::halves ? s0 : s0 + s1);
-        x0[2 * i + 1] = -off * s1;
+// The activations of a call, rounded once per block of 32 (common.h's first rounding, the
+// same bits: d = max|x| / 127, x / d to nearest even): xq [M, K]; per block i of row-major
+// blocks, dx[i] = d, sx[i] = the float sum of x, x0[2 i] / x0[2 i + 1] the dot products'
+// starting values, -off times the sum of xq (Q6_K: over elements 0-15 and 16-31 apart).
+struct kq_t8_rows {
+    int8_t* xq;
+    float* dx;
+    float* sx;
+    int32_t* x0;
+};
+
+// x: float32 [M, K], or bfloat16 where `bf16`.
+static inline __m512 kq_t8_load16(const void* x, int64_t at, bool bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float*)x + at);
+    const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)x + at));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline kq_t8_rows kq_t8_quantize(const void* x, bool bf16, int64_t M, int64_t K,
+                                        int off, bool halves) {
+    static thread_local std::vector<int8_t> q;
+    static thread_local std::vector<float> f;
+    static thread_local std::vector<int32_t> z;
+    const int64_t n = M * (K / 32);
+    if ((int64_t)q.size() < M * K) q.resize(M * K);
+    if ((int64_t)f.size() < 2 * n) f.resize(2 * n);
+    if ((int64_t)z.size() < 2 * n) z.resize(2 * n);
+    const kq_t8_rows r{q.data(), f.data(), f.data() + n, z.data()};
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    #pragma omp parallel for schedule(static) if (n >= 4096)
+    for (int64_t i = 0; i < n; ++i) {
+        const __m512 v0 = kq_t8_load16(x, 32 * i, bf16), v1 = kq_t8_load16(x, 32 * i + 16, bf16);
+        const float amax = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        const __m512 iv = _mm512_set1_ps(inv);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(
+            _mm512_mul_ps(v0, iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(
+            _mm512_mul_ps(v1, iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm_storeu_si128((__m128i*)(r.xq + 32 * i), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i*)(r.xq + 32 * i + 16), _mm512_cvtepi32_epi8(q1));
+        const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
+        r.dx[i] = d;
+        r.sx[i] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        r.x0[2 * i] = -off * (halves ? s0 : s0 + s1);
+        r.x0[2 * i + 1] = -off * s1;
     }
+    return r;
+}
+
+// Input rows a pass over the weights takes (a prefill chunk goes in panels): their int8
+// activations stay in L2 (128 x 4864 bytes) while each strip's unpacked blocks sit in L1.
+#define AE_TILE8_PANEL 128
+
+// out[r * ldo + n] for r < M, n < N: x [M, K] float32 (bfloat16 where `bf16`), w N rows of
+// rb bytes of TYPE, out float32 (bfloat16 where `obf`).
+template <int TYPE>
+static void kq_tile8(const void* x, bool bf16, const uint8_t* w, void* out, bool obf,
+                     int64_t M, int64_t N, int64_t K, int64_t ldo, int64_t rb) {
+    const int64_t blocks = K / 32;
+    const kq_t8_rows rx = kq_t8_quantize(x, bf16, M, K, kq_t8<TYPE>::off, kq_t8<TYPE>::halves);
     const int64_t strips = (N + 15) / 16;
     #pragma omp parallel
     {
         std::vector<kq_strip_block> buf(blocks);
         kq_strip_block* S = buf.data();
+        for (int64_t p0 = 0; p0 < M; p0 += AE_TILE8_PANEL) {
+        const int64_t p1 = std::min<int64_t>(M, p0 + AE_TILE8_PANEL);
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < strips; ++t) {
             const int64_t n0 = 16 * t, nw = std::min<int64_t>(16, N - n0);
@@ -245,35 +293,32 @@ static void kq_tile8(const float* x, const uint8_t* w, float* out, int64_t M, in
                 pf.lines = (std::min<int64_t>(16, N - n0 - 16) * rb + 63) / 64;
             }
             const __mmask16 keep = (__mmask16)((1u << nw) - 1);
-            int64_t r0 = 0;
-            for (; r0 + AE_TILE8_ROWS <= M; r0 += AE_TILE8_ROWS)
-                kq_strip_rows<TYPE, AE_TILE8_ROWS>(S, blocks, rx.xq + r0 * K, x0 + 2 * r0 * blocks,
-                                                   dx + r0 * blocks, sx + r0 * blocks, K,
-                                                   out + r0 * ldo + n0, ldo, keep,
-                                                   r0 == 0 ? pf : kq_prefetch{nullptr, 0});
-            if (r0 < M)
-                kq_by_rows(M - r0, [&](auto rr) {
-                    kq_strip_rows<TYPE, decltype(rr)::value>(
-                        S, blocks, rx.xq + r0 * K, x0 + 2 * r0 * blocks, dx + r0 * blocks,
-                        sx + r0 * blocks, K, out + r0 * ldo + n0, ldo, keep,
-                        r0 == 0 ? pf : kq_prefetch{nullptr, 0});
-                });
+            auto rows = [&](auto R, int64_t r0) {
+                kq_strip_rows<TYPE, decltype(R)::value>(
+                    S, blocks, rx.xq + r0 * K, rx.x0 + 2 * r0 * blocks, rx.dx + r0 * blocks,
+                    rx.sx + r0 * blocks, K,
+                    obf ? (void*)((uint16_t*)out + r0 * ldo + n0)
+                        : (void*)((float*)out + r0 * ldo + n0), obf, ldo, keep,
+                    r0 == p0 ? pf : kq_prefetch{nullptr, 0});
+            };
+            int64_t r0 = p0;
+            for (; r0 + AE_TILE8_ROWS <= p1; r0 += AE_TILE8_ROWS)
+                rows(std::integral_constant<int, AE_TILE8_ROWS>{}, r0);
+            if (r0 < p1) kq_by_rows(p1 - r0, [&](auto R) { rows(R, r0); });
+        }
         }
     }
 }
 
 // kq_tile8 for a type of kq_tile8_type.
-static inline void kq_tile8_any(const float* x, const uint8_t* w, float* out, int64_t M,
-                                int64_t N, int64_t K, int64_t ldo, int64_t type, int64_t rb) {
+static inline void kq_tile8_any(const void* x, bool bf16, const uint8_t* w, void* out,
+                                bool obf, int64_t M, int64_t N, int64_t K, int64_t ldo,
+                                int64_t type, int64_t rb) {
     switch (type) {
-        case KQ_Q4_0: kq_tile8<KQ_Q4_0>(x, w, out, M, N, K, ldo, rb); return;
-        case KQ_Q4_1: kq_tile8<KQ_Q4_1>(x, w, out, M, N, K, ldo, rb); return;
-        case KQ_Q5_0: kq_tile8<KQ_Q5_0>(x, w, out, M, N, K, ldo, rb); return;
-        case KQ_Q5_1: kq_tile8<KQ_Q5_1>(x, w, out, M, N, K, ldo, rb); return;
-        case KQ_Q8_0: kq_tile8<KQ_Q8_0>(x, w, out, M, N, K, ldo, rb); return;
-        case KQ_Q4_K: kq_tile8<KQ_Q4_K>(x, w, out, M, N, K, ldo, rb); return;
-        case KQ_Q5_K: kq_tile8<KQ_Q5_K>(x, w, out, M, N, K, ldo, rb); return;
-        case KQ_Q6_K: kq_tile8<KQ_Q6_K>(x, w, out, M, N, K, ldo, rb); return;
+#define KQ_T8(T) case T: kq_tile8<T>(x, bf16, w, out, obf, M, N, K, ldo, rb); return;
+        KQ_T8(KQ_Q4_0) KQ_T8(KQ_Q4_1) KQ_T8(KQ_Q5_0) KQ_T8(KQ_Q5_1) KQ_T8(KQ_Q8_0)
+        KQ_T8(KQ_Q4_K) KQ_T8(KQ_Q5_K) KQ_T8(KQ_Q6_K)
+#undef KQ_T8
         default: return;
     }
 }

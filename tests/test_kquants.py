@@ -416,21 +416,31 @@ def test_int8_tiles_compute_their_rounding_exactly(qtype, monkeypatch):
     raw = quantized_matrix(qtype, n, k, rng)
     w = torch.from_numpy(raw.copy())
     wf = torch.from_numpy(dequantize(raw, qtype).reshape(n, k)).double()
-    x = torch.randn(64, k)
+    x = torch.randn(150, k)  # a prefill chunk's two row panels (kquant_tile8.h: 128 rows)
     x[3, :64] = 0.0  # all-zero blocks
-    together = torch.empty(64, n)
+    together = torch.empty(150, n)
     packed_kernels.kquant_mm(x, w, int(qtype), together)
     scale = (x.double().abs() @ wf.abs().T).clamp_min(1e-30)
     want = int8_rounded_matmul(x, raw, qtype, k)
     assert ((together.double() - want).abs() / scale).max() < 1e-5
     assert ((together.double() - x.double() @ wf.T).abs() / scale).max() < 1e-2
-    for m in (16, 19, 33):
+    for m in (16, 19, 33, 64):
         out = torch.empty(m, n)
         packed_kernels.kquant_mm(x[:m].contiguous(), w, int(qtype), out)
         assert torch.equal(out, together[:m])
-    # and through the model's linear, bfloat16 in and out
+    # and through the model's linear, bfloat16 in and out (read and written by the kernel as
+    # they are): the float32 call's sums rounded once
     lin = kquants.GGUFLinear(k, [kquants.Part(w, int(qtype))])
-    xb = x[:19].bfloat16()
-    out = torch.empty(19, n)
-    packed_kernels.kquant_mm(xb.float(), w, int(qtype), out)
-    assert torch.equal(lin(xb), out.bfloat16())
+    for m in (19, 150):
+        xb = x[:m].bfloat16()
+        out = torch.empty(m, n)
+        packed_kernels.kquant_mm(xb.float(), w, int(qtype), out)
+        assert torch.equal(lin(xb), out.bfloat16())
+    # bfloat16 in or out where another path takes the call (3 rows): widened, then rounded
+    xb = x[:3].bfloat16()
+    want = torch.empty(3, n)
+    packed_kernels.kquant_mm(xb.float(), w, int(qtype), want)
+    got, got16 = torch.empty(3, n), torch.empty(3, n, dtype=torch.bfloat16)
+    packed_kernels.kquant_mm(xb, w, int(qtype), got)
+    packed_kernels.kquant_mm(xb, w, int(qtype), got16)
+    assert torch.equal(got, want) and torch.equal(got16, want.bfloat16())

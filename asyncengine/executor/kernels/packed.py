@@ -164,28 +164,50 @@ def int8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Ten
 def kquant_mm(x: torch.Tensor, w: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
     """``out[:, :N] = x [M, K] float32 @ dequant(w).T`` for a GGUF matrix ``w`` (uint8
     ``[N, row bytes]`` as the file stores it, GGML type ``qtype``; ``kquant.cpp``). ``out``
-    may be a column slice of a wider float32 matrix (its row stride is passed on)."""
+    may be a column slice of a wider float32 matrix (its row stride is passed on). ``x``
+    may be bfloat16 (contiguous), and ``out`` too: they go in as they are, flagged."""
     m, k = x.shape
+    if x.dtype == torch.bfloat16:
+        qtype |= KQ_X_BF16
+    if out.dtype == torch.bfloat16:
+        qtype |= KQ_OUT_BF16
     _load("kquant")(x, w, out, m, w.shape[0], k, out.stride(0), qtype)
 
 
 # A flag on ``kquant_mm``'s type: from ``kquants.TILE_ROWS`` rows, the bfloat16 tiles
 # (``kquant_tile.h``) even for the types ``kquant_tile8.h`` takes (tests check both).
 KQ_BF16_TILES = 0x100
+# A flag on ``kquant_mm``'s type: ``x`` is bfloat16 (``kquant_tile8.h`` rounds it to int8 as it
+# is, no float32 copy; any other path widens it first).
+KQ_X_BF16 = 0x200
+# ... and ``out`` bfloat16 (``kquant_tile8.h`` rounds its sums once, as ``.to(bfloat16)``).
+KQ_OUT_BF16 = 0x400
 
-_KQ_TILE: list[bool] = []
+_KQ_ASKED: dict[int, bool] = {}
+
+
+def _kquant_has(ask: int) -> bool:
+    """``kquant.cpp``'s answer to a call with type ``ask`` (out[0] 1 or 0), asked once."""
+    if ask not in _KQ_ASKED:
+        fn = _load("kquant")
+        flag = torch.zeros(1)
+        if fn is not None:
+            fn(torch.zeros(1), torch.zeros(1, dtype=torch.uint8), flag, 0, 0, 0, 0, ask)
+        _KQ_ASKED[ask] = bool(flag.item())
+    return _KQ_ASKED[ask]
 
 
 def kquant_bf16_tile() -> bool:
     """Whether ``kquant.cpp`` multiplies from ``kquants.TILE_ROWS`` input rows in place
-    (``kquant_tile.h``: AVX-512 BF16 compiled in), asked once by a call with type -1."""
-    if not _KQ_TILE:
-        fn = _load("kquant")
-        flag = torch.zeros(1)
-        if fn is not None:
-            fn(torch.zeros(1), torch.zeros(1, dtype=torch.uint8), flag, 0, 0, 0, 0, -1)
-        _KQ_TILE.append(bool(flag.item()))
-    return _KQ_TILE[0]
+    (``kquant_tile.h``: AVX-512 BF16 compiled in)."""
+    return _kquant_has(-1)
+
+
+def kquant_int8_tile() -> bool:
+    """Whether ``kquant.cpp`` takes the blocks of 32 and the k-quants from
+    ``kquants.TILE_ROWS`` rows by ``kquant_tile8.h``'s byte dot products (AVX-512 BF16, VNNI
+    and BITALG compiled in), at any row count (row panels)."""
+    return _kquant_has(-2)
 
 
 def kquant_dequant(w: torch.Tensor, ids: torch.Tensor, k: int, qtype: int,

@@ -65,6 +65,11 @@ TILE_ROWS = 16
 # 168.0 ms with the kernel's, 137.3 ms in the decode stack (docs/benchmarks.md). Larger
 # prefill chunks go on to ``_tiled``.
 FUSED_ROWS = 64
+# The types ``kquant_tile8.h`` multiplies (AVX-512 VNNI and BF16) from ``TILE_ROWS`` rows at any
+# row count, prefill chunks included (in panels of 128 rows): byte dot products over
+# activations rounded to int8 once per block of 32, ~1.3x oneDNN's bfloat16 GEMM over
+# dequantized tiles for a 2048-token chunk of the Q4_K_M file (docs/benchmarks.md).
+INT8_TILE_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4/5/6_K
 # Weights per dequantized tile of ``_tiled`` (2 MB in bfloat16): oneDNN's bfloat16 GEMM over a
 # 2048-token prefill chunk, one thread, the Zen 5 of docs/benchmarks.md: K = 4864 at 53 rows a
 # tile (the old 2**18 weights) 356 GFLOP/s, at 128 492, at 256 499; K = 896 at 292 rows 469,
@@ -192,6 +197,9 @@ class GGUFLinear(nn.Module):
             self.register_buffer(f"raw{i}", p.raw)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.use_kernel = kernels_available()
+        # every part in a type kquant_tile8.h multiplies at any row count (prefill chunks too)
+        self.int8_tiles = (self.use_kernel and set(self.qtypes) <= INT8_TILE_TYPES
+                           and packed_kernels.kquant_int8_tile())
 
     def parts(self) -> list[tuple[torch.Tensor, int]]:
         return [(self._buffers[f"raw{i}"], t) for i, t in enumerate(self.qtypes)]
@@ -204,10 +212,16 @@ class GGUFLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        if self.use_kernel and (rows < TILE_ROWS
-                                or rows <= FUSED_ROWS and fused_tiles(x2.dtype)):
-            x2 = x2.float().contiguous()
-            out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        if self.use_kernel and (rows < TILE_ROWS or fused_tiles(x2.dtype)
+                                and (rows <= FUSED_ROWS or self.int8_tiles)):
+            # bfloat16 rows go in as they are where kquant_tile8.h takes them (a 2048 x 4864
+            # float32 copy cost a prefill chunk's down projection half its matmul time)
+            keep = (x2.dtype == torch.bfloat16 and self.int8_tiles and rows >= TILE_ROWS)
+            x2 = x2.contiguous() if keep else x2.float().contiguous()
+            # and their sums come back in bfloat16, rounded once (a bias is added in float32
+            # first: one rounding too)
+            odt = torch.bfloat16 if keep and self.bias is None else torch.float32
+            out = torch.empty(x2.shape[0], self.out_features, dtype=odt)
             col = 0
             for raw, qtype in self.parts():
                 packed_kernels.kquant_mm(x2, raw, qtype, out[:, col:col + raw.shape[0]])
