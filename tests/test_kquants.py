@@ -311,6 +311,11 @@ def test_kernels_build_where_the_compiler_works():
         pytest.skip("no C++ toolchain here")
     assert kquants.kernels_available()
     assert packed_kernels._load("kquant_dequant", 1) is not None  # the bfloat16 tiles'
+    # and the int8 tiles where the CPU has what they need (their tests would skip otherwise)
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    if {"avx512_bf16", "avx512_vnni", "avx512_bitalg", "avx512bw", "avx512vl"} <= flags:
+        assert packed_kernels.kquant_int8_tile()
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -407,8 +412,8 @@ def test_int8_tiles_compute_their_rounding_exactly(qtype, monkeypatch):
     from asyncengine.executor import cpu_flags
     from asyncengine.executor.kernels import packed as packed_kernels
 
-    if not (kquants.kernels_available() and packed_kernels.kquant_bf16_tile()):
-        pytest.skip("no AVX-512 BF16 here")
+    if not (kquants.kernels_available() and packed_kernels.kquant_int8_tile()):
+        pytest.skip("no AVX-512 BF16 + VNNI + BITALG here")
     monkeypatch.setattr(cpu_flags, "cpu_has_bf16", lambda: True)
     rng = np.random.default_rng(int(qtype) + 40)
     # 29 blocks of 32 / 3 super-blocks; 2 strips of 16 rows and a short one

@@ -90,8 +90,11 @@ def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
     bf16 = _cpu_has_bf16()
     if not _CHOICE_LOGGED:
         _CHOICE_LOGGED = True
-        logger.info("GGUF matmuls: the packed kernel below %d input rows, from there tiles of "
-                    "dequantized weights in %s (this CPU %s bfloat16 dot products)", TILE_ROWS,
+        int8 = bf16 and kernels_available() and packed_kernels.kquant_int8_tile()
+        logger.info("GGUF matmuls: the packed kernel below %d input rows, from there %stiles "
+                    "of dequantized weights in %s (this CPU %s bfloat16 dot products)", TILE_ROWS,
+                    "int8 tiles for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K when the model is "
+                    "bfloat16 (AVX-512 VNNI), else " if int8 else "",
                     "bfloat16 when the model is" if bf16 else "float32",
                     "has" if bf16 else "lacks")
     return torch.bfloat16 if bf16 and x_dtype == torch.bfloat16 else torch.float32
