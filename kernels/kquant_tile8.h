@@ -14,12 +14,13 @@
 // The 16 rows' blocks are brought into that layout (lane c: 4 bytes of weight row c) by
 // 128-bit loads and a transposition (kquant_tile8_unpack.h; gathers cost more than the dot
 // products here), once per call (per panel of rows), into a buffer of the thread that stays
-// in L1 / L2 while every input row goes by; the next 16 rows' bytes are prefetched meanwhile. The quants stay unsigned (Q8_0's shifted by
-// 128) and the activations are rounded to int8 once per block (x ~= dx xq, dx = max|x| / 127,
-// as llama.cpp's Q8_0 activations), so each block's sum is exact in int32, the offset
-// (-off sum(xq)) its starting value; Q4_1 / Q5_1 / Q4_K / Q5_K's min term is m times the
-// block's float sum of x. The rounding of the activations is the only approximation, and a
-// row's result does not depend on the rows beside it.
+// in L1 / L2 while every input row goes by; the next 16 rows' bytes are prefetched meanwhile.
+// The quants stay unsigned (Q8_0's shifted by 128) and the activations are rounded to int8
+// once per block (x ~= dx xq, dx = max|x| / 127, as llama.cpp's Q8_0 activations), so each
+// block's sum is exact in int32, the offset (-off sum(xq)) its starting value; Q4_1 / Q5_1 /
+// Q4_K / Q5_K's min term is m times the block's float sum of x. The rounding of the
+// activations is the only approximation, and a row's result does not depend on the rows
+// beside it.
 #pragma once
 #include "kquant_small.h"
 #include "kquant_q32.h"
