@@ -111,8 +111,11 @@ def file_types(path: Path) -> str:
 
 
 def matrix_timing(path: Path) -> None:
-    """Layer 0's gate (Q5_0) and down (Q6_K) projections, one thread, best of 20 calls: the
-    packed kernel against float32 and bfloat16 tiles (``kquants.TILE_ROWS``' measurement)."""
+    """Layer 0's gate (Q5_0) and down (Q6_K) projections, one thread, best of 20 calls (5 at
+    2048 rows): the packed kernel against float32 and bfloat16 tiles (``kquants.TILE_ROWS``'
+    measurement), and the bfloat16 model's own call (``GGUFLinear`` on bfloat16 rows: from 16
+    rows the kernel's int8 tiles where the CPU has them, at 128 and 2048 rows a prefill chunk,
+    against the bfloat16 tiles through oneDNN)."""
     import torch
     from kquant_mm import best  # benchmarks/kquant_mm.py: best of n calls after one warm-up
 
@@ -125,19 +128,22 @@ def matrix_timing(path: Path) -> None:
     source = resolve_model(str(path))
     packed = read_packed(source.gguf_path, source.hf_config)
 
-    print("rows  matrix           type   kernel ms  f32 tiles ms  bf16 tiles ms")
-    for m in (1, 4, 8, 16, 32):
+    print("rows  matrix           type   kernel ms  f32 tiles ms  bf16 tiles ms  bf16 model ms")
+    for m in (1, 4, 8, 16, 32, 128, 2048):
+        reps = 20 if m <= 128 else 5
         for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.down_proj.weight"):
             t = packed[name]
             lin = kquants.GGUFLinear(t.k, [kquants.Part(t.raw, t.qtype)])
             x = torch.randn(m, t.k)
             out = torch.empty(m, t.raw.shape[0])
             xb = x.bfloat16()
-            kernel = best(functools.partial(packed_kernels.kquant_mm, x, t.raw, t.qtype, out), 20)
-            f32 = best(functools.partial(lin._tiled, x), 20)
-            bf16 = best(functools.partial(lin._tiled, xb), 20)
+            kernel = best(functools.partial(packed_kernels.kquant_mm, x, t.raw, t.qtype, out),
+                          reps)
+            f32 = best(functools.partial(lin._tiled, x), reps)
+            bf16 = best(functools.partial(lin._tiled, xb), reps)
+            model = best(functools.partial(lin, xb), reps)
             print(f"{m:4d}  {name.split('.')[3]:15s}  {kquants.type_name(t.qtype):5s} "
-                  f"{kernel:10.3f} {f32:13.3f} {bf16:14.3f}", flush=True)
+                  f"{kernel:10.3f} {f32:13.3f} {bf16:14.3f} {model:14.3f}", flush=True)
 
 
 def main() -> int:
