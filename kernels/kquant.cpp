@@ -10,6 +10,16 @@
 // kernel()'s types that ask whether kq_tile / kq_tile8 are compiled in (out[0] = 1 or 0)
 #define KQ_ASK_BF16_TILE -1
 #define KQ_ASK_INT8_TILE -2
+#ifdef AE_KQ_BF16
+#define KQ_HAS_BF16_TILE 1
+#else
+#define KQ_HAS_BF16_TILE 0
+#endif
+#if defined(AE_KQ_TILE8) && defined(AE_KQ_BF16)  // (kq_tile8 is taken only beside kq_tile)
+#define KQ_HAS_INT8_TILE 1
+#else
+#define KQ_HAS_INT8_TILE 0
+#endif
 // A flag on kernel()'s type: from AE_TILE_MIN_ROWS rows, the bfloat16 tiles (kq_tile) even
 // where the int8 ones (kq_tile8) take the type (the tests check both on one CPU).
 #define KQ_BF16_TILES 0x100
@@ -153,20 +163,8 @@ static bool kq_small(const float* x, const uint8_t* w, float* out, int64_t M, in
 extern "C" void kernel(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
                        int64_t K, int64_t ldo, int64_t type) {
     const AeWithoutGil released(N * K >= AE_RELEASE_GIL_ELEMENTS);
-    if (type == KQ_ASK_BF16_TILE) {  // whether kq_tile is compiled in: out[0] = 1 or 0
-#ifdef AE_KQ_BF16
-        out[0] = 1.f;
-#else
-        out[0] = 0.f;
-#endif
-        return;
-    }
-    if (type == KQ_ASK_INT8_TILE) {  // whether kq_tile8 is (and taken): out[0] = 1 or 0
-#if defined(AE_KQ_TILE8) && defined(AE_KQ_BF16)
-        out[0] = 1.f;
-#else
-        out[0] = 0.f;
-#endif
+    if (type == KQ_ASK_BF16_TILE || type == KQ_ASK_INT8_TILE) {  // out[0] = 1 or 0
+        out[0] = (float)(type == KQ_ASK_BF16_TILE ? KQ_HAS_BF16_TILE : KQ_HAS_INT8_TILE);
         return;
     }
     const bool bf16_tiles = type & KQ_BF16_TILES, x_bf16 = type & KQ_X_BF16;
