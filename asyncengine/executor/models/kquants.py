@@ -20,12 +20,12 @@ Where the kernels cannot be compiled: one warning, then ``gguf.quants.dequantize
 rows at a time (correct, slow). From ``TILE_ROWS`` input rows on (prefill chunks, decode
 batches of 8 and more), a call dequantizes a tile of weight rows at a time and multiplies
 through oneDNN / MKL, in bfloat16 where the CPU has bfloat16 dot products (``tile_dtype``,
-chosen and logged once at start-up); where the kernel is built with AVX-512 BF16, up to
-``FUSED_ROWS`` rows the kernel multiplies them itself: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 /
-Q4_K / Q5_K / Q6_K by byte dot products across 16 weight rows over activations rounded to
-int8 once per block of 32 (``kernels/kquant_tile8.h``, where the CPU also has AVX-512 VNNI
-and BITALG), the other types as bfloat16 tiles (``kernels/kquant_tile.h``); no tile leaves
-the cache, no Python runs per tile.
+chosen and logged once at start-up); where the kernel is built with AVX-512 BF16, the kernel
+multiplies them itself: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K at any row
+count by byte dot products across 16 weight rows over activations rounded to int8 once per
+block of 32 (``kernels/kquant_tile8.h``, where the CPU also has AVX-512 VNNI and BITALG), the
+other types up to ``FUSED_ROWS`` rows as bfloat16 tiles (``kernels/kquant_tile.h``); no tile
+leaves the cache, no Python runs per tile.
 """
 
 from __future__ import annotations
