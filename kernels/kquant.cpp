@@ -29,6 +29,13 @@
 // A flag on kernel()'s type: out is bfloat16 (row stride ldo), written by kq_tile8 as it
 // rounds its sums; only the calls kq_tile8 takes may set it.
 #define KQ_OUT_BF16 0x400
+// A flag on kernel()'s type: kq_tile8 from AE_TILE8_FEW_ROWS rows instead of
+// AE_TILE_MIN_ROWS. Rows below AE_TILE_MIN_ROWS then no longer give each row the same result
+// at any row count (speculative verification needs that; kquants.py sets the flag without it).
+#define KQ_TILE8_FEW 0x800
+#ifndef AE_TILE8_FEW_ROWS
+#define AE_TILE8_FEW_ROWS 3
+#endif
 
 #ifdef AE_AVX2
 // G floats from p as the low lanes of a vector (the rest zero).
@@ -168,14 +175,15 @@ extern "C" void kernel(const float* x, const uint8_t* w, float* out, int64_t M, 
         return;
     }
     const bool bf16_tiles = type & KQ_BF16_TILES, x_bf16 = type & KQ_X_BF16;
-    const bool out_bf16 = type & KQ_OUT_BF16;
-    type &= ~(int64_t)(KQ_BF16_TILES | KQ_X_BF16 | KQ_OUT_BF16);
+    const bool out_bf16 = type & KQ_OUT_BF16, few = type & KQ_TILE8_FEW;
+    type &= ~(int64_t)(KQ_BF16_TILES | KQ_X_BF16 | KQ_OUT_BF16 | KQ_TILE8_FEW);
     const int64_t rb = kq_row_bytes(type, K);
     if (rb == 0) return;
 #if defined(AE_KQ_TILE8) && defined(AE_KQ_BF16)
     // from AE_TILE_MIN_ROWS rows, the blocks of 32 by byte dot products across 16 weight rows
     // (kquant_tile8.h), the other types by bfloat16 tiles
-    if (M >= AE_TILE_MIN_ROWS && kq_tile8_type(type) && K % 32 == 0 && !bf16_tiles) {
+    if (M >= (few ? AE_TILE8_FEW_ROWS : AE_TILE_MIN_ROWS) && kq_tile8_type(type)
+        && K % 32 == 0 && !bf16_tiles) {
         kq_tile8_any(x, x_bf16, w, out, out_bf16, M, N, K, ldo, type, rb);
         return;
     }

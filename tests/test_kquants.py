@@ -222,6 +222,31 @@ def test_mixed_types_give_transformers_greedy_tokens(mixed_gguf):
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
 
 
+def test_int8_tiles_from_few_rows_only_without_speculation(mixed_gguf):
+    """A bfloat16 GGUF model takes the int8 tiles from 3 rows where no drafts are verified;
+    with speculation its rows below ``TILE_ROWS`` keep the byte dot products, whose result for
+    a row is the same in a 1-row step and a 1 + k row verification."""
+    from asyncengine import LLM
+    from asyncengine.executor.kernels import packed as packed_kernels
+    from tests.utils import embedded_tokenizer_dir
+
+    if not (kquants.kernels_available() and packed_kernels.kquant_int8_tile()):
+        pytest.skip("no AVX-512 BF16 + VNNI + BITALG here")
+    few = {}
+    for spec in (None, '{"method": "ngram", "num_speculative_tokens": 4}'):
+        llm = LLM(mixed_gguf, tokenizer=str(embedded_tokenizer_dir()), dtype="bfloat16",
+                  max_num_seqs=4, num_gpu_blocks_override=16, block_size=8, max_model_len=64,
+                  speculative_config=spec)
+        lins = [m for m in llm.engine.runner.model.modules()
+                if isinstance(m, kquants.GGUFLinear) and m.int8_tiles]
+        assert lins
+        few[spec is None] = {m.few_row_tiles for m in lins}
+        flags = {m.flag(torch.bfloat16) for m in lins} | {m.flag(torch.float32) for m in lins}
+        assert flags == ({packed_kernels.KQ_TILE8_FEW, 0} if spec is None else {0})
+        del llm
+    assert few == {True: {True}, False: {False}}
+
+
 # ---- bad input: one line naming the tensor and its type (or the offset), and the types ----
 
 
@@ -441,6 +466,12 @@ def test_int8_tiles_compute_their_rounding_exactly(qtype, monkeypatch):
         out = torch.empty(m, n)
         packed_kernels.kquant_mm(xb.float(), w, int(qtype), out)
         assert torch.equal(lin(xb), out.bfloat16())
+    # with the few-row flag (no speculation) the int8 tiles from 3 rows: the same rows
+    for m in (3, 4, 8, 15):
+        out = torch.empty(m, n)
+        packed_kernels.kquant_mm(x[:m].contiguous(), w, int(qtype) | packed_kernels.KQ_TILE8_FEW,
+                                 out)
+        assert torch.equal(out, together[:m])
     # bfloat16 in or out where another path takes the call (3 rows): widened, then rounded
     xb = x[:3].bfloat16()
     want = torch.empty(3, n)

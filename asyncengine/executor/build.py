@@ -32,6 +32,7 @@ from asyncengine.executor.kv_sizing import (
     max_model_len_of,
     num_kv_blocks,
 )
+from asyncengine.executor.models import kquants
 from asyncengine.executor.models.loader import load_model, pick_dtype, resolve_model
 from asyncengine.executor.models.registry import architecture_of
 from asyncengine.executor.runner import ModelRunner
@@ -157,6 +158,9 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
             source, config.load.load_format, dtype, device.torch_device, seed=mc.seed,
             model_cls=model_cls, quantization=mc.quantization))
     model.eval()
+    # GGUF matrices: the int8 tiles from a few rows, unless drafts are verified (they need each
+    # row's result the same in a 1-row step and a 1 + k row verification)
+    kquants.use_few_row_tiles(model, config.speculative_settings is None)
     tokenizer = load_tokenizer(
         mc.tokenizer or source.path, gguf_file=None if mc.tokenizer else source.gguf_file,
         revision=mc.revision, chat_template=mc.chat_template)

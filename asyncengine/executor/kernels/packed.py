@@ -182,6 +182,9 @@ KQ_BF16_TILES = 0x100
 KQ_X_BF16 = 0x200
 # ... and ``out`` bfloat16 (``kquant_tile8.h`` rounds its sums once, as ``.to(bfloat16)``).
 KQ_OUT_BF16 = 0x400
+# A flag on ``kquant_mm``'s type: ``kquant_tile8.h`` from 3 rows instead of ``TILE_ROWS`` (a
+# row's result then depends on the row count below ``TILE_ROWS``; ``kquants.use_few_row_tiles``).
+KQ_TILE8_FEW = 0x800
 
 _KQ_ASKED: dict[int, bool] = {}
 

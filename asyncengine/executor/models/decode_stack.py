@@ -76,7 +76,7 @@ class DecodeStack:
                 row = [t.data_ptr() for t in norms]
                 self._pointed += norms
                 for lin in projs:
-                    row += _kq_proj(lin, self._pointed)
+                    row += _kq_proj(lin, self._pointed, dtype)
                 rows.append(row + [0])
                 continue
             tensors = [layer.input_layernorm.weight, *_int4(attn.qkv_proj), *_int4(attn.o_proj),
@@ -204,12 +204,15 @@ def _kq_ok(lin: Any) -> bool:
     return all(raw.is_contiguous() for raw, _ in lin.parts())
 
 
-def _kq_proj(lin: kquants.GGUFLinear, pointed: list[torch.Tensor]) -> list[int]:
-    """decode_stack_kq.cpp's AE_KQ_PROJ int64s of ``lin`` (its tensors kept in ``pointed``)."""
+def _kq_proj(lin: kquants.GGUFLinear, pointed: list[torch.Tensor], dtype: torch.dtype
+             ) -> list[int]:
+    """decode_stack_kq.cpp's AE_KQ_PROJ int64s of ``lin`` (its tensors kept in ``pointed``),
+    each part's type with the flags ``lin`` gives its calls on ``dtype`` rows."""
     out = [0 if lin.bias is None else lin.bias.data_ptr(), len(lin.qtypes)]
     if lin.bias is not None:
         pointed.append(lin.bias)
+    flag = lin.flag(dtype)
     for raw, qtype in lin.parts():
-        out += [raw.data_ptr(), qtype, raw.shape[0]]
+        out += [raw.data_ptr(), qtype | flag, raw.shape[0]]
         pointed.append(raw)
     return out + [0] * (_KQ_PROJ - len(out))

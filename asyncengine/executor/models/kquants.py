@@ -203,6 +203,8 @@ class GGUFLinear(nn.Module):
         # every part in a type kquant_tile8.h multiplies at any row count (prefill chunks too)
         self.int8_tiles = (self.use_kernel and set(self.qtypes) <= INT8_TILE_TYPES
                            and packed_kernels.kquant_int8_tile())
+        # ... and from 3 bfloat16 rows (use_few_row_tiles), where rows need not be invariant
+        self.few_row_tiles = False
 
     def parts(self) -> list[tuple[torch.Tensor, int]]:
         return [(self._buffers[f"raw{i}"], t) for i, t in enumerate(self.qtypes)]
@@ -225,15 +227,22 @@ class GGUFLinear(nn.Module):
             # first: one rounding too)
             odt = torch.bfloat16 if keep and self.bias is None else torch.float32
             out = torch.empty(x2.shape[0], self.out_features, dtype=odt)
+            flag = self.flag(x.dtype)
             col = 0
             for raw, qtype in self.parts():
-                packed_kernels.kquant_mm(x2, raw, qtype, out[:, col:col + raw.shape[0]])
+                packed_kernels.kquant_mm(x2, raw, qtype | flag, out[:, col:col + raw.shape[0]])
                 col += raw.shape[0]
         else:
             out = self._tiled(x2)
         if self.bias is not None:
             out += self.bias.to(out.dtype)
         return out.to(x.dtype).view(*lead, self.out_features)
+
+    def flag(self, dtype: torch.dtype) -> int:
+        """The kernel's type flag for this layer's calls on ``dtype`` rows: the int8 tiles
+        from a few rows (``use_few_row_tiles``) for a bfloat16 model, else none."""
+        few = self.few_row_tiles and dtype == torch.bfloat16
+        return packed_kernels.KQ_TILE8_FEW if few else 0
 
     def _tiled(self, x2: torch.Tensor) -> torch.Tensor:
         """Many input rows (a prefill chunk, a large decode batch): a tile of weight rows
@@ -258,6 +267,17 @@ class GGUFLinear(nn.Module):
         types = "+".join(type_name(t) for t in self.qtypes)
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"types={types}, kernel={self.use_kernel}")
+
+
+def use_few_row_tiles(model: nn.Module, on: bool) -> None:
+    """Whether ``model``'s GGUF matrices take ``kquant_tile8.h``'s int8 tiles from 3 rows of a
+    bfloat16 model (on) or, as by default, from ``TILE_ROWS`` (the byte dot products below,
+    whose result for a row is the same at any row count: speculative verification needs it).
+    From 3 to 15 rows the int8 tiles are 1.2-2.8x faster (every matrix of the Q4_K_M file of
+    docs/benchmarks.md: 8 rows 76.6 -> 31.4 ms, 12 rows 106.5 -> 37.5 ms, one thread)."""
+    for m in model.modules():
+        if isinstance(m, GGUFLinear):
+            m.few_row_tiles = on and m.int8_tiles
 
 
 class GGUFEmbedding(nn.Module):
