@@ -75,6 +75,10 @@ def test_dequantized_weights_from_the_kernel_equal_pytorch(shape):
     q = packed_kernels.unpack_int4(layer.packed)
     want = dequantize_int4(q, layer.scale_min[..., 0], layer.scale_min[..., 1])
     assert torch.equal(layer.dequantized(), want)
+    # bfloat16 (the prefill GEMM's weights) straight from the kernel: rounded as .to() rounds
+    got = layer.dequantized(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])

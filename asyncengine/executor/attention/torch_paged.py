@@ -115,8 +115,12 @@ class TorchPagedBackend(AttentionBackend):
                 s, e = g.fresh
                 qf, kf, vf = q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
                 if options == PLAIN:
-                    o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale,
-                                                       enable_gqa=True)  # [heads, L, dim]
+                    # 4-D (a batch of one): PyTorch's CPU flash kernel takes only 4-D inputs
+                    # (3-D ones fall back to the unfused math path: 1.3x / 1.8x / 3.5x the
+                    # time of a 95 / 160 / 400-token prompt's attention in bfloat16).
+                    o = F.scaled_dot_product_attention(qf[None], kf[None], vf[None],
+                                                       is_causal=True, scale=scale,
+                                                       enable_gqa=True)[0]  # [heads, L, dim]
                 else:
                     kf, vf = kf.repeat_interleave(group, 0), vf.repeat_interleave(group, 0)
                     o = _attend(qf, kf, vf, _fresh_mask(e - s, window, q), scale, cap)

@@ -58,7 +58,7 @@ _ARGS = {
                   "int64_t", "int64_t"),
     "int8_bf16": ("const uint16_t*", "const int8_t*", "const float*", "float*", "int64_t",
                   "int64_t", "int64_t", "int64_t"),
-    "int4_dequant": ("const uint8_t*", "const uint16_t*", "float*", "int64_t", "int64_t"),
+    "int4_dequant": ("const uint8_t*", "const uint16_t*", "ae_t*", "int64_t", "int64_t"),
     "kquant": ("const float*", "const uint8_t*", "float*", "int64_t", "int64_t", "int64_t",
                "int64_t", "int64_t"),
     "kquant_dequant": ("const uint8_t*", "const int64_t*", "ae_t*", "int64_t", "int64_t",
@@ -144,11 +144,13 @@ def int4_bf16_mm(x: torch.Tensor, q: torch.Tensor, sm: torch.Tensor) -> torch.Te
     return out
 
 
-def int4_dequant(q: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
-    """The float32 weights ``[N, K]`` of ``q, sm`` (int4 layout above), in one pass."""
+def int4_dequant(q: torch.Tensor, sm: torch.Tensor,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weights ``[N, K]`` of ``q, sm`` (int4 layout above) as ``dtype`` (float32, or
+    bfloat16: the float32 values rounded once, as ``.to(torch.bfloat16)``), in one pass."""
     n, k = q.shape[0], q.shape[1] * 2
-    w = torch.empty(n, k, dtype=torch.float32)
-    _load("int4_dequant")(q.contiguous(), sm.contiguous(), w, n, k)
+    w = torch.empty(n, k, dtype=dtype)
+    _load("int4_dequant", build.DTYPE_CODES[dtype])(q.contiguous(), sm.contiguous(), w, n, k)
     return w
 
 
