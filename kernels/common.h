@@ -301,6 +301,31 @@ static inline void ae_store16e(ae_t* p, __m512 v) {  // ae_store8 twice
 }
 #endif
 
+#if defined(__AVX512F__)
+// 16 vectors' horizontal sums at once: lane j of the result is _mm512_reduce_add_ps(v[s]) for
+// the slot s = AE_SLOT16(j), bit for bit: the same additions in the same tree as GCC's reduction
+// of each vector alone (lanes i + (i + 8), then i + (i + 4), then (0 + 2) and (1 + 3), then
+// those two), since a float addition commutes exactly. 30 shuffles and 15 additions for 16
+// sums, where 16 reductions take ~7 operations each. For the kernels whose lanes run along K
+// (int4_bf16.cpp, int8_bf16.cpp): a row's result is the same whether its weight row is
+// reduced alone or in a group of 16.
+#define AE_SLOT16(j) ((((j) % 4) * 4) + (j) / 4)
+static inline __m512 ae_reduce16(const __m512* v) {
+    __m512 l1[8], l2[4], l3[2];
+    for (int p = 0; p < 8; ++p)  // two vectors' halves, added, to a vector
+        l1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE),
+                              _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44));
+    for (int q = 0; q < 4; ++q)  // four vectors' quarters
+        l2[q] = _mm512_add_ps(_mm512_shuffle_f32x4(l1[2 * q], l1[2 * q + 1], 0xDD),
+                              _mm512_shuffle_f32x4(l1[2 * q], l1[2 * q + 1], 0x88));
+    for (int r = 0; r < 2; ++r)  // lanes 0 + 2 and 1 + 3 of each quarter
+        l3[r] = _mm512_add_ps(_mm512_shuffle_ps(l2[2 * r], l2[2 * r + 1], 0x44),
+                              _mm512_shuffle_ps(l2[2 * r], l2[2 * r + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(l3[0], l3[1], 0x88),
+                         _mm512_shuffle_ps(l3[0], l3[1], 0xDD));
+}
+#endif
+
 // exp over n floats in place (vectorized where the CPU allows).
 static inline void ae_exp_n(float* x, int64_t n) {
     int64_t i = 0;

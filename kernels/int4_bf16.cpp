@@ -13,8 +13,9 @@
 // six operations: a verification step of 1 + k rows costs little more than one row.
 //
 // Every row's sum runs in the same order for any M (16 float lanes over the blocks, then one
-// reduction), so a row's result does not depend on the rows beside it: greedy output is the
-// same with and without speculative decoding. The weights' order inside a pair of blocks is
+// reduction, 16 weight rows' at a time: ae_reduce16, the same additions as one at a time), so
+// a row's result does not depend on the rows beside it: greedy output is the same with and
+// without speculative decoding. The weights' order inside a pair of blocks is
 // the lookup's: the activations are reordered to it once per call (``ae_bf16_order``).
 //
 // M == 0 is a query: out[0] = 1 where the AVX-512 path is compiled in, else 0 (the caller
@@ -39,7 +40,8 @@ static inline void ae_bf16_order(const uint16_t* x, uint16_t* xo, int64_t M, int
 
 template <int MC>
 static inline void ae_q4_bf16_rows(const uint8_t* qn, const float* smf, const uint16_t* xo,
-                                   float* out, int64_t m0, int64_t n, int64_t N, int64_t K) {
+                                   float* out, int64_t m0, int64_t n, int64_t N, int64_t K,
+                                   __m512* part) {
     __m512 acc[MC], acc2[MC];  // two chains a row: the low and the high nibbles' weights
     for (int r = 0; r < MC; ++r) acc[r] = acc2[r] = _mm512_setzero_ps();
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -68,8 +70,12 @@ static inline void ae_q4_bf16_rows(const uint8_t* qn, const float* smf, const ui
             acc2[r] = _mm512_dpbf16_ps(acc2[r], wh, (__m512bh)_mm512_loadu_si512(xr + 32));
         }
     }
-    for (int r = 0; r < MC; ++r)
-        out[(m0 + r) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc2[r]));
+    if (part == nullptr) {
+        for (int r = 0; r < MC; ++r)
+            out[(m0 + r) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc2[r]));
+    } else {  // reduced with 15 other weight rows' (ae_reduce16): the same sums
+        for (int r = 0; r < MC; ++r) part[r * 16] = _mm512_add_ps(acc[r], acc2[r]);
+    }
 }
 #endif
 
@@ -83,27 +89,41 @@ extern "C" void kernel(const uint16_t* x, const uint8_t* q, const uint16_t* sm, 
     ae_bf16_order(x, xbuf.data(), M, K);
     const uint16_t* xo = xbuf.data();
     const int64_t blocks = K / 32;
+    const int64_t groups = N / 16;
     #pragma omp parallel
     {
         std::vector<float> smf(2 * blocks);
+        alignas(64) __m512 part[12 * 16];
+        // Groups of 16 weight rows, whose sums are reduced together (ae_reduce16), then the
+        // N % 16 rows left one at a time. Up to 12 input rows per pass over a weight row.
         #pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; ++n) {
-            const uint16_t* smn = sm + n * blocks * 2;
-            int64_t i = 0;
-            for (; i + 16 <= 2 * blocks; i += 16)
-                _mm512_storeu_ps(smf.data() + i, _mm512_cvtph_ps(
-                    _mm256_loadu_si256((const __m256i*)(smn + i))));
-            for (; i < 2 * blocks; ++i) smf[i] = _cvtsh_ss(smn[i]);
-            const uint8_t* qn = q + n * (K / 2);
-            int64_t m0 = 0;
-            for (; m0 + 12 <= M; m0 += 12)  // the weights unpacked once per 12 rows
-                ae_q4_bf16_rows<12>(qn, smf.data(), xo, out, m0, n, N, K);
-            switch (M - m0) {
-#define AE_CASE(c) case c: ae_q4_bf16_rows<c>(qn, smf.data(), xo, out, m0, n, N, K); break;
-                AE_CASE(1) AE_CASE(2) AE_CASE(3) AE_CASE(4) AE_CASE(5) AE_CASE(6) AE_CASE(7)
-                AE_CASE(8) AE_CASE(9) AE_CASE(10) AE_CASE(11)
+        for (int64_t g = 0; g < groups + N % 16; ++g) {
+            const int64_t n_first = g < groups ? 16 * g : 16 * groups + (g - groups);
+            const int64_t count = g < groups ? 16 : 1;
+            for (int64_t m0 = 0; m0 < M; m0 += 12) {
+                const int64_t mc = std::min<int64_t>(12, M - m0);
+                for (int64_t j = 0; j < count; ++j) {
+                    const int64_t n = n_first + j;
+                    const uint16_t* smn = sm + n * blocks * 2;
+                    int64_t i = 0;
+                    for (; i + 16 <= 2 * blocks; i += 16)
+                        _mm512_storeu_ps(smf.data() + i, _mm512_cvtph_ps(
+                            _mm256_loadu_si256((const __m256i*)(smn + i))));
+                    for (; i < 2 * blocks; ++i) smf[i] = _cvtsh_ss(smn[i]);
+                    const uint8_t* qn = q + n * (K / 2);
+                    __m512* pp = count == 16 ? part + AE_SLOT16(j) : nullptr;
+                    switch (mc) {
+#define AE_CASE(c) case c: ae_q4_bf16_rows<c>(qn, smf.data(), xo, out, m0, n, N, K, pp); break;
+                        AE_CASE(1) AE_CASE(2) AE_CASE(3) AE_CASE(4) AE_CASE(5) AE_CASE(6)
+                        AE_CASE(7) AE_CASE(8) AE_CASE(9) AE_CASE(10) AE_CASE(11) AE_CASE(12)
 #undef AE_CASE
-                default: break;
+                        default: break;
+                    }
+                }
+                if (count == 16)
+                    for (int64_t r = 0; r < mc; ++r)
+                        _mm512_storeu_ps(out + (m0 + r) * N + n_first,
+                                         ae_reduce16(part + r * 16));
             }
         }
     }
