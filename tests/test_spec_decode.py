@@ -83,6 +83,21 @@ def test_ngram_index_proposes_the_latest_continuation_of_the_longest_match():
     assert NgramIndex(1, 2).propose([5, 6, 5, 6, 5], 5) == [6, 5, 6, 5, 6]
 
 
+def test_adaptive_ngram_index_drafts_nothing_after_an_ambiguous_match():
+    """(2, 3) was followed by 9, then by 4: the index that skips ambiguous matches (the
+    adaptive proposers') drafts nothing there, while an n-gram always followed by the same
+    token still drafts."""
+    tokens = [1, 2, 3, 9, 1, 2, 3, 4, 5, 0, 2, 3]
+    assert NgramIndex(1, 3).propose(tokens, 3) == [4, 5, 0]
+    ix = NgramIndex(1, 3, skip_ambiguous=True)
+    assert ix.propose(tokens, 3) == []
+    tokens += [4, 5]  # (4, 5) was followed by 0 only
+    assert ix.propose(tokens, 2) == [0, 2]
+    tokens += [7]  # now (4, 5) was followed by 0 and 7: ambiguous from here on
+    tokens += [4, 5]
+    assert ix.propose(tokens, 2) == []
+
+
 def test_ngram_index_work_is_the_new_tokens_only():
     ix = NgramIndex(2, 4)
     tokens = list(range(50)) * 20  # 1,000 tokens
