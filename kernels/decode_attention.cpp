@@ -368,7 +368,7 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
     // Spans, in (b, kv head, span) order, so a request's spans are consecutive.
     // Scratch of the calling thread, kept between calls (no allocation per call).
     static thread_local std::vector<int64_t> first_item, item_bh;
-    static thread_local std::vector<float> part;
+    static thread_local ae_vec<float> part;
     first_item.resize(pairs + 1);
     int64_t items = 0;
     for (int64_t bh = 0; bh < pairs; ++bh) {
@@ -403,7 +403,7 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
     for (int64_t b = 0; b < B; ++b) work += (window > 0 ? std::min(lens[b], window) : lens[b]) * H;
     #pragma omp parallel if (units > 1 && work >= AE_ATTN_TEAM_MIN)
     {
-        static thread_local std::vector<float> scratch;
+        static thread_local ae_vec<float> scratch;
         const int64_t SP = AE_ATTN_SPAN_BLOCKS * BS;
         const int64_t need = G * (2 * D + 2 + SP) + D + G * 256 + 16;
         if ((int64_t)scratch.size() < need) scratch.resize(need);
@@ -455,7 +455,7 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
     for (int64_t bh = 0; bh < pairs; ++bh) {
         const int64_t first = fi[bh], last = fi[bh + 1];
         if (last - first == 1) continue;  // written by its span
-        static thread_local std::vector<float> macc;
+        static thread_local ae_vec<float> macc;
         macc.resize(D);
         const int64_t b = bh / KVH, kh = bh % KVH;
         ae_merge_spans(pt, first, last, G, D, macc.data(), out + (b * H + kh * G) * D);

@@ -75,7 +75,7 @@ static inline void ae_stack_mm(const int64_t* layer, int at, const ae_t* x, ae_t
 #if AE_DTYPE == 0
     ae_int4_mm(x, q, sm, y, T, N, K);
 #else
-    static thread_local std::vector<float> ybuf;
+    static thread_local ae_vec<float> ybuf;
     if ((int64_t)ybuf.size() < T * N) ybuf.resize(T * N);
     float* yf = ybuf.data();
     ae_int4_bf16_mm(x, q, sm, yf, T, N, K);
@@ -120,7 +120,7 @@ extern "C" void kernel(const ae_t* h, ae_t* out, const int64_t* layers, const ae
     if (!use_lora) lora_slots = nullptr;
     const AeWithoutGil released;  // milliseconds of work: the event loop runs meanwhile
     const int64_t QKV = (H + 2 * KVH) * D;
-    static thread_local std::vector<ae_t> buf;
+    static thread_local ae_vec<ae_t> buf;
     const int64_t need = T * (3 * HD + QKV + H * D + 3 * I);
     if ((int64_t)buf.size() < need) buf.resize(need);
     ae_t* residual = buf.data();

@@ -37,7 +37,7 @@ static inline void ae_stack_mm(const int64_t* layer, int at, const ae_t* x, ae_t
     const float* xf = x;
     float* yf = y;
 #else
-    static thread_local std::vector<float> xbuf, ybuf;
+    static thread_local ae_vec<float> xbuf, ybuf;
     if ((int64_t)xbuf.size() < T * K) xbuf.resize(T * K);
     if ((int64_t)ybuf.size() < T * N) ybuf.resize(T * N);
     float* xw = xbuf.data();

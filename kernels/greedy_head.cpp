@@ -326,7 +326,7 @@ extern "C" void kernel(const float* x, const float* w, const float* bias, int64_
     [[maybe_unused]] const int64_t groups = (N + 15) / 16;  // of the rows-in-lanes loop
     // Per thread, the bests so far (per row an ae_best or ae_lanes, per group an ae_rows16),
     // in scratch of the calling thread kept between calls; the team reads it through `base`.
-    static thread_local std::vector<char> scratch;
+    static thread_local ae_vec<char> scratch;
     size_t thread_bytes = N * sizeof(ae_best);
 #ifdef AE_AVX2
     if (mode == AE_HEAD_BCAST) thread_bytes = N * sizeof(ae_lanes);
@@ -371,7 +371,7 @@ extern "C" void kernel(const float* x, const float* w, const float* bias, int64_
                 for (int j = 0; j < 8; ++j) best[r].nan[j] = 0;
             }
             // The packed block, in scratch of this thread kept between calls.
-            static thread_local std::vector<float> packed;
+            static thread_local ae_vec<float> packed;
             const int64_t tf = ae_tile_floats(K);
             if ((int64_t)packed.size() < block_tiles * tf + 16)
                 packed.resize(block_tiles * tf + 16);

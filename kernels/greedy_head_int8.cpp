@@ -72,8 +72,8 @@ extern "C" void kernel(const float* x, const float* w, const float* bias, const 
     const AeWithoutGil released(N * K * V >= AE_RELEASE_GIL_ELEMENTS);
     const int64_t K4 = K / 4, blocks = (V + 15) / 16;
     // Quantized rows.
-    std::vector<uint8_t> u((size_t)(N * K));
-    std::vector<float> s_r(N), l1x(N);
+    ae_vec<uint8_t> u((size_t)(N * K));
+    ae_vec<float> s_r(N), l1x(N);
     for (int64_t r = 0; r < N; ++r) {
         const float* xr = x + r * K;
         float m = 0.f;

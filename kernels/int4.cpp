@@ -252,7 +252,7 @@ extern "C" void kernel(const float* x, const uint8_t* q, const uint16_t* sm, flo
     if (M >= AE_Q4_FLOAT_ROWS) {  // two weight rows at a time, dequantized into L1
         #pragma omp parallel
         {
-            std::vector<float> wbuf(2 * K);
+            ae_vec<float> wbuf(2 * K);
             #pragma omp for schedule(static)
             for (int64_t n2 = 0; n2 < (N + 1) / 2; ++n2) {
                 const int64_t n = 2 * n2;
@@ -275,7 +275,7 @@ extern "C" void kernel(const float* x, const uint8_t* q, const uint16_t* sm, flo
     const float* xb = rounded.xb;
     #pragma omp parallel
     {
-        std::vector<float> smf(2 * blocks * (2 + AE_Q4_MAX_GROUP));
+        ae_vec<float> smf(2 * blocks * (2 + AE_Q4_MAX_GROUP));
         #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; ++n) {
             const uint8_t* qn = q + n * (K / 2);

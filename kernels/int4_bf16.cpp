@@ -84,7 +84,7 @@ extern "C" void kernel(const uint16_t* x, const uint8_t* q, const uint16_t* sm, 
 #ifdef AE_Q4_BF16
     if (M == 0) { out[0] = 1.f; return; }
     const AeWithoutGil released(N * K >= AE_RELEASE_GIL_ELEMENTS);
-    static thread_local std::vector<uint16_t> xbuf;
+    static thread_local ae_vec<uint16_t> xbuf;
     if ((int64_t)xbuf.size() < M * K) xbuf.resize(M * K);
     ae_bf16_order(x, xbuf.data(), M, K);
     const uint16_t* xo = xbuf.data();
@@ -92,7 +92,7 @@ extern "C" void kernel(const uint16_t* x, const uint8_t* q, const uint16_t* sm, 
     const int64_t groups = N / 16;
     #pragma omp parallel
     {
-        std::vector<float> smf(2 * blocks);
+        ae_vec<float> smf(2 * blocks);
         alignas(64) __m512 part[12 * 16];
         // Groups of 16 weight rows, whose sums are reduced together (ae_reduce16), then the
         // N % 16 rows left one at a time. Up to 12 input rows per pass over a weight row.

@@ -20,7 +20,7 @@ extern "C" void kernel(const uint8_t* q, const uint16_t* sm, ae_t* w, int64_t N,
 #else
     #pragma omp parallel
     {
-        std::vector<float> buf(K);
+        ae_vec<float> buf(K);
         float* row = buf.data();
         #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; ++n) {

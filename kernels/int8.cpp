@@ -150,7 +150,7 @@ extern "C" void kernel(const float* x, const int8_t* q, const float* scales, flo
         const float* xa = rows.xa;
 #ifdef AE_Q8_VNNI
         if (M > 1) {  // several rows (a batch, or verification rows): VNNI, same results
-            static thread_local std::vector<uint8_t> xu;
+            static thread_local ae_vec<uint8_t> xu;
             if ((int64_t)xu.size() < 2 * M * K) xu.resize(2 * M * K);
             for (int64_t i = 0; i < 2 * M * K; ++i) xu[i] = (uint8_t)(xq[i] ^ 0x80);
             const uint8_t* xqu = xu.data();
@@ -188,7 +188,7 @@ extern "C" void kernel(const float* x, const int8_t* q, const float* scales, flo
     const int64_t step = M >= 4 ? 2 : 1;
     #pragma omp parallel
     {
-        std::vector<float> wbuf(2 * K);
+        ae_vec<float> wbuf(2 * K);
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < (N + step - 1) / step; ++i) {
             const int64_t n = i * step;

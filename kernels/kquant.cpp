@@ -104,7 +104,7 @@ static void kq_small_q32(const float* x, const uint8_t* w, float* out, int64_t M
     const int64_t blocks = K / 32, bb = rb / blocks;
     const ae_rounded rx = ae_round_rows(x, M, K);
     // per block of each row: dx / 256 and the float sum of x, contiguous
-    static thread_local std::vector<float> fs;
+    static thread_local ae_vec<float> fs;
     if ((int64_t)fs.size() < 2 * M * blocks) fs.resize(2 * M * blocks);
     float* dx = fs.data();
     float* sx = dx + M * blocks;
@@ -189,7 +189,7 @@ extern "C" void kernel(const float* x, const uint8_t* w, float* out, int64_t M, 
     }
 #endif
     if (out_bf16) {  // the other paths write float32: into scratch, then rounded
-        std::vector<float> f(M * N);
+        ae_vec<float> f(M * N);
         kernel(x, w, f.data(), M, N, K, N, type | (x_bf16 ? KQ_X_BF16 : 0));
         uint16_t* o = (uint16_t*)out;
         for (int64_t r = 0; r < M; ++r)
@@ -202,7 +202,7 @@ extern "C" void kernel(const float* x, const uint8_t* w, float* out, int64_t M, 
         return;
     }
     if (x_bf16) {  // the other paths read float32
-        static thread_local std::vector<float> xf;
+        static thread_local ae_vec<float> xf;
         if ((int64_t)xf.size() < M * K) xf.resize(M * K);
         const uint16_t* h = (const uint16_t*)x;
         for (int64_t i = 0; i < M * K; ++i) {
@@ -232,7 +232,7 @@ extern "C" void kernel(const float* x, const uint8_t* w, float* out, int64_t M, 
 #endif
     #pragma omp parallel
     {
-        std::vector<float> buf(2 * K);
+        ae_vec<float> buf(2 * K);
         if (M < 2) {
             #pragma omp for schedule(static)
             for (int64_t n = 0; n < N; ++n) {

@@ -86,7 +86,7 @@ extern "C" void kernel(const uint8_t* w, const int64_t* ids, ae_t* out, int64_t 
 #else
     #pragma omp parallel if (n * K >= 65536)
     {
-        std::vector<float> row(K);
+        ae_vec<float> row(K);
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; ++i) {
             kq_dequant_fast(type, w + ids[i] * rb, row.data(), K);

@@ -68,7 +68,7 @@ static void kq_small_pairs(const float* x, const uint8_t* w, float* out, int64_t
     const ae_rounded rx = ae_round_rows(x, M, K);
     // per input row: each pair's activation scales spread [dx(2p) x 8, dx(2p + 1) x 8] (dx =
     // the block's scale / 256), and each block's float sum of x
-    static thread_local std::vector<float> fs;
+    static thread_local ae_vec<float> fs;
     const int64_t nd = M * (pairs + 1) * 16;
     if ((int64_t)fs.size() < nd + M * blocks) fs.resize(nd + M * blocks);
     float* DX = fs.data();

@@ -212,7 +212,7 @@ static void kq_small_k_rows(const float* x, const uint8_t* w, float* out, int64_
                             int64_t ldo, int64_t rb) {
     const int64_t sbs = K / 256, bb = rb / sbs, blocks = K / 32, groups = K / 16;
     const ae_rounded rx = ae_round_rows(x, M, K);
-    static thread_local std::vector<float> sums;  // [M, K / 16]: the float sums of x
+    static thread_local ae_vec<float> sums;  // [M, K / 16]: the float sums of x
     if ((int64_t)sums.size() < M * groups) sums.resize(M * groups);
     float* s16 = sums.data();
     for (int64_t g = 0; g < M * groups; ++g) {
@@ -221,7 +221,7 @@ static void kq_small_k_rows(const float* x, const uint8_t* w, float* out, int64_
         s16[g] = ae_hsum8(a);
     }
 #ifdef AE_KQ512
-    static thread_local std::vector<float> dxs;  // [M, K / 32]: dx / 256, contiguous
+    static thread_local ae_vec<float> dxs;  // [M, K / 32]: dx / 256, contiguous
     if ((int64_t)dxs.size() < M * blocks) dxs.resize(M * blocks);
     float* dx = dxs.data();
     for (int64_t i = 0; i < M * blocks; ++i) dx[i] = rx.xa[2 * i];

@@ -193,15 +193,15 @@ static inline void kq_row_bf16(int64_t type, const uint8_t* src, uint16_t* dst, 
 // out[r * ldo + n] for r < M, n < N (x [M, K] float, w N rows of rb bytes of type `type`).
 static void kq_tile(const float* x, const uint8_t* w, float* out, int64_t M, int64_t N,
                     int64_t K, int64_t ldo, int64_t type, int64_t rb) {
-    static thread_local std::vector<uint16_t> xs;  // x in bfloat16, kept between calls
+    static thread_local ae_vec<uint16_t> xs;  // x in bfloat16, kept between calls
     if ((int64_t)xs.size() < M * K) xs.resize(M * K);
     uint16_t* xb = xs.data();
     kq_to_bf16(x, xb, M * K);
     const int64_t tiles = (N + AE_TILE_W - 1) / AE_TILE_W, steps = K / 32;
     #pragma omp parallel
     {
-        std::vector<float> fbuf(K);
-        std::vector<uint16_t> wbuf(AE_TILE_W * K);
+        ae_vec<float> fbuf(K);
+        ae_vec<uint16_t> wbuf(AE_TILE_W * K);
         uint16_t* W = wbuf.data();
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; ++t) {

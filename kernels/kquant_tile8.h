@@ -152,8 +152,8 @@ static inline __m512 kq_t8_load16(const void* x, int64_t at, bool bf16) {
 
 static inline kq_t8_rows kq_t8_quantize(const void* x, bool bf16, int64_t M, int64_t K,
                                         int off, bool halves) {
-    static thread_local std::vector<int8_t> q;
-    static thread_local std::vector<float> f;
+    static thread_local ae_vec<int8_t> q;
+    static thread_local ae_vec<float> f;
     static thread_local std::vector<int32_t> z;
     const int64_t n = M * (K / 32);
     if ((int64_t)q.size() < M * K) q.resize(M * K);

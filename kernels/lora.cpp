@@ -48,7 +48,7 @@ extern "C" void kernel(const ae_t* x, ae_t* y, const float* A, const float* B,
     for (int64_t w = 0; w < num_tiles; ++w) {
         const int64_t s = tiles[3 * w], first = tiles[3 * w + 1], m = tiles[3 * w + 2];
         const int64_t n = rows[s] < R ? rows[s] : R;
-        static thread_local std::vector<float> acc, xf;
+        static thread_local ae_vec<float> acc, xf;
         acc.assign(m * N, 0.f);
         xf.resize(m * K);
         for (int64_t i = 0; i < m; ++i) {  // the tile's inputs, as float32

@@ -167,7 +167,7 @@ static inline void ae_moe_tile(const AeExpertMat& mat, int64_t e, int64_t n, con
 // Rows [0, n) of x [n, K] rounded for the tiles of `kind` (int8: int16; int4: twice to int8),
 // into q / f, described by `in`.
 static inline void ae_moe_round(const float* x, int64_t n, int64_t K, int64_t kind,
-                                std::vector<int8_t>& q, std::vector<float>& f, AeTileIn& in) {
+                                ae_vec<int8_t>& q, ae_vec<float>& f, AeTileIn& in) {
     in = AeTileIn{x, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, K, 0};
     if (kind == AE_MOE_F32) return;
     q.resize(2 * n * K);
@@ -207,8 +207,8 @@ static void ae_moe512(const float* x, const int64_t* rows, const int64_t* offs, 
     std::vector<int64_t> active;
     const int64_t max_rows = ae_active_experts(offs, E, active);
     const int64_t n_active = (int64_t)active.size();
-    std::vector<int8_t> xq;
-    std::vector<float> xf, a(R * I);
+    ae_vec<int8_t> xq;
+    ae_vec<float> xf, a(R * I);
     AeTileIn in13;
     ae_moe_round(x, T, K, kind, xq, xf, in13);  // int8 / int4: each token once
     std::memset(out, 0, T * K * sizeof(float));
@@ -216,7 +216,7 @@ static void ae_moe512(const float* x, const int64_t* rows, const int64_t* offs, 
     const AeWithoutGil released(work >= AE_RELEASE_GIL_ELEMENTS);
     #pragma omp parallel if (work >= AE_MOE_TEAM_MIN)
     {
-        std::vector<float> h(16 * max_rows);  // per row: gate of 8 columns, then up
+        ae_vec<float> h(16 * max_rows);  // per row: gate of 8 columns, then up
         float res[16];
         int64_t idx[4];
         #pragma omp for schedule(static)
@@ -244,8 +244,8 @@ static void ae_moe512(const float* x, const int64_t* rows, const int64_t* offs, 
             }
         }
         // (the barrier of `omp for`: every column of `a` is done); each thread its columns
-        std::vector<int8_t> aq;
-        std::vector<float> af;
+        ae_vec<int8_t> aq;
+        ae_vec<float> af;
         AeTileIn in2;
         ae_moe_round(a.data(), R, I, kind, aq, af, in2);
         const int64_t tiles = K / 4, nt = ae_team_size(), t = ae_thread_num();
@@ -301,7 +301,7 @@ extern "C" void kernel(const float* x, const int64_t* rows, const int64_t* offs,
     const int64_t n_active = (int64_t)active.size();
     const AeExpertMat m13{kind, 2 * I, K, g13, w13, s13};
     const AeExpertMat m2{kind, K, I, g2, w2, s2};
-    std::vector<float> xs(R * K), a(R * I);
+    ae_vec<float> xs(R * K), a(R * I);
     for (int64_t r = 0; r < R; ++r)
         std::memcpy(xs.data() + r * K, x + rows[r] * K, K * sizeof(float));
     std::memset(out, 0, T * K * sizeof(float));
@@ -311,7 +311,7 @@ extern "C" void kernel(const float* x, const int64_t* rows, const int64_t* offs,
     // team's other thread cost more than it saved (benchmarks/moe.py, docs/benchmarks.md).
     #pragma omp parallel if (work >= AE_MOE_TEAM_MIN)
     {
-        std::vector<float> buf(2 * std::max(K, I)), gu(16 * max_rows), y(2 * max_rows);
+        ae_vec<float> buf(2 * std::max(K, I)), gu(16 * max_rows), y(2 * max_rows);
         #pragma omp for schedule(static)
         for (int64_t item = 0; item < n_active * (I / 8); ++item) {
             const int64_t e = active[item / (I / 8)], i = item % (I / 8) * 8;
