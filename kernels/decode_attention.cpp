@@ -275,6 +275,17 @@ static inline void ae_attend_span(const float* qv, const ae_t* kc, const ae_t* v
             {
                 const __m256 vmx = _mm256_set1_ps(mx);
                 __m256 vs = _mm256_setzero_ps();
+#ifdef AE_EXP16
+                // 16 lanes at a time: the same exps (ae_exp16), summed into vs in the same
+                // order as eight at a time
+                const __m512 vmx16 = _mm512_set1_ps(mx);
+                for (; j1 + 16 <= n; j1 += 16) {
+                    const __m512 e = ae_exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j1), vmx16));
+                    _mm512_storeu_ps(sg + j1, e);
+                    vs = _mm256_add_ps(vs, _mm512_castps512_ps256(e));
+                    vs = _mm256_add_ps(vs, _mm512_extractf32x8_ps(e, 1));
+                }
+#endif
                 for (; j1 + 8 <= n; j1 += 8) {
                     const __m256 e = ae_exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j1), vmx));
                     _mm256_storeu_ps(sg + j1, e);
