@@ -101,9 +101,12 @@ def test_prompt_logprobs_match_transformers(embedded_llm, embedded_hf):
     with torch.inference_mode():
         ref = torch.log_softmax(embedded_hf(torch.tensor([ids])).logits[0].float(), -1)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    # The int4 layers round activations to int8 per block (int4.cpp, as llama.cpp's Q8
+    # activations), so a bit of difference upstream (the attention's summation order) can move
+    # a logprob by ~1e-3: over PROMPTS, 1.9-3.2e-3 at most, against transformers' float math.
     for pos in range(1, len(ids)):
         entry = out.prompt_logprobs[pos]
-        assert entry[ids[pos]].logprob == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=2e-3)
+        assert entry[ids[pos]].logprob == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=4e-3)
         top = ref[pos - 1].topk(2).indices.tolist()
         assert all(t in entry for t in top)
 
