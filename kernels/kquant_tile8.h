@@ -32,6 +32,10 @@
 // Rows of input taken together over one block of weights (their sums stay in registers).
 #define AE_TILE8_ROWS 8
 
+// Not a GGML type: int4.cpp's split layout (q [N, K / 2] nibbles as Q4_1's, sm [N, K / 32, 2]
+// float16 scale and min: Q4_1's d and m), the int4 layers' prefill chunks (int4_tile8.cpp).
+#define KQ_INT4_SPLIT 1000
+
 // The types a call takes here: the blocks of 32 and the k-quants.
 static inline bool kq_tile8_type(int64_t type) {
     return type == KQ_Q4_0 || type == KQ_Q4_1 || type == KQ_Q5_0 || type == KQ_Q5_1
@@ -43,11 +47,12 @@ static inline bool kq_tile8_type(int64_t type) {
 // 32 has two factors (Q6_K: one per 16), and how many blocks of 32 one unpacking fills.
 template <int TYPE>
 struct kq_t8 {
-    static constexpr int off = TYPE == KQ_Q4_0 || TYPE == KQ_Q4_1 || TYPE == KQ_Q4_K ? 8
+    static constexpr int off = TYPE == KQ_Q4_0 || TYPE == KQ_Q4_1 || TYPE == KQ_Q4_K
+                               || TYPE == KQ_INT4_SPLIT ? 8
                              : TYPE == KQ_Q5_0 || TYPE == KQ_Q5_1 || TYPE == KQ_Q5_K ? 16
                              : TYPE == KQ_Q6_K ? 32 : 128;
     static constexpr bool has_min = TYPE == KQ_Q4_1 || TYPE == KQ_Q5_1 || TYPE == KQ_Q4_K
-                                    || TYPE == KQ_Q5_K;
+                                    || TYPE == KQ_Q5_K || TYPE == KQ_INT4_SPLIT;
     static constexpr bool halves = TYPE == KQ_Q6_K;
     static constexpr int per_unpack = TYPE == KQ_Q4_K || TYPE == KQ_Q5_K || TYPE == KQ_Q6_K
                                       ? 8 : 1;
@@ -188,10 +193,12 @@ static inline kq_t8_rows kq_t8_quantize(const void* x, bool bf16, int64_t M, int
 #define AE_TILE8_PANEL 128
 
 // out[r * ldo + n] for r < M, n < N: x [M, K] float32 (bfloat16 where `bf16`), w N rows of
-// rb bytes of TYPE, out float32 (bfloat16 where `obf`).
+// rb bytes of TYPE, out float32 (bfloat16 where `obf`). KQ_INT4_SPLIT: w the nibbles (rb = K /
+// 2), sm the scales and mins.
 template <int TYPE>
 static void kq_tile8(const void* x, bool bf16, const uint8_t* w, void* out, bool obf,
-                     int64_t M, int64_t N, int64_t K, int64_t ldo, int64_t rb) {
+                     int64_t M, int64_t N, int64_t K, int64_t ldo, int64_t rb,
+                     const uint16_t* sm = nullptr) {
     const int64_t blocks = K / 32;
     const kq_t8_rows rx = kq_t8_quantize(x, bf16, M, K, kq_t8<TYPE>::off, kq_t8<TYPE>::halves);
     const int64_t strips = (N + 15) / 16;
@@ -207,7 +214,11 @@ static void kq_tile8(const void* x, bool bf16, const uint8_t* w, void* out, bool
             // lane c: weight row n0 + c (a short strip repeats its last row)
             const uint8_t* p[16];
             for (int c = 0; c < 16; ++c) p[c] = w + (n0 + std::min<int64_t>(c, nw - 1)) * rb;
-            if constexpr (kq_t8<TYPE>::per_unpack == 8) {  // super-blocks of 256
+            if constexpr (TYPE == KQ_INT4_SPLIT) {
+                const uint16_t* ps = sm + n0 * 2 * blocks;
+                for (int64_t b = 0; b < blocks; ++b)
+                    kq_strip_unpack_int4(p, ps, 2 * blocks, nw, b, S + b);
+            } else if constexpr (kq_t8<TYPE>::per_unpack == 8) {  // super-blocks of 256
                 const int64_t bb = kq_row_bytes(TYPE, 256);
                 for (int64_t b = 0; b < blocks; b += 8) {
                     if (TYPE == KQ_Q6_K) kq_strip_unpack_q6k(p, b / 8 * bb, S + b);

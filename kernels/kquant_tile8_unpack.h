@@ -83,6 +83,31 @@ static inline void kq_strip_unpack(const uint8_t* const* p, int64_t at, kq_strip
     }
 }
 
+// Block b of 16 rows in int4.cpp's split layout: the nibbles at p[c] + 16 b (Q4_1's order),
+// the float16 (scale, min) of row c at ps[c * stride + 2 b] (c < nw; a short strip repeats its
+// last row), gathered: a 128-bit load there would read past the matrix's last row.
+static inline void kq_strip_unpack_int4(const uint8_t* const* p, const uint16_t* ps,
+                                        int64_t stride, int64_t nw, int64_t b,
+                                        kq_strip_block* dst) {
+    const __m512i rows = _mm512_min_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)(nw - 1)));
+    const __m512i at = _mm512_add_epi32(_mm512_mullo_epi32(rows, _mm512_set1_epi32(
+        (int)stride)), _mm512_set1_epi32((int)(2 * b)));
+    const __m512i h = _mm512_i32gather_epi32(at, (const int*)ps, 2);  // scale | min << 16
+    dst->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
+    // d q + m = d (q - 8) + (m + 8 d), as Q4_1's
+    dst->m = _mm512_fmadd_ps(dst->d, _mm512_set1_ps(8.f), _mm512_cvtph_ps(
+        _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16))));
+    __m512i Q[4];
+    kq_rows_t4<4>(p, 16 * b, Q);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int j = 0; j < 4; ++j) {
+        dst->g[j] = _mm512_and_si512(Q[j], m4);
+        dst->g[4 + j] = _mm512_and_si512(_mm512_srli_epi32(Q[j], 4), m4);
+    }
+}
+
 // Byte j of every lane of v as a signed or unsigned 32-bit integer.
 static inline __m512i kq_lane_byte(__m512i v, int j, bool sgn) {
     const __m512i top = _mm512_slli_epi32(v, 24 - 8 * j);

@@ -58,6 +58,8 @@ _ARGS = {
                   "int64_t", "int64_t"),
     "int8_bf16": ("const uint16_t*", "const int8_t*", "const float*", "float*", "int64_t",
                   "int64_t", "int64_t", "int64_t"),
+    "int4_tile8": ("const uint16_t*", "const uint8_t*", "const uint16_t*", "uint16_t*",
+                   "int64_t", "int64_t", "int64_t"),
     "int4_dequant": ("const uint8_t*", "const uint16_t*", "ae_t*", "int64_t", "int64_t"),
     "kquant": ("const float*", "const uint8_t*", "float*", "int64_t", "int64_t", "int64_t",
                "int64_t", "int64_t"),
@@ -120,6 +122,32 @@ def bf16_available(name: str = "int4_bf16") -> bool:
 
 def int4_bf16_available() -> bool:
     return bf16_available("int4_bf16")
+
+
+def int4_tile8_available() -> bool:
+    """Whether ``int4_tile8.cpp`` (AVX-512 VNNI and BITALG) runs here (asked once)."""
+    ok = _BF16_PATH.get("int4_tile8")
+    if ok is None:
+        fn = _load("int4_tile8")
+        ok = False
+        if fn is not None:
+            flag = torch.zeros(1, dtype=torch.int16)
+            fn(torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.uint8),
+               torch.zeros(1, dtype=torch.int16), flag, 0, 0, 0)
+            ok = bool(flag.item())
+        _BF16_PATH["int4_tile8"] = ok
+    return ok
+
+
+def int4_tile8_mm(x: torch.Tensor, q: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] bfloat16 @ dequant(q, sm).T`` -> bfloat16 ``[M, N]`` by byte dot products,
+    the activations rounded to int8 per block of 32 (``int4_tile8.cpp``; check
+    ``int4_tile8_available()`` first)."""
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, q.shape[0], dtype=torch.bfloat16)
+    _load("int4_tile8")(x, q, sm, out, m, q.shape[0], k)
+    return out
 
 
 def int8_bf16_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -42,14 +42,17 @@ DEQUANT_ROWS = 96
 # (avx512_bf16), 1 thread, bf16 kernel against the float32 paths before it: 125 / 136 us at 1
 # row, 250 / 400 at 5, 384 / 850 at 9, 810 / 1970 at 16, 1710 / 15000 at 32 (noisy machine).
 BF16_ROWS = DEQUANT_ROWS
-# From this many bfloat16 rows (prefill chunks) an int4 call multiplies by the weights
-# dequantized to bfloat16 for that call, through PyTorch's bfloat16 GEMM (AVX-512 BF16), not
-# the kernel: SmolLM2's four matmuls of a layer, 2 threads, Zen 5, kernel / dequantize +
-# bfloat16 GEMM / dequantize + float32 GEMM (the path above 96 rows before): 0.92 / 0.95 /
-# 2.05 ms at 32 rows, 1.81 / 1.34 / 2.75 at 48, 3.73 / 2.04 / 4.71 at 95, 5.11 / 2.51 / 5.98
-# at 128. Decode-only steps of the embedded model keep the kernel up to DEQUANT_ROWS through
-# the C++ decode stack, and a verification at one request (1 + k <= 33 rows) stays under it,
-# so its rows are computed as one-token steps compute them.
+# From this many bfloat16 rows (prefill chunks) an int4 call leaves the row kernel: where
+# AVX-512 VNNI and BITALG are there, for byte dot products with lanes across 16 weight rows
+# over activations rounded to int8 per block of 32 (``int4_tile8.cpp``, kquant_tile8.h's
+# kernel on this layout), else for the weights dequantized to bfloat16 for that call through
+# PyTorch's bfloat16 GEMM (AVX-512 BF16). SmolLM2's four matmuls of a layer, 2 threads, Zen 5,
+# row kernel / dequantize + bfloat16 GEMM / dequantize + float32 GEMM: 0.92 / 0.95 / 2.05 ms
+# at 32 rows, 1.81 / 1.34 / 2.75 at 48, 3.73 / 2.04 / 4.71 at 95, 5.11 / 2.51 / 5.98 at 128;
+# the int8 tiles 0.33 against the GEMM's 0.60 at 40 rows, 0.68 against 1.03 at 95. Decode-only
+# steps of the embedded model keep the row kernel up to DEQUANT_ROWS through the C++ decode
+# stack, and a verification at one request (1 + k <= 33 rows) stays under it, so its rows are
+# computed as one-token steps compute them.
 BF16_GEMM_ROWS = 40
 
 
@@ -103,6 +106,7 @@ class Int4Linear(nn.Module):
         self._direct = self.use_kernel and self.bias is None
         self._bf16 = (self._direct and self.in_features % 64 == 0
                       and packed_kernels.int4_bf16_available())
+        self._tile8 = self._bf16 and packed_kernels.int4_tile8_available()
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weights [out, in] as ``dtype`` (float32, or those rounded to bfloat16), made for
@@ -121,10 +125,12 @@ class Int4Linear(nn.Module):
             return packed_kernels.int4_mm(x, buffers["packed"], buffers["scale_min"])
         if (self._bf16 and x.dtype is torch.bfloat16 and x.dim() == 2
                 and not torch.compiler.is_compiling()):
+            buffers = self._buffers
             if x.shape[0] < BF16_GEMM_ROWS:
-                buffers = self._buffers
                 return packed_kernels.int4_bf16_mm(x, buffers["packed"],
                                                    buffers["scale_min"]).to(torch.bfloat16)
+            if self._tile8:
+                return packed_kernels.int4_tile8_mm(x, buffers["packed"], buffers["scale_min"])
             return F.linear(x, self.dequantized(torch.bfloat16))
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
