@@ -105,14 +105,15 @@ _BF16_PATH: dict[str, bool] = {}
 
 
 def bf16_available(name: str = "int4_bf16") -> bool:
-    """Whether kernel ``name`` (int4_bf16, int8_bf16) runs here: AVX-512 BF16 compiled in
-    (asked once, by a call with no rows)."""
+    """Whether kernel ``name`` (int4_bf16, int8_bf16: AVX-512 BF16; int4_tile8: AVX-512 VNNI
+    and BITALG) runs here: its instructions compiled in (asked once, by a call with no rows:
+    the kernel then writes a nonzero flag)."""
     ok = _BF16_PATH.get(name)
     if ok is None:
         fn = _load(name)
         ok = False
         if fn is not None:
-            flag = torch.zeros(1)
+            flag = torch.zeros(1, dtype=torch.int32)
             fn(torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.uint8),
                torch.zeros(1), flag, 0, 0, 0, *((0,) if name == "int8_bf16" else ()))
             ok = bool(flag.item())
@@ -125,29 +126,23 @@ def int4_bf16_available() -> bool:
 
 
 def int4_tile8_available() -> bool:
-    """Whether ``int4_tile8.cpp`` (AVX-512 VNNI and BITALG) runs here (asked once)."""
-    ok = _BF16_PATH.get("int4_tile8")
-    if ok is None:
-        fn = _load("int4_tile8")
-        ok = False
-        if fn is not None:
-            flag = torch.zeros(1, dtype=torch.int16)
-            fn(torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.uint8),
-               torch.zeros(1, dtype=torch.int16), flag, 0, 0, 0)
-            ok = bool(flag.item())
-        _BF16_PATH["int4_tile8"] = ok
-    return ok
+    return bf16_available("int4_tile8")
+
+
+def _int4_rows_mm(name: str, x: torch.Tensor, q: torch.Tensor, sm: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, q.shape[0], dtype=dtype)
+    _load(name)(x, q, sm, out, m, q.shape[0], k)
+    return out
 
 
 def int4_tile8_mm(x: torch.Tensor, q: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
     """``x [M, K] bfloat16 @ dequant(q, sm).T`` -> bfloat16 ``[M, N]`` by byte dot products,
     the activations rounded to int8 per block of 32 (``int4_tile8.cpp``; check
     ``int4_tile8_available()`` first)."""
-    x = x.contiguous()
-    m, k = x.shape
-    out = torch.empty(m, q.shape[0], dtype=torch.bfloat16)
-    _load("int4_tile8")(x, q, sm, out, m, q.shape[0], k)
-    return out
+    return _int4_rows_mm("int4_tile8", x, q, sm, torch.bfloat16)
 
 
 def int8_bf16_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -165,11 +160,7 @@ def int4_bf16_mm(x: torch.Tensor, q: torch.Tensor, sm: torch.Tensor) -> torch.Te
     """``x [M, K] bfloat16 @ bf16(dequant(q, sm)).T`` -> float32 ``[M, N]``, K a multiple of
     64 (``int4_bf16.cpp``: each row's result independent of M; check
     ``int4_bf16_available()`` first)."""
-    x = x.contiguous()
-    m, k = x.shape
-    out = torch.empty(m, q.shape[0], dtype=torch.float32)
-    _load("int4_bf16")(x, q, sm, out, m, q.shape[0], k)
-    return out
+    return _int4_rows_mm("int4_bf16", x, q, sm, torch.float32)
 
 
 def int4_dequant(q: torch.Tensor, sm: torch.Tensor,
