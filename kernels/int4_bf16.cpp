@@ -92,7 +92,7 @@ extern "C" void kernel(const uint16_t* x, const uint8_t* q, const uint16_t* sm, 
     const int64_t groups = N / 16;
     #pragma omp parallel
     {
-        ae_vec<float> smf(2 * blocks);
+        ae_vec<float> smf(16 * 2 * blocks);  // a group's scales and mins, as floats
         alignas(64) __m512 part[12 * 16];
         // Groups of 16 weight rows, whose sums are reduced together (ae_reduce16), then the
         // N % 16 rows left one at a time. Up to 12 input rows per pass over a weight row.
@@ -100,20 +100,24 @@ extern "C" void kernel(const uint16_t* x, const uint8_t* q, const uint16_t* sm, 
         for (int64_t g = 0; g < groups + N % 16; ++g) {
             const int64_t n_first = g < groups ? 16 * g : 16 * groups + (g - groups);
             const int64_t count = g < groups ? 16 : 1;
+            {  // once per group, whatever the number of passes over its rows
+                const uint16_t* smn = sm + n_first * blocks * 2;
+                const int64_t total = count * 2 * blocks;
+                int64_t i = 0;
+                for (; i + 16 <= total; i += 16)
+                    _mm512_storeu_ps(smf.data() + i, _mm512_cvtph_ps(
+                        _mm256_loadu_si256((const __m256i*)(smn + i))));
+                for (; i < total; ++i) smf[i] = _cvtsh_ss(smn[i]);
+            }
             for (int64_t m0 = 0; m0 < M; m0 += 12) {
                 const int64_t mc = std::min<int64_t>(12, M - m0);
                 for (int64_t j = 0; j < count; ++j) {
                     const int64_t n = n_first + j;
-                    const uint16_t* smn = sm + n * blocks * 2;
-                    int64_t i = 0;
-                    for (; i + 16 <= 2 * blocks; i += 16)
-                        _mm512_storeu_ps(smf.data() + i, _mm512_cvtph_ps(
-                            _mm256_loadu_si256((const __m256i*)(smn + i))));
-                    for (; i < 2 * blocks; ++i) smf[i] = _cvtsh_ss(smn[i]);
+                    const float* smj = smf.data() + j * 2 * blocks;
                     const uint8_t* qn = q + n * (K / 2);
                     __m512* pp = count == 16 ? part + AE_SLOT16(j) : nullptr;
                     switch (mc) {
-#define AE_CASE(c) case c: ae_q4_bf16_rows<c>(qn, smf.data(), xo, out, m0, n, N, K, pp); break;
+#define AE_CASE(c) case c: ae_q4_bf16_rows<c>(qn, smj, xo, out, m0, n, N, K, pp); break;
                         AE_CASE(1) AE_CASE(2) AE_CASE(3) AE_CASE(4) AE_CASE(5) AE_CASE(6)
                         AE_CASE(7) AE_CASE(8) AE_CASE(9) AE_CASE(10) AE_CASE(11) AE_CASE(12)
 #undef AE_CASE
