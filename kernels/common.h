@@ -73,6 +73,15 @@ struct AeWithoutGil {
 // Weights of at least this many elements make a matmul long enough to release the GIL.
 #define AE_RELEASE_GIL_ELEMENTS (1 << 22)
 
+// Software prefetch in the row kernels (int4_bf16.cpp, int8_bf16.cpp) when two or more input
+// rows share each pass over a weight row: the weights AE_PREFETCH_ROWS rows ahead. With one
+// row the loop is short enough for the hardware prefetcher; with more, each weight line is
+// worked on longer and its stream falls behind: a decode step's weights come from memory, not
+// the cache, and a 9-row verification step waited on them (a 1 + 8 row step of SmolLM2: its
+// gate_up / down matmuls 98 / 55 -> 71 / 36 us a layer, the int8 head 1.27 -> 0.88 ms; the
+// step 10.1 -> 8.4 ms, decode_step.py --drafts 8). Prefetches change no result.
+#define AE_PREFETCH_ROWS 8
+
 static inline float ae_half(uint16_t h) {
 #ifdef AE_AVX2
     return _cvtsh_ss(h);

@@ -56,6 +56,8 @@ static inline void ae_q4_bf16_rows(const uint8_t* qn, const float* smf, const ui
         const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(smf[2 * b + 2]),
                                           _mm512_set1_ps(smf[2 * b + 3]));
         const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);  // [b's 16 | b+1's 16]
+        if (MC >= 2)  // common.h: AE_PREFETCH_ROWS
+            _mm_prefetch((const char*)(qn + AE_PREFETCH_ROWS * (K / 2) + k / 2), _MM_HINT_T0);
         const __m512i words = _mm512_cvtepu8_epi16(
             _mm256_loadu_si256((const __m256i*)(qn + k / 2)));
         // (words & 0x0f) | upper, (words >> 4) | upper  (0xf8: a | (b & c))
@@ -102,6 +104,9 @@ extern "C" void kernel(const uint16_t* x, const uint8_t* q, const uint16_t* sm, 
             const int64_t count = g < groups ? 16 : 1;
             {  // once per group, whatever the number of passes over its rows
                 const uint16_t* smn = sm + n_first * blocks * 2;
+                if (M >= 2)  // the next group's
+                    for (int64_t p = 0; p < count * 2 * blocks; p += 32)  // 64 bytes
+                        _mm_prefetch((const char*)(smn + 16 * blocks * 2 + p), _MM_HINT_T0);
                 const int64_t total = count * 2 * blocks;
                 int64_t i = 0;
                 for (; i + 16 <= total; i += 16)

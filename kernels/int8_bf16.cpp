@@ -32,6 +32,8 @@ static inline void ae_q8_bf16_rows(const int8_t* qn, const float* sn, const uint
     for (int r = 0; r < MC; ++r) acc[r] = acc2[r] = _mm512_setzero_ps();
     const __m512 zero = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 64) {
+        if (MC >= 2)  // common.h: AE_PREFETCH_ROWS
+            _mm_prefetch((const char*)(qn + AE_PREFETCH_ROWS * K + k), _MM_HINT_T0);
         const __m512bh w0 = ae_q8_to_bf16(qn + k), w1 = ae_q8_to_bf16(qn + k + 32);
         #pragma GCC unroll 9
         for (int r = 0; r < MC; ++r) {
