@@ -137,7 +137,7 @@ def test_single_fresh_prompt(path):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_prefills_of_very_different_lengths_are_split_into_groups(path):
+def test_prefills_of_very_different_lengths_are_split_into_groups(sdpa):
     cases = [(0, 300), (8, 2), (0, 3), (100, 120), (5, 7), (36, 1), (0, 64), (1, 1)]
     out, ref, meta, _, _ = run_step(cases, 4, 2)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
@@ -203,6 +203,34 @@ def test_decode_kernel_reads_the_cache_in_place(heads, kv_heads, monkeypatch):
     out, ref, meta, _, _ = run_step(cases, heads, kv_heads)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert [type(g).__name__ for g in meta.extra.groups] == ["CppDecode"]
+
+
+@kernel_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_tokens_are_rows_of_the_in_place_kernel(dtype, monkeypatch):
+    # fresh prompts, chunks after a cached context and decodes in one step: every token is a
+    # row of decode_attention.cpp (its length its causal limit), read in place, no SDPA
+    def no_sdpa(*args, **kwargs):
+        raise AssertionError("a prefill took SDPA")
+
+    monkeypatch.setattr(torch_paged, "_gather", no_sdpa)
+    monkeypatch.setattr(torch_paged.F, "scaled_dot_product_attention", no_sdpa)
+    cases = [(0, 300), (8, 2), (0, 3), (100, 120), (5, 7), (36, 1), (0, 64), (1, 1)]
+    out, ref, meta, _, _ = run_step(cases, 8, 2, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    plan = meta.extra
+    assert [type(g).__name__ for g in plan.groups] == ["CppDecode"] and plan.identity
+    assert not plan.all_decodes  # the decode stack runs all-decode steps only
+    assert plan.groups[0].lens.tolist()[:3] == [1, 2, 3]  # the fresh prompt's first rows
+
+
+@kernel_only
+def test_a_chunk_past_the_rows_table_limit_takes_sdpa(monkeypatch):
+    monkeypatch.setattr(torch_paged_plan, "ROWS_TABLE_MAX", 64)
+    out, ref, meta, _, _ = run_step([(0, 100), (20, 1)], 4, 2)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert "SDPAGroup" in [type(g).__name__ for g in meta.extra.groups]
 
 
 @kernel_only
