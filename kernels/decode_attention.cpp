@@ -205,6 +205,60 @@ static inline void ae_accumulate512(float* acc, const float* w, const ae_t* vb, 
 #define AE_ATTN_SPAN_BLOCKS 8
 #endif
 
+// One online-softmax update of one query head by the n scores sg of a segment (turned into
+// their weights in place): m, l its running max and sum, ag [D] its output accumulator.
+static inline void ae_softmax_update(float* sg, int64_t n, float* m, float* l, float* ag,
+                                     int64_t D) {
+    float mx = *m;
+    int64_t j0 = 0;
+#ifdef AE_AVX2
+    if (n >= 8) {  // eight lanes at a time (a small head makes these count)
+        __m256 vm = _mm256_loadu_ps(sg);
+        for (j0 = 8; j0 + 8 <= n; j0 += 8)
+            vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + j0));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm),
+                              _mm256_extractf128_ps(vm, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        mx = std::max(mx, _mm_cvtss_f32(h));
+    }
+#endif
+    for (int64_t j = j0; j < n; ++j) mx = std::max(mx, sg[j]);
+    const float corr = std::exp(*m - mx);  // 0 on the first block
+    int64_t j1 = 0;
+    float sum = 0.f;
+#ifdef AE_AVX2
+    {
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vs = _mm256_setzero_ps();
+#ifdef AE_EXP16
+        // 16 lanes at a time: the same exps (ae_exp16), summed into vs in the same
+        // order as eight at a time
+        const __m512 vmx16 = _mm512_set1_ps(mx);
+        for (; j1 + 16 <= n; j1 += 16) {
+            const __m512 e = ae_exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j1), vmx16));
+            _mm512_storeu_ps(sg + j1, e);
+            vs = _mm256_add_ps(vs, _mm512_castps512_ps256(e));
+            vs = _mm256_add_ps(vs, _mm512_extractf32x8_ps(e, 1));
+        }
+#endif
+        for (; j1 + 8 <= n; j1 += 8) {
+            const __m256 e = ae_exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j1), vmx));
+            _mm256_storeu_ps(sg + j1, e);
+            vs = _mm256_add_ps(vs, e);
+        }
+        sum = ae_hsum8(vs);
+    }
+#endif
+    for (int64_t j = j1; j < n; ++j) sg[j] -= mx;
+    ae_exp_n(sg + j1, n - j1);
+    for (int64_t j = j1; j < n; ++j) sum += sg[j];
+    *l = *l * corr + sum;
+    *m = mx;
+    if (corr != 1.f)
+        for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
+}
+
 // One span of one (request, KV head): positions [start, end), online softmax from a fresh
 // state into m[G], l[G], acc[G * D] (qv: the G query heads, scaled). The positions go in
 // groups of up to AE_ATTN_SPAN_BLOCKS consecutive blocks: scores into s (G rows of
@@ -251,59 +305,8 @@ static inline void ae_attend_span(const float* qv, const ae_t* kc, const ae_t* v
                 for (int64_t j = 0; j < n; ++j)
                     s[g * SP + j] = soft_cap * std::tanh(s[g * SP + j] * inv);
         }
-        for (int64_t g = 0; g < G; ++g) {
-            float* sg = s + g * SP;
-            float mx = m[g];
-            int64_t j0 = 0;
-#ifdef AE_AVX2
-            if (n >= 8) {  // eight lanes at a time (a small head makes these count)
-                __m256 vm = _mm256_loadu_ps(sg);
-                for (j0 = 8; j0 + 8 <= n; j0 += 8)
-                    vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + j0));
-                __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm),
-                                      _mm256_extractf128_ps(vm, 1));
-                h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-                h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-                mx = std::max(mx, _mm_cvtss_f32(h));
-            }
-#endif
-            for (int64_t j = j0; j < n; ++j) mx = std::max(mx, sg[j]);
-            const float corr = std::exp(m[g] - mx);  // 0 on the first block
-            int64_t j1 = 0;
-            float sum = 0.f;
-#ifdef AE_AVX2
-            {
-                const __m256 vmx = _mm256_set1_ps(mx);
-                __m256 vs = _mm256_setzero_ps();
-#ifdef AE_EXP16
-                // 16 lanes at a time: the same exps (ae_exp16), summed into vs in the same
-                // order as eight at a time
-                const __m512 vmx16 = _mm512_set1_ps(mx);
-                for (; j1 + 16 <= n; j1 += 16) {
-                    const __m512 e = ae_exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j1), vmx16));
-                    _mm512_storeu_ps(sg + j1, e);
-                    vs = _mm256_add_ps(vs, _mm512_castps512_ps256(e));
-                    vs = _mm256_add_ps(vs, _mm512_extractf32x8_ps(e, 1));
-                }
-#endif
-                for (; j1 + 8 <= n; j1 += 8) {
-                    const __m256 e = ae_exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + j1), vmx));
-                    _mm256_storeu_ps(sg + j1, e);
-                    vs = _mm256_add_ps(vs, e);
-                }
-                sum = ae_hsum8(vs);
-            }
-#endif
-            for (int64_t j = j1; j < n; ++j) sg[j] -= mx;
-            ae_exp_n(sg + j1, n - j1);
-            for (int64_t j = j1; j < n; ++j) sum += sg[j];
-            l[g] = l[g] * corr + sum;
-            m[g] = mx;
-            if (corr != 1.f) {
-                float* ag = acc + g * D;
-                for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
-            }
-        }
+        for (int64_t g = 0; g < G; ++g)
+            ae_softmax_update(s + g * SP, n, m + g, l + g, acc + g * D, D);
         for (int64_t i = 0; i < nseg; ++i) {
 #ifdef AE_ATTN512
             if (wide) ae_accumulate512(acc, s + seg_at[i], vc + seg_base[i], G, D, seg_n[i], SP,
@@ -326,6 +329,8 @@ static inline void ae_put_scaled(ae_t* o, const float* a, float inv, int64_t n) 
 #endif
     for (; i < n; ++i) ae_put(o + i, a[i] * inv);
 }
+
+#include "attention_rows.h"
 
 // The spans' partial (m, l, acc[D]) of one (request, KV head), per query head: pp + (it * G +
 // g) * (D + 2) for its spans it in [first, last), merged in span order into o [G, D].
@@ -374,6 +379,10 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
                        int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t table_stride,
                        int64_t q_stride, int64_t split, float scale, int64_t v_off,
                        int64_t window, float soft_cap) {
+    if (window <= 0 && ae_attend_grouped(q, kc, tables, lens, rows, out, B, H, KVH, D, BS,
+                                         table_stride, q_stride, split, scale, v_off,
+                                         soft_cap))
+        return;  // rows sharing their blocks, attended together (attention_rows.h)
     const ae_t* vc = kc + v_off;
     const int64_t G = H / KVH, kv_row = KVH * D, pairs = B * KVH;
     // Spans, in (b, kv head, span) order, so a request's spans are consecutive.

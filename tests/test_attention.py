@@ -265,3 +265,29 @@ def test_decode_kernel_splits_long_contexts_and_merges_exactly(threads, monkeypa
     longest = max(group.lens.tolist())
     # the longest request was split
     assert layer_ops.split_of(group.split, longest, 1, BLOCK) < longest
+
+
+@kernel_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ctx,rows,cap", [(200, 9, None), (17, 3, None), (95, 95, None),
+                                          (130, 5, 30.0), (300, 9, None)])
+def test_rows_sharing_blocks_attend_together_each_as_alone(dtype, ctx, rows, cap):
+    # a verification's rows (or a prefill's tokens): one table, lengths one apart, attended
+    # together (attention_rows.h), each row's output the bits it gets alone (a plain decode
+    # step's): greedy output is the same with and without speculation. 300: long rows are
+    # split into spans and take the per-row path
+    heads, kv_heads, dim, bs = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(ctx + rows)
+    nb = (ctx + bs) // bs + 2
+    kv = torch.randn(2, nb + 4, bs, kv_heads, dim, generator=gen).to(dtype)
+    table = torch.randperm(nb + 4, generator=gen)[:nb]
+    q = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+    tables = table[None].expand(rows, nb).contiguous()
+    lens = torch.arange(ctx - rows + 1, ctx + 1)
+    idx = torch.arange(rows)
+    split = layer_ops.decode_split([], kv_heads, bs, 2)
+    together = layer_ops.decode_attention(q, kv, tables, lens, idx, split, dim**-0.5, None, cap)
+    alone = torch.cat([layer_ops.decode_attention(q, kv, tables[i:i + 1], lens[i:i + 1],
+                                                  idx[i:i + 1], split, dim**-0.5, None, cap)
+                       for i in range(rows)])
+    assert torch.equal(together, alone)
