@@ -157,3 +157,26 @@ def test_engine_greedy_steps_use_it_and_match_transformers(family, tiny_models, 
     for p, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, p, n)[0]
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (9, 49152), (3, 17), (2, 15), (1, 1),
+                                        (4, 49155)])
+def test_argmax_rows_is_torch_argmax(rows, vocab):
+    # the sampler's argmax kernel (argmax_rows.cpp) against torch.argmax: ties to the first
+    # index, all -inf rows, +inf, a row's first NaN, -0.0 beside +0.0
+    from asyncengine.executor.sampler.argmax import _kernel, argmax_rows
+
+    if _kernel() is None:
+        pytest.skip("the CPU kernels do not build here")
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab))
+    ties = x.clone()
+    ties[:, vocab // 2] = ties[:, vocab - 1] = 1e9
+    nans = x.clone()
+    nans[0, vocab // 3] = nans[0, vocab - 1] = float("nan")
+    infs = x.clone()
+    infs[:, 0] = infs[:, -1] = float("inf")
+    zeros = torch.zeros(rows, vocab)
+    zeros[:, 0] = -0.0
+    for case in (x, ties, nans, infs, zeros, torch.full((rows, vocab), float("-inf"))):
+        assert torch.equal(argmax_rows(case), case.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x.t().contiguous().t()), x.argmax(dim=-1))  # strided

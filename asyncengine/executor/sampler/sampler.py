@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncengine.core.request import PositionLogprobs
+from asyncengine.executor.sampler.argmax import argmax_rows
 from asyncengine.executor.sampler.batch import SamplingBatch
 from asyncengine.executor.sampler.flashinfer_sampling import (
     sample_with_flashinfer,
@@ -105,7 +106,7 @@ def _sample_torch(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _greedy(x: torch.Tensor) -> torch.Tensor:
-    ids = x.argmax(dim=-1)
+    ids = argmax_rows(x)
     # argmax returns a NaN's index if there is one; an all -inf row returns -inf; a +inf
     # logit means the numbers broke. All show in the chosen value.
     chosen = x.gather(1, ids[:, None]).squeeze(1)
