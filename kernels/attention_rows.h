@@ -5,7 +5,9 @@
 // once for all the rows' query heads (R * G of them).
 //
 // To the bit what each row computes alone (ae_attend_span over [0, len) as one span): the
-// same blocks of positions (segments) from position 0, each (query, key) score computed alone,
+// same blocks of positions (segments) from position 0, each (query, key) score as alone (the
+// 16-key path scores each key by itself; the 8-key one, which groups a block's keys by
+// their count, runs per row with the row's own count),
 // and per row its own count of valid positions in each segment for the max, the exponentials,
 // their sum and the rescaling; a row's weights past its end are zero, and adding 0 * v to its
 // accumulator leaves it as it was. So a row's result does not depend on the rows grouped with
@@ -51,11 +53,19 @@ static inline void ae_attend_rows(const float* qv, const ae_t* kc, const ae_t* v
         }
         for (int64_t i = 0; i < nseg; ++i) {
 #ifdef AE_ATTN512
-            if (wide) ae_scores512(qv, kc + seg_base[i], s + seg_at[i], RG, D, seg_n[i], SP,
-                                   kv_row, part);
-            else
+            if (wide) {  // each key's score alone: all rows' query heads at once
+                ae_scores512(qv, kc + seg_base[i], s + seg_at[i], RG, D, seg_n[i], SP, kv_row,
+                             part);
+                continue;
+            }
 #endif
-            ae_scores(qv, kc + seg_base[i], s + seg_at[i], RG, D, seg_n[i], SP, kv_row);
+            // the 8-key path groups a block's keys by its count: each row its own count there
+            for (int64_t r = 0; r < R; ++r) {
+                const int64_t valid = std::min(seg_n[i], ends[r] - first - seg_at[i]);
+                if (valid > 0)
+                    ae_scores(qv + r * G * D, kc + seg_base[i], s + r * G * SP + seg_at[i], G, D,
+                              valid, SP, kv_row);
+            }
         }
         for (int64_t r = 0; r < R; ++r) {
             // the row's valid positions: a prefix of the segment
