@@ -20,82 +20,6 @@
 #define AE_ATTN_ROWS 16
 #endif
 
-// Rows [0, R) of one group, KV head kh: qv [R * G, D] (scaled); ends [R] each row's keys.
-// acc [R * G, D], m, l [R * G], s [R * G, SP]; part: ae_scores512's, R * G * 256 floats.
-static inline void ae_attend_rows(const float* qv, const ae_t* kc, const ae_t* vc,
-                                  const int64_t* table, const int64_t* ends, int64_t R,
-                                  int64_t kh, int64_t G, int64_t D, int64_t BS, int64_t kv_row,
-                                  float soft_cap, float* acc, float* m, float* l, float* s,
-                                  float* part) {
-    const int64_t SP = AE_ATTN_SPAN_BLOCKS * BS, RG = R * G;
-    int64_t seg_base[AE_ATTN_SPAN_BLOCKS], seg_n[AE_ATTN_SPAN_BLOCKS];
-    int64_t seg_at[AE_ATTN_SPAN_BLOCKS];
-    int64_t end = 0;
-    for (int64_t r = 0; r < R; ++r) end = std::max(end, ends[r]);
-#ifdef AE_ATTN512
-    const bool wide = D % 16 == 0 && D <= AE_ATTN_D512;
-#else
-    (void)part;
-#endif
-    for (int64_t i = 0; i < RG * D; ++i) acc[i] = 0.f;
-    for (int64_t g = 0; g < RG; ++g) { m[g] = -INFINITY; l[g] = 0.f; }
-    for (int64_t p0 = 0; p0 < end;) {
-        const int64_t first = p0;  // the segment's first position
-        int64_t nseg = 0, n = 0;
-        while (p0 < end && nseg < AE_ATTN_SPAN_BLOCKS) {
-            const int64_t k = std::min(BS - p0 % BS, end - p0);
-            if (n + k > SP) break;
-            seg_base[nseg] = (table[p0 / BS] * BS + p0 % BS) * kv_row + kh * D;
-            seg_n[nseg] = k;
-            seg_at[nseg++] = n;
-            n += k;
-            p0 += k;
-        }
-        for (int64_t i = 0; i < nseg; ++i) {
-#ifdef AE_ATTN512
-            if (wide) {  // each key's score alone: all rows' query heads at once
-                ae_scores512(qv, kc + seg_base[i], s + seg_at[i], RG, D, seg_n[i], SP, kv_row,
-                             part);
-                continue;
-            }
-#endif
-            // the 8-key path groups a block's keys by its count: each row its own count there
-            for (int64_t r = 0; r < R; ++r) {
-                const int64_t valid = std::min(seg_n[i], ends[r] - first - seg_at[i]);
-                if (valid > 0)
-                    ae_scores(qv + r * G * D, kc + seg_base[i], s + r * G * SP + seg_at[i], G, D,
-                              valid, SP, kv_row);
-            }
-        }
-        for (int64_t r = 0; r < R; ++r) {
-            // the row's valid positions: a prefix of the segment
-            const int64_t nr = std::max<int64_t>(0, std::min(n, ends[r] - first));
-            for (int64_t g = r * G; g < (r + 1) * G; ++g) {
-                float* sg = s + g * SP;
-                if (nr > 0) {
-                    if (soft_cap > 0.f) {
-                        const float inv = 1.f / soft_cap;
-                        for (int64_t j = 0; j < nr; ++j)
-                            sg[j] = soft_cap * std::tanh(sg[j] * inv);
-                    }
-                    ae_softmax_update(sg, nr, m + g, l + g, acc + g * D, D);
-                }
-                for (int64_t j = nr; j < n; ++j) sg[j] = 0.f;
-            }
-        }
-        for (int64_t i = 0; i < nseg; ++i) {
-#ifdef AE_ATTN512
-            if (wide) ae_accumulate512(acc, s + seg_at[i], vc + seg_base[i], RG, D, seg_n[i],
-                                       SP, kv_row);
-            else
-#endif
-            for (int64_t g = 0; g < RG; ++g)
-                ae_accumulate(acc + g * D, s + g * SP + seg_at[i], vc + seg_base[i], D,
-                              seg_n[i], kv_row);
-        }
-    }
-}
-
 // Grouped mode, when it applies: every row one span (no window), and some consecutive rows
 // with the same blocks. Returns false (nothing written) otherwise.
 static inline bool ae_attend_grouped(const ae_t* q, const ae_t* kc, const int64_t* tables,
@@ -164,8 +88,8 @@ static inline bool ae_attend_grouped(const ae_t* q, const ae_t* kc, const int64_
 #endif
                 for (; i < G * D; ++i) qr[i] = ae_get(qrow + i) * scale;
             }
-            ae_attend_rows(qv, kc, vc, tables + gr[grp] * table_stride, lens + b0, R, kh, G, D, BS,
-                           kv_row, soft_cap, acc, m, l, s, part);
+            ae_attend_rows(qv, kc, vc, tables + gr[grp] * table_stride, 0, lens + b0, R, kh, G,
+                           D, BS, kv_row, soft_cap, acc, m, l, s, part);
             for (int64_t r = 0; r < R; ++r) {
                 ae_t* o = out + ((b0 + r) * H + kh * G) * D;
                 for (int64_t g = 0; g < G; ++g)

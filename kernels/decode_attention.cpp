@@ -259,27 +259,34 @@ static inline void ae_softmax_update(float* sg, int64_t n, float* m, float* l, f
         for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
 }
 
-// One span of one (request, KV head): positions [start, end), online softmax from a fresh
-// state into m[G], l[G], acc[G * D] (qv: the G query heads, scaled). The positions go in
-// groups of up to AE_ATTN_SPAN_BLOCKS consecutive blocks: scores into s (G rows of
-// AE_ATTN_SPAN_BLOCKS * BS), one softmax update, then the values. part: ae_scores512's 64-byte
-// aligned G * 256 floats.
-static inline void ae_attend_span(const float* qv, const ae_t* kc, const ae_t* vc,
-                                  const int64_t* table, int64_t start, int64_t end,
+// Rows [0, R) of one sequence (one block table), KV head kh, positions [start, ends[r]) for
+// row r, online softmax from a fresh state: qv [R * G, D] (the rows' query heads, scaled);
+// acc [R * G, D], m, l [R * G], s [R * G, SP]; part: ae_scores512's, R * G * 256 floats,
+// 64-byte aligned. The positions go in segments of up to AE_ATTN_SPAN_BLOCKS consecutive
+// blocks: scores into s, one softmax update per row and head (with that row's count of
+// positions in the segment), then the values (a row's weights past its end are zero). One
+// row (R = 1) is one span of one request; more are attention_rows.h's groups, each row's
+// result to the bit its own.
+static inline void ae_attend_rows(const float* qv, const ae_t* kc, const ae_t* vc,
+                                  const int64_t* table, int64_t start, const int64_t* ends,
+                                  int64_t R,
                                   int64_t kh, int64_t G, int64_t D, int64_t BS, int64_t kv_row,
                                   float soft_cap, float* acc, float* m, float* l, float* s,
                                   float* part) {
-    const int64_t SP = AE_ATTN_SPAN_BLOCKS * BS;
+    const int64_t SP = AE_ATTN_SPAN_BLOCKS * BS, RG = R * G;
     int64_t seg_base[AE_ATTN_SPAN_BLOCKS], seg_n[AE_ATTN_SPAN_BLOCKS];
     int64_t seg_at[AE_ATTN_SPAN_BLOCKS];
+    int64_t end = 0;
+    for (int64_t r = 0; r < R; ++r) end = std::max(end, ends[r]);
 #ifdef AE_ATTN512
     const bool wide = D % 16 == 0 && D <= AE_ATTN_D512;
 #else
     (void)part;
 #endif
-    for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
-    for (int64_t g = 0; g < G; ++g) { m[g] = -INFINITY; l[g] = 0.f; }
+    for (int64_t i = 0; i < RG * D; ++i) acc[i] = 0.f;
+    for (int64_t g = 0; g < RG; ++g) { m[g] = -INFINITY; l[g] = 0.f; }
     for (int64_t p0 = start; p0 < end;) {
+        const int64_t first = p0;  // the segment's first position
         int64_t nseg = 0, n = 0;
         while (p0 < end && nseg < AE_ATTN_SPAN_BLOCKS) {
             const int64_t off = p0 % BS;  // 0 except at a window's first block
@@ -293,31 +300,57 @@ static inline void ae_attend_span(const float* qv, const ae_t* kc, const ae_t* v
         }
         for (int64_t i = 0; i < nseg; ++i) {
 #ifdef AE_ATTN512
-            if (wide) ae_scores512(qv, kc + seg_base[i], s + seg_at[i], G, D, seg_n[i], SP,
-                                   kv_row, part);
-            else
+            if (wide) {  // each key's score alone: all rows' query heads at once
+                ae_scores512(qv, kc + seg_base[i], s + seg_at[i], RG, D, seg_n[i], SP, kv_row,
+                             part);
+                continue;
+            }
 #endif
-            ae_scores(qv, kc + seg_base[i], s + seg_at[i], G, D, seg_n[i], SP, kv_row);
+            // the 8-key path groups a block's keys by its count: each row its own count there
+            for (int64_t r = 0; r < R; ++r) {
+                const int64_t valid = std::min(seg_n[i], ends[r] - first - seg_at[i]);
+                if (valid > 0)
+                    ae_scores(qv + r * G * D, kc + seg_base[i], s + r * G * SP + seg_at[i], G, D,
+                              valid, SP, kv_row);
+            }
         }
-        if (soft_cap > 0.f) {
-            const float inv = 1.f / soft_cap;
-            for (int64_t g = 0; g < G; ++g)
-                for (int64_t j = 0; j < n; ++j)
-                    s[g * SP + j] = soft_cap * std::tanh(s[g * SP + j] * inv);
+        for (int64_t r = 0; r < R; ++r) {
+            // the row's valid positions: a prefix of the segment
+            const int64_t nr = std::max<int64_t>(0, std::min(n, ends[r] - first));
+            for (int64_t g = r * G; g < (r + 1) * G; ++g) {
+                float* sg = s + g * SP;
+                if (nr > 0) {
+                    if (soft_cap > 0.f) {
+                        const float inv = 1.f / soft_cap;
+                        for (int64_t j = 0; j < nr; ++j)
+                            sg[j] = soft_cap * std::tanh(sg[j] * inv);
+                    }
+                    ae_softmax_update(sg, nr, m + g, l + g, acc + g * D, D);
+                }
+                for (int64_t j = nr; j < n; ++j) sg[j] = 0.f;
+            }
         }
-        for (int64_t g = 0; g < G; ++g)
-            ae_softmax_update(s + g * SP, n, m + g, l + g, acc + g * D, D);
         for (int64_t i = 0; i < nseg; ++i) {
 #ifdef AE_ATTN512
-            if (wide) ae_accumulate512(acc, s + seg_at[i], vc + seg_base[i], G, D, seg_n[i], SP,
-                                       kv_row);
+            if (wide) ae_accumulate512(acc, s + seg_at[i], vc + seg_base[i], RG, D, seg_n[i],
+                                       SP, kv_row);
             else
 #endif
-            for (int64_t g = 0; g < G; ++g)
+            for (int64_t g = 0; g < RG; ++g)
                 ae_accumulate(acc + g * D, s + g * SP + seg_at[i], vc + seg_base[i], D,
                               seg_n[i], kv_row);
         }
     }
+}
+
+// One span of one (request, KV head): positions [start, end).
+static inline void ae_attend_span(const float* qv, const ae_t* kc, const ae_t* vc,
+                                  const int64_t* table, int64_t start, int64_t end,
+                                  int64_t kh, int64_t G, int64_t D, int64_t BS, int64_t kv_row,
+                                  float soft_cap, float* acc, float* m, float* l, float* s,
+                                  float* part) {
+    ae_attend_rows(qv, kc, vc, table, start, &end, 1, kh, G, D, BS, kv_row, soft_cap, acc, m,
+                   l, s, part);
 }
 
 // o[i] = a[i] * inv rounded to the element type, eight at a time (ae_store8: ae_put's bits).
