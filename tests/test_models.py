@@ -295,3 +295,20 @@ def test_auto_cpu_dtype_follows_the_cpu(monkeypatch):
         assert pick_dtype("auto", "cpu") == torch.float32
     finally:
         loader._cpu_has_bf16.cache_clear()
+
+
+def test_rope_table_on_the_cpu_is_the_per_step_computation():
+    # the CPU gathers cos / sin rows from a table of every position so far (grown as needed):
+    # the same bits as computing them for the step's positions, any batch, any head size
+    from asyncengine.executor.models.rope import RotaryEmbedding
+
+    for head_dim in (64, 80, 128):
+        rope = RotaryEmbedding({}, head_dim, params={"rope_theta": 10000.0,
+                                                     "rope_type": "default"})
+        for dtype in (torch.float32, torch.bfloat16):
+            for positions in (torch.tensor([5]), torch.arange(200, 209),
+                              torch.tensor([3000, 7, 1500, 8]), torch.arange(0, 333)):
+                got = rope(positions, dtype)
+                want = rope._compute(positions, dtype)
+                assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        assert rope._tables[torch.float32][0].shape[0] >= 3001  # grown past 1024
