@@ -78,16 +78,9 @@ static inline bool ae_attend_grouped(const ae_t* q, const ae_t* kc, const int64_
         #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < units; ++u) {
             const int64_t grp = u / KVH, kh = u % KVH, b0 = ga[grp], R = ga[grp + 1] - b0;
-            for (int64_t r = 0; r < R; ++r) {
-                const ae_t* qrow = q + rows[b0 + r] * q_stride + kh * G * D;
-                float* qr = qv + r * G * D;
-                int64_t i = 0;
-#ifdef AE_AVX2
-                for (const __m256 vs = _mm256_set1_ps(scale); i + 8 <= G * D; i += 8)
-                    _mm256_storeu_ps(qr + i, _mm256_mul_ps(ae_load8(qrow + i), vs));
-#endif
-                for (; i < G * D; ++i) qr[i] = ae_get(qrow + i) * scale;
-            }
+            for (int64_t r = 0; r < R; ++r)
+                ae_scale_query(q + rows[b0 + r] * q_stride + kh * G * D, qv + r * G * D, G * D,
+                               scale);
             ae_attend_rows(qv, kc, vc, tables + gr[grp] * table_stride, 0, lens + b0, R, kh, G,
                            D, BS, kv_row, soft_cap, acc, m, l, s, part);
             for (int64_t r = 0; r < R; ++r) {

@@ -363,6 +363,16 @@ static inline void ae_put_scaled(ae_t* o, const float* a, float inv, int64_t n) 
     for (; i < n; ++i) ae_put(o + i, a[i] * inv);
 }
 
+// out[i] = q[i] * scale as float32, eight at a time: a KV head's query heads, scaled.
+static inline void ae_scale_query(const ae_t* q, float* out, int64_t n, float scale) {
+    int64_t i = 0;
+#ifdef AE_AVX2
+    for (const __m256 vs = _mm256_set1_ps(scale); i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(ae_load8(q + i), vs));
+#endif
+    for (; i < n; ++i) out[i] = ae_get(q + i) * scale;
+}
+
 #include "attention_rows.h"
 
 // The spans' partial (m, l, acc[D]) of one (request, KV head), per query head: pp + (it * G +
@@ -477,12 +487,7 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
             const int64_t sp = ae_split_of(split, lens[b], KVH, BS);
             const int64_t* table = tables + b * table_stride;
             const ae_t* qrow = q + rows[b] * q_stride + kh * G * D;
-            int64_t i = 0;
-#ifdef AE_AVX2
-            for (const __m256 vs = _mm256_set1_ps(scale); i + 8 <= G * D; i += 8)
-                _mm256_storeu_ps(qv + i, _mm256_mul_ps(ae_load8(qrow + i), vs));
-#endif
-            for (; i < G * D; ++i) qv[i] = ae_get(qrow + i) * scale;
+            ae_scale_query(qrow, qv, G * D, scale);
             ae_t* o = out + (b * H + kh * G) * D;
             for (int64_t it = by_span ? u : first; it < (by_span ? u + 1 : last); ++it) {
                 const int64_t start = lo + (it - first) * sp;
