@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from asyncengine.core.kv.hashing import update_block_hashes
 from asyncengine.core.kv.manager import KVCacheManager
-from asyncengine.core.request import PositionLogprobs, Request, RequestStatus
+from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.sched.interface import (
     KVConnectorLookup,
     KVLoad,
@@ -37,9 +37,10 @@ from asyncengine.core.sched.interface import (
     SchedulerOutput,
     SchedulerStats,
 )
+from asyncengine.core.sched.lora_slots import LoRASlots
 from asyncengine.core.sched.queues import FCFSQueue
 from asyncengine.core.sched.request_state import (
-    append_token,
+    apply_sampled,
     needs_every_position,
     store_prompt_logprobs,
 )
@@ -78,12 +79,9 @@ class FCFSScheduler(Scheduler):
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()
         self.kv_connector: KVConnectorLookup | None = None
-        # --max-loras: the distinct LoRA adapters of the running requests stay within it (a
-        # request for another adapter waits, and later requests may pass it meanwhile).
         lora = getattr(config, "lora", None)
-        self.max_loras: int | None = lora.max_loras if lora is not None and \
-            lora.enable_lora else None
-        self.running_loras: dict[bytes, int] = {}  # adapter key -> running requests
+        self.lora_slots = LoRASlots(lora.max_loras if lora is not None and lora.enable_lora
+                                    else None)
 
     def set_kv_connector(self, connector: KVConnectorLookup) -> None:
         self.kv_connector = connector
@@ -151,7 +149,7 @@ class FCFSScheduler(Scheduler):
         if running:
             self.running.remove(request)
             if request.lora is not None:
-                self._lora_leaves(request)
+                self.lora_slots.leave(request)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
@@ -234,27 +232,13 @@ class FCFSScheduler(Scheduler):
             request = self.waiting.peek()
             if request.request_id in step.preempted:
                 break  # it just gave its blocks up
-            if request.lora is not None and not self._lora_fits(request):
+            if request.lora is not None and not self.lora_slots.fits(request):
                 passed.append(self.waiting.pop())
                 continue
             if not self._admit(request, step):
                 break
         for request in reversed(passed):
             self.waiting.add_front(request)
-
-    def _lora_fits(self, request: Request) -> bool:
-        """Whether ``request``'s adapter may run now (``--max-loras`` distinct ones)."""
-        loras = self.running_loras
-        return (self.max_loras is None or request.lora.key in loras
-                or len(loras) < self.max_loras)
-
-    def _lora_leaves(self, request: Request) -> None:
-        key = request.lora.key
-        left = self.running_loras.get(key, 0) - 1
-        if left > 0:
-            self.running_loras[key] = left
-        else:
-            self.running_loras.pop(key, None)
 
     def _admit(self, request: Request, step: _Step) -> bool:
         """Admit the head of the waiting queue if it fits (possibly after preempting)."""
@@ -280,8 +264,7 @@ class FCFSScheduler(Scheduler):
         request.num_computed_tokens = request.num_cached_tokens = num_computed
         self.running.append(request)
         if request.lora is not None:
-            self.running_loras[request.lora.key] = self.running_loras.get(request.lora.key,
-                                                                          0) + 1
+            self.lora_slots.enter(request)
         self._add_to_step(request, num_new, step)
         if num_external:
             first, end = num_cached // self.block_size, num_computed // self.block_size
@@ -324,7 +307,7 @@ class FCFSScheduler(Scheduler):
             step.budget += scheduled.num_new_tokens
         self.running.remove(victim)
         if victim.lora is not None:
-            self._lora_leaves(victim)
+            self.lora_slots.leave(victim)
         self.kv_cache_manager.free(victim)
         victim.reset_for_recompute()
         self.waiting.add_front(victim)
@@ -363,12 +346,7 @@ class FCFSScheduler(Scheduler):
             if token is None:
                 raise RuntimeError(f"the runner sampled no token for request {rid!r}")
             request.num_output_placeholders -= 1
-            try:
-                status = self._apply_token(request, token, logprobs.get(rid) if logprobs
-                                           else None, now)
-            except Exception as e:  # this request's grammar (a plugin) failed: it alone ends
-                request.error = f"its structured-output grammar failed: {type(e).__name__}: {e}"
-                status = RequestStatus.FINISHED_ERROR
+            status = apply_sampled(request, token, logprobs.get(rid) if logprobs else None, now)
             if status is not None:
                 self._finish(request, status)
             updated.append(request)
@@ -387,29 +365,14 @@ class FCFSScheduler(Scheduler):
         # KV is valid for the last token and the accepted drafts; rejected slots are reused.
         request.num_computed_tokens = scheduled.start + len(tokens)
         status = None
-        try:
-            for i, token in enumerate(tokens):
-                status = self._apply_token(request, token, lps[i] if lps else None, now)
-                if status is not None:
-                    break
-        except Exception as e:  # this request's grammar (a plugin) failed: it alone ends
-            request.error = f"its structured-output grammar failed: {type(e).__name__}: {e}"
-            status = RequestStatus.FINISHED_ERROR
+        for i, token in enumerate(tokens):
+            status = apply_sampled(request, token, lps[i] if lps else None, now)
+            if status is not None:
+                break
         if status is not None:
             self._finish(request, status)
         else:
             self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
-
-    @staticmethod
-    def _apply_token(request: Request, token: int, logprobs: PositionLogprobs | None,
-                     now: float) -> RequestStatus | None:
-        if token < 0:
-            request.error = ("the model produced no valid next token (its logits were NaN or "
-                             "infinite after the sampling parameters were applied, or the "
-                             "structured-output grammar allowed no token)")
-            return RequestStatus.FINISHED_ERROR
-        append_token(request, token, logprobs, now)
-        return request.check_stop()
 
     # -- misc ------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

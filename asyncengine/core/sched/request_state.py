@@ -1,10 +1,10 @@
-"""What the built-in schedulers do to one request's state: apply a sampled token, keep prompt
-logprobs, and the two questions they ask of a request (is its in-flight token its last; does
-it need every prompt position computed)."""
+"""What the built-in schedulers do to one request's state: apply a sampled token (and say
+whether it ends the request), keep prompt logprobs, and the two questions they ask of a request
+(is its in-flight token its last; does it need every prompt position computed)."""
 
 from __future__ import annotations
 
-from asyncengine.core.request import PositionLogprobs, Request
+from asyncengine.core.request import PositionLogprobs, Request, RequestStatus
 
 
 def finishes_in_flight(request: Request) -> bool:
@@ -31,6 +31,24 @@ def append_token(request: Request, token: int, logprobs: PositionLogprobs | None
     if request.first_token_time is None:
         request.first_token_time = now
     request.last_token_time = now
+
+
+def apply_sampled(request: Request, token: int, logprobs: PositionLogprobs | None,
+                  now: float) -> RequestStatus | None:
+    """Append a sampled token; returns the status that ends the request (a stop condition met,
+    no valid token, its grammar failing), or None while it goes on. A failure here belongs to
+    this request alone: it is its status, never an exception."""
+    if token < 0:
+        request.error = ("the model produced no valid next token (its logits were NaN or "
+                         "infinite after the sampling parameters were applied, or the "
+                         "structured-output grammar allowed no token)")
+        return RequestStatus.FINISHED_ERROR
+    try:
+        append_token(request, token, logprobs, now)
+        return request.check_stop()
+    except Exception as e:  # this request's grammar (a plugin) failed: it alone ends
+        request.error = f"its structured-output grammar failed: {type(e).__name__}: {e}"
+        return RequestStatus.FINISHED_ERROR
 
 
 def store_prompt_logprobs(
