@@ -18,6 +18,12 @@
 #define kernel ae_int4_bf16_mm
 #include "int4_bf16.cpp"
 #undef kernel
+// ... and, for steps of many requests, int4_tile8.cpp's byte tiles (AE_KQ_TILE8 where the
+// CPU has AVX-512 VNNI and BITALG)
+#include "kquant.h"
+#include "kquant_small.h"
+#include "kquant_q32.h"
+#include "kquant_tile8.h"
 #endif
 #endif
 #define kernel ae_rms_norm
@@ -67,14 +73,25 @@ enum {
 
 // y [T, N] = x [T, K] @ W.T for the projection whose addresses start at layer[at]. A
 // bfloat16 model: the float32 result rounded once to bfloat16, as Int4Linear's forward does
-// (int4_bf16_mm(x).to(bfloat16)).
+// (int4_bf16_mm(x).to(bfloat16)); where `tiles` (a step of int4.TILE_REQUESTS requests or
+// more), int4_tile8.cpp's byte tiles over activations rounded to int8, as Int4Linear's
+// forward takes them for such a step.
 static inline void ae_stack_mm(const int64_t* layer, int at, const ae_t* x, ae_t* y,
-                               int64_t T, int64_t N, int64_t K) {
+                               int64_t T, int64_t N, int64_t K, bool tiles) {
     const uint8_t* q = reinterpret_cast<const uint8_t*>(layer[at]);
     const uint16_t* sm = reinterpret_cast<const uint16_t*>(layer[at + 1]);
 #if AE_DTYPE == 0
+    (void)tiles;
     ae_int4_mm(x, q, sm, y, T, N, K);
 #else
+#ifdef AE_KQ_TILE8
+    if (tiles) {
+        kq_tile8<KQ_INT4_SPLIT>(x, true, q, y, true, T, N, K, N, K / 2, sm);
+        return;
+    }
+#else
+    (void)tiles;
+#endif
     static thread_local ae_vec<float> ybuf;
     if ((int64_t)ybuf.size() < T * N) ybuf.resize(T * N);
     float* yf = ybuf.data();
@@ -110,14 +127,17 @@ static inline void ae_stack_lora(const int64_t* lora, const int64_t* lora_r,
 // h: [T, HD] the token embeddings; out: [T, HD] the final normed hidden states (final_norm).
 // cos, sin: [T, D] (RotaryEmbedding's); slots: int64 [T] cache slots of the new tokens;
 // tables, lens, rows, split: decode_attention.cpp's (lens include the new token).
+// use_tiles: a bfloat16 int4 stack's matmuls through the byte tiles (ae_stack_mm).
 extern "C" void kernel(const ae_t* h, ae_t* out, const int64_t* layers, const ae_t* final_norm,
                        const ae_t* cos, const ae_t* sin, const int64_t* slots,
                        const int64_t* tables, const int64_t* lens, const int64_t* rows,
                        int64_t L, int64_t T, int64_t HD, int64_t H, int64_t KVH, int64_t D,
                        int64_t I, int64_t BS, int64_t table_stride, int64_t split,
                        int64_t v_off, float scale, float eps, const int64_t* lora,
-                       const int64_t* lora_r, const int64_t* lora_slots, int64_t use_lora) {
+                       const int64_t* lora_r, const int64_t* lora_slots, int64_t use_lora,
+                       int64_t use_tiles) {
     if (!use_lora) lora_slots = nullptr;
+    const bool tiles = use_tiles != 0;
     const AeWithoutGil released;  // milliseconds of work: the event loop runs meanwhile
     const int64_t QKV = (H + 2 * KVH) * D;
     static thread_local ae_vec<ae_t> buf;
@@ -139,19 +159,19 @@ extern "C" void kernel(const ae_t* h, ae_t* out, const int64_t* layers, const ae
         else  // residual += h; x = norm(residual)
             ae_rms_norm(hs, residual, ae_ptr<const ae_t>(w, AE_IN_NORM), x, T, HD, HD, 1,
                         eps);
-        ae_stack_mm(w, AE_QKV, x, qkv, T, QKV, HD);
+        ae_stack_mm(w, AE_QKV, x, qkv, T, QKV, HD, tiles);
         ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_QKV, x, qkv, T, HD, QKV);
         ae_rope(qkv, cos, sin, T, H + KVH, D, QKV);  // q and k heads, in place
         ae_kv_write(qkv + H * D, qkv + (H + KVH) * D, kv, slots, T, KVH * D, QKV, QKV, v_off);
         ae_decode_attention(qkv, kv, tables, lens, rows, att, T, H, KVH, D, BS, table_stride,
                             QKV, split, scale, v_off, 0, 0.f);
-        ae_stack_mm(w, AE_O, att, hs, T, HD, H * D);
+        ae_stack_mm(w, AE_O, att, hs, T, HD, H * D, tiles);
         ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_O, att, hs, T, H * D, HD);
         ae_rms_norm(hs, residual, ae_ptr<const ae_t>(w, AE_POST_NORM), x, T, HD, HD, 1, eps);
-        ae_stack_mm(w, AE_GU, x, gu, T, 2 * I, HD);
+        ae_stack_mm(w, AE_GU, x, gu, T, 2 * I, HD, tiles);
         ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_GU, x, gu, T, HD, 2 * I);
         ae_silu_mul(gu, act, T, I);
-        ae_stack_mm(w, AE_DOWN, act, hs, T, HD, I);
+        ae_stack_mm(w, AE_DOWN, act, hs, T, HD, I, tiles);
         ae_stack_lora(lora, lora_r, lora_slots, l, AE_LORA_DOWN, act, hs, T, I, HD);
     }
     ae_rms_norm(hs, residual, final_norm, out, T, HD, HD, 1, eps);

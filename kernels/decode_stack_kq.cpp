@@ -31,7 +31,8 @@ enum {
 // widened to float32, the matmul and the bias add in float32, y rounded to bfloat16 once, as
 // GGUFLinear's forward does (x.float(), out += bias.float(), out.to(bfloat16)).
 static inline void ae_stack_mm(const int64_t* layer, int at, const ae_t* x, ae_t* y,
-                               int64_t T, int64_t N, int64_t K) {
+                               int64_t T, int64_t N, int64_t K, bool tiles) {
+    (void)tiles;  // each part's type carries its own choice (decode_stack.py's _kq_proj)
     const int64_t* p = layer + at;
 #if AE_DTYPE == 0
     const float* xf = x;

@@ -5,8 +5,9 @@
 #include "kquant_tile8.h"
 
 // x: bfloat16 [M, K]; q: uint8 [N, K / 2], sm: float16 [N, K / 32, 2] (int4.cpp's layout: w =
-// q * scale + min); out: bfloat16 [M, N]. The prefill chunks of a bfloat16 int4 model through
-// kquant_tile8.h's byte dot products (lanes across 16 weight rows; the activations rounded to
+// q * scale + min); out: bfloat16 [M, N]. The prefill chunks of a bfloat16 int4 model, and
+// its decode steps of int4.TILE_REQUESTS requests or more (decode_stack.cpp calls kq_tile8 for
+// those itself), through kquant_tile8.h's byte dot products (lanes across 16 weight rows; the activations rounded to
 // int8 once per block of 32, as llama.cpp's Q8_1 activations against Q4_1): the weights read
 // as they are, with no bfloat16 copy of them made per call. SmolLM2's four matmuls of a
 // layer at 95 rows, 2 threads: 0.68 ms against 1.05 for the dequantization and PyTorch's

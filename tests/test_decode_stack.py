@@ -10,6 +10,7 @@ from asyncengine.executor.kernels import layer_ops
 from asyncengine.executor.kernels import packed as packed_kernels
 from asyncengine.executor.models import load_model
 from asyncengine.executor.models.decode_stack import DecodeStack
+from asyncengine.executor.models.int4 import TILE_REQUESTS
 from asyncengine.executor.models.loader import resolve_model
 from tests.test_models import PagedRunner
 
@@ -22,7 +23,7 @@ def _run(model, stack: DecodeStack | None, prompts: dict[str, torch.Tensor],
     """Prefill ``prompts``, then one decode step per entry of ``decodes`` (the requests in
     it each feed their last greedy token). Returns every step's logits."""
     model._stack = stack
-    runner = PagedRunner(model, num_blocks=160, block_size=4,
+    runner = PagedRunner(model, num_blocks=320, block_size=4,
                          dtype=model.model.norm.weight.dtype)
     out = [runner.step(prompts)]
     last = {r: int(out[0][r][-1].argmax()) for r in prompts}
@@ -69,12 +70,18 @@ def test_stack_equals_the_per_layer_path_bit_for_bit(source, tiny_models, monkey
     stack = DecodeStack.for_model(model)
     assert stack is not None and stack.kquant == source.startswith("mixed-gguf")
     gen = torch.Generator().manual_seed(3)
-    # Ten requests; "long" reaches past two attention splits of 128 positions when it
-    # decodes alone (the split results are merged), the others are short.
-    prompts = {f"r{i}": torch.randint(0, 49152, (3 + 5 * i,), generator=gen) for i in range(9)}
+    # Eighteen requests; "long" reaches past two attention splits of 128 positions when it
+    # decodes alone (the split results are merged), the others are short. All of them: a step
+    # of TILE_REQUESTS requests and more (int4 in bfloat16: the byte tiles, in the stack too).
+    prompts = {f"r{i}": torch.randint(0, 49152, (3 + 3 * i,), generator=gen) for i in range(17)}
     prompts["long"] = torch.randint(0, 49152, (300,), generator=gen)
     everyone = list(prompts)
-    decodes = [["long"], ["long"], everyone[:3], everyone, everyone, ["r4", "long"]]
+    assert len(everyone) >= TILE_REQUESTS
+    decodes = [["long"], ["long"], everyone[:3], everyone[:10], everyone, everyone,
+               ["r4", "long"]]
+    if source in ("embedded-gguf-bf16", "tiny-int4-bf16"):
+        assert stack.tile_requests == (TILE_REQUESTS if packed_kernels.int4_tile8_available()
+                                       else 1 << 62)
     ran = _count_runs(stack, monkeypatch)
     fused = _run(model, stack, prompts, decodes)
     # every decode step in the stack's range ran fused (GGUF: fewer than 8 tokens), no prefill

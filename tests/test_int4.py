@@ -287,3 +287,29 @@ def test_bfloat16_prefill_rows_take_the_int8_tiles_or_the_bfloat16_gemm():
         assert torch.equal(got, gemm)
     rows = torch.cat([layer(x[i:i + 8]) for i in range(0, len(x), 8)])  # the row kernel
     torch.testing.assert_close(got.float(), rows.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_bfloat16_decode_steps_of_many_requests_take_the_int8_tiles():
+    """From ``TILE_REQUESTS`` requests in a step (``step_requests``; outside a step, a call's
+    rows count as requests) a bfloat16 int4 layer multiplies by the byte tiles at any row
+    count; a step of fewer requests keeps the row kernel whatever its rows (a verification's
+    drafts are rows of their own), so a row's bits depend on its step's requests only."""
+    from asyncengine.executor.models import int4
+
+    if not (packed_kernels.bf16_available("int4_bf16")
+            and packed_kernels.int4_tile8_available()):
+        pytest.skip("no AVX-512 BF16 / VNNI tiles here")
+    torch.manual_seed(0)
+    layer = Int4Linear(torch.randn(100, 576) * 0.05)
+    x = torch.randn(int4.TILE_REQUESTS + 4, 576).bfloat16()
+    tiles = packed_kernels.int4_tile8_mm(x, layer.packed, layer.scale_min)
+    rows = packed_kernels.int4_bf16_mm(x, layer.packed, layer.scale_min).bfloat16()
+    assert not torch.equal(tiles, rows)  # the activations' rounding to int8 shows
+    torch.testing.assert_close(tiles.float(), rows.float(), atol=3e-2, rtol=3e-2)
+    assert torch.equal(layer(x), tiles)
+    assert torch.equal(layer(x[:int4.TILE_REQUESTS - 1]), rows[:int4.TILE_REQUESTS - 1])
+    with int4.step_requests(2):  # two requests verifying their drafts
+        assert torch.equal(layer(x), rows)
+    with int4.step_requests(int4.TILE_REQUESTS):  # a row's result, whatever beside it
+        assert torch.equal(layer(x[:3]), tiles[:3])
+    assert int4._Step.requests is None

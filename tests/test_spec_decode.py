@@ -254,6 +254,61 @@ def test_greedy_output_is_identical_in_bfloat16_with_ngram_drafts():
     anyio.run(main)
 
 
+def test_drafts_past_tile_requests_rows_keep_the_row_kernel_in_bfloat16(monkeypatch):
+    """Two requests verifying 16 drafts each: steps of 34 rows but two requests. The byte
+    tiles (int4.TILE_REQUESTS) are for steps of that many requests, so these rows keep the row
+    kernel and are computed as the one-token steps compute them: the same tokens, and the same
+    logprobs to the bit, with and without the drafts."""
+    from asyncengine.executor.kernels import packed
+    from asyncengine.executor.models.decode_stack import DecodeStack
+    from asyncengine.executor.models.int4 import TILE_REQUESTS
+    from tests.utils import embedded_gguf_path
+
+    if not (packed.int4_bf16_available() and packed.int4_tile8_available()):
+        pytest.skip("no AVX-512 BF16 / VNNI tiles here")
+    real_run = DecodeStack.run
+    wide: list[int] = []
+
+    def run(self, h, *args):
+        out = real_run(self, h, *args)
+        if out is not None and h.shape[0] >= TILE_REQUESTS:
+            wide.append(h.shape[0])
+        return out
+
+    monkeypatch.setattr(DecodeStack, "run", run)
+    prompts = ["<|im_start|>user\nCount from one to twenty in words.<|im_end|>\n"
+               "<|im_start|>assistant\n",
+               "<|im_start|>user\nName the planets of the solar system.<|im_end|>\n"
+               "<|im_start|>assistant\n"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
+    spec = ('{"method": "ngram", "num_speculative_tokens": 16, '
+            '"num_speculative_tokens_per_batch_size": [[1, 8, 16]]}')
+
+    def summary(outs):
+        return [(o.outputs[0].token_ids, [[(t, lp.logprob) for t, lp in pos.items()]
+                                          for pos in o.outputs[0].logprobs]) for o in outs]
+
+    async def main():
+        options = dict(max_model_len=512, num_gpu_blocks_override=None, block_size=16,
+                       max_num_batched_tokens=512, dtype="bfloat16")
+        base = make_engine(embedded_gguf_path(), spec=None, **options)
+        async with base:
+            ref = await generate_all(base, prompts, params)
+        engine = make_engine(embedded_gguf_path(), spec=spec, **options)
+        tok = engine.tokenizer
+        engine.loop.drafting.proposer = Oracle(
+            [tok.encode(p) + list(o.outputs[0].token_ids) for p, o in zip(prompts, ref,
+                                                                          strict=True)])
+        counter = SpecCounter(engine)
+        async with engine:
+            got = await generate_all(engine, prompts, params)
+            assert pool_is_free(engine)
+        assert summary(got) == summary(ref)
+        assert counter.accepted > 0 and wide and max(wide) >= 2 * 17 - 4, wide
+
+    anyio.run(main)
+
+
 def test_rejection_sampling_follows_the_target_distribution():
     """Point-mass drafts verified by sampling every row: the first two tokens' joint
     distribution is p1(t1) * p2(t2 | t1), whether t2 came from the draft's row (t1 was the

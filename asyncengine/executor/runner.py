@@ -211,6 +211,7 @@ class ModelRunner:
             block_size=bs,
             block_tables_host=table,
             padded_batch=graph_batch,
+            requests=len(out.scheduled) if spec else None,
         )
         self.attn_backend.prepare(meta)
         sample_np = np.array(sample_flat, dtype=np.int64)

@@ -64,10 +64,18 @@ class AttentionMetadata:
     # A pure-decode step replayed by the CUDA graph captured for this many rows: the rows
     # past num_reqs are padding, whose K/V go to the backend's scratch block.
     padded_batch: int | None = None
+    # The step's requests where drafts make its rows more (a verification's last token and
+    # each draft are query rows of their own, consecutive); None: one request a row.
+    requests: int | None = None
 
     @property
     def num_reqs(self) -> int:
+        """Query rows: a request's, or each of a verification's."""
         return len(self.seq_lens)
+
+    @property
+    def num_requests(self) -> int:
+        return self.requests if self.requests is not None else len(self.seq_lens)
 
     @property
     def query_lens(self) -> list[int]:

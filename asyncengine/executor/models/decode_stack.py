@@ -13,7 +13,8 @@ It runs when a step is all decodes that ``torch_paged`` attends with its in-plac
 (``TorchPagedBackend.decode_plan``), with fewer than ``DEQUANT_ROWS`` tokens (the int4 kernel's
 own range), for a model of the plain Llama layout (``ModelSpec.lacks``) whose projections are
 all int4 without bias: the default for the embedded Q4_1 GGUF and for ``--quantization int4``
-(in bfloat16 through Int4Linear's bfloat16 kernel, where it runs). Or,
+(in bfloat16 through Int4Linear's bfloat16 kernel, where it runs, and, for steps of
+``int4.TILE_REQUESTS`` requests or more, its byte tiles, as Int4Linear takes them). Or,
 ``kernels/decode_stack_kq.cpp``, whose projections are all ``GGUFLinear`` (a GGUF file kept
 packed, ``--quantization gguf``: Q4_K_M's mix of types, a fused projection's parts in their own
 types, Qwen2's q/k/v bias), with fewer than ``kquants.TILE_ROWS`` tokens (the packed kernel's
@@ -32,13 +33,13 @@ import torch
 from asyncengine.executor.kernels import layer_ops
 from asyncengine.executor.kernels.build import DTYPE_CODES, load
 from asyncengine.executor.models import kquants
-from asyncengine.executor.models.int4 import DEQUANT_ROWS, Int4Linear
+from asyncengine.executor.models.int4 import DEQUANT_ROWS, TILE_REQUESTS, Int4Linear
 
 _ARGS = ("const ae_t*", "ae_t*", "const int64_t*", "const ae_t*", "const ae_t*",
          "const ae_t*", "const int64_t*", "const int64_t*", "const int64_t*", "const int64_t*",
          "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
          "int64_t", "int64_t", "int64_t", "float", "float", "const int64_t*", "const int64_t*",
-         "const int64_t*", "int64_t")
+         "const int64_t*", "int64_t", "int64_t")
 # Addresses per layer, in decode_stack.cpp's order (its AE_STACK_PTRS); the KV cache's last.
 _PTRS = 11
 # decode_stack_kq.cpp's: the two norms, four projections of AE_KQ_PROJ (bias, parts, then
@@ -52,7 +53,7 @@ class DecodeStack:
     """The model's layers as one table of addresses, for ``decode_stack.cpp``."""
 
     def __init__(self, model: Any, fn: Any, kquant: bool = False,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, tiles: bool = False) -> None:
         self.fn = fn
         self.kquant = kquant
         self.dtype = dtype  # of the activations, norms and KV cache
@@ -60,6 +61,9 @@ class DecodeStack:
         # (a bfloat16 GGUF model where the kernel multiplies bfloat16 tiles: up to FUSED_ROWS)
         self.max_rows = DEQUANT_ROWS if not kquant else (
             kquants.FUSED_ROWS + 1 if kquants.fused_tiles(dtype) else kquants.TILE_ROWS)
+        # int4 in bfloat16: from this many requests a step's matmuls take the byte tiles
+        # (never, where they are not compiled in: Int4Linear then keeps the row kernel)
+        self.tile_requests = TILE_REQUESTS if tiles else 1 << 62
         self.num_layers = model.num_layers
         self.num_heads, self.num_kv_heads = model.num_heads, model.num_kv_heads
         self.head_dim, self.hidden = model.head_dim, model.hidden_size
@@ -141,7 +145,8 @@ class DecodeStack:
             if any(w.dtype != dtype or w.device.type != "cpu" for w in tensors):
                 return None
         fn = load("decode_stack_kq" if kquant else "decode_stack", _ARGS, DTYPE_CODES[dtype])
-        return None if fn is None else cls(model, fn, kquant, dtype)
+        tiles = dtype == torch.bfloat16 and not kquant and all(lin._tile8 for lin in linears)
+        return None if fn is None else cls(model, fn, kquant, dtype, tiles)
 
     def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             kv_caches: list[torch.Tensor], meta: Any, backend: Any,
@@ -168,7 +173,8 @@ class DecodeStack:
                 plan.tables, plan.lens, plan.rows, self.num_layers, T, self.hidden,
                 self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
                 meta.block_size, plan.tables.stride(0), plan.split, kv.stride(0), self.scale,
-                self.eps, *self._lora_args(lora))
+                self.eps, *self._lora_args(lora),
+                int(meta.num_requests >= self.tile_requests))
         return out
 
     def _lora_args(self, lora: Any) -> tuple[Any, ...]:

@@ -37,6 +37,7 @@ from asyncengine.executor.attention.base import (
 )
 from asyncengine.executor.models.decode_stack import DecodeStack
 from asyncengine.executor.models.family import LayerSpec, ModelSpec, describe, text_config
+from asyncengine.executor.models.int4 import step_requests
 from asyncengine.executor.models.layers import (
     FUSED_SHARDS,
     MLP,
@@ -216,7 +217,7 @@ class CausalLM(nn.Module):
                 if out is not None:
                     return out
         residual = None
-        with small_matmuls(h):
+        with small_matmuls(h), step_requests(attn_metadata.num_requests):
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
                 cos, sin = tables[layer.self_attn.rope_name]  # [T, 1, 2, rotary_dim / 2]
                 h, residual = layer(h, residual, cos, sin, kv_cache, attn_metadata,

@@ -21,6 +21,9 @@ rebuilt at every call: correct, and slow.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,10 +53,37 @@ BF16_ROWS = DEQUANT_ROWS
 # row kernel / dequantize + bfloat16 GEMM / dequantize + float32 GEMM: 0.92 / 0.95 / 2.05 ms
 # at 32 rows, 1.81 / 1.34 / 2.75 at 48, 3.73 / 2.04 / 4.71 at 95, 5.11 / 2.51 / 5.98 at 128;
 # the int8 tiles 0.33 against the GEMM's 0.60 at 40 rows, 0.68 against 1.03 at 95. Decode-only
-# steps of the embedded model keep the row kernel up to DEQUANT_ROWS through the C++ decode
-# stack, and a verification at one request (1 + k <= 33 rows) stays under it, so its rows are
-# computed as one-token steps compute them.
+# steps of the embedded model (fewer than DEQUANT_ROWS rows) run through the C++ decode stack,
+# which picks the kernel by the step's requests alone (TILE_REQUESTS below), so that a
+# verification's rows are computed as one-token steps of the same requests compute them.
 BF16_GEMM_ROWS = 40
+# From this many requests in a step (decode batches), a bfloat16 int4 layer multiplies through
+# the byte tiles too, whatever its row count: at many rows a bfloat16 row costs a
+# vdpbf16ps per 32 weights, a tile row 11 instructions per 512 products. SmolLM2's four
+# matmuls of a layer, 2 threads, Zen 5, row kernel / tiles, weights from memory: 63 / 87 us
+# at 1 row, 147 / 147 at 9, 253 / 188 at 16, 499 / 283 at 32 (hot caches); a 32-request decode
+# step of the embedded model 25-27 -> 20 ms. Counted in requests, not rows: a verification's
+# drafts (a row each) leave its rows' arithmetic that of a one-token step of the same
+# requests, so greedy output stays the same with and without speculative decoding.
+TILE_REQUESTS = 16
+
+
+class _Step:
+    """The requests of the step whose forward pass is running (``step_requests``); None
+    outside one: a call's rows count as its requests."""
+
+    requests: int | None = None
+
+
+@contextmanager
+def step_requests(requests: int | None) -> Iterator[None]:
+    """While a step's forward pass runs: its number of requests, which decides the kernel of
+    its bfloat16 int4 matmuls (``TILE_REQUESTS``). One step at a time runs the model."""
+    before, _Step.requests = _Step.requests, requests
+    try:
+        yield
+    finally:
+        _Step.requests = before
 
 
 def quantize_int4(weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -126,7 +156,9 @@ class Int4Linear(nn.Module):
         if (self._bf16 and x.dtype is torch.bfloat16 and x.dim() == 2
                 and not torch.compiler.is_compiling()):
             buffers = self._buffers
-            if x.shape[0] < BF16_GEMM_ROWS:
+            rows = x.shape[0]
+            if rows < BF16_GEMM_ROWS and not (
+                    self._tile8 and (_Step.requests or rows) >= TILE_REQUESTS):
                 return packed_kernels.int4_bf16_mm(x, buffers["packed"],
                                                    buffers["scale_min"]).to(torch.bfloat16)
             if self._tile8:

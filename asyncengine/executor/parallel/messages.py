@@ -117,11 +117,13 @@ class BlockTableMirror:
         seq_lens = starts + lens
         width = int((seq_lens.max() + bs - 1) // bs) if len(rows) else 0
         table = self.table[rows, :width]
+        # a verification's rows share their request's row, one after another
+        requests = int(np.count_nonzero(rows[1:] != rows[:-1])) + 1 if len(rows) else 0
         meta = AttentionMetadata(
             query_start_loc=cu.tolist(), seq_lens=seq_lens.tolist(),
             block_tables=(torch.from_numpy(table).to(device)
                           if backend.needs_block_tables_tensor else None),
             slot_mapping=torch.from_numpy(slots).to(device), block_size=bs,
-            block_tables_host=table)
+            block_tables_host=table, requests=requests if requests < len(rows) else None)
         backend.prepare(meta)
         return torch.from_numpy(positions).to(device), meta
