@@ -59,12 +59,12 @@ BF16_ROWS = DEQUANT_ROWS
 BF16_GEMM_ROWS = 40
 # From this many requests in a step (decode batches), a bfloat16 int4 layer multiplies through
 # the byte tiles too, whatever its row count: at many rows a bfloat16 row costs a
-# vdpbf16ps per 32 weights, a tile row 11 instructions per 512 products. SmolLM2's four
-# matmuls of a layer, 2 threads, Zen 5, row kernel / tiles, weights from memory: 63 / 87 us
-# at 1 row, 147 / 147 at 9, 253 / 188 at 16, 499 / 283 at 32 (hot caches); a 32-request decode
-# step of the embedded model 25-27 -> 20 ms. Counted in requests, not rows: a verification's
-# drafts (a row each) leave its rows' arithmetic that of a one-token step of the same
-# requests, so greedy output stays the same with and without speculative decoding.
+# vdpbf16ps per 32 weights, a tile row 11 instructions per 512 products. SmolLM2's 120
+# linears, 2 threads, Zen 5, row kernel / tiles (``benchmarks/packed_matmul.py --bfloat16``):
+# 1.78 / 2.93 ms at 1 row, 4.31 / 4.72 at 9, 7.36 / 5.89 at 16, 14.45 / 9.23 at 32; a
+# 32-request decode step of the embedded model 25-27 -> 20 ms. Counted in requests, not rows:
+# a verification's drafts (a row each) leave its rows' arithmetic that of a one-token step of
+# the same requests, so greedy output stays the same with and without speculative decoding.
 TILE_REQUESTS = 16
 
 
