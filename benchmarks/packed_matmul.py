@@ -6,7 +6,8 @@ Times the 120 decoder linears (30 layers of fused q/k/v 960x576, o 576x576, fuse
 ``asyncengine/executor/kernels/packed.py``, at a few row counts. With ``--bfloat16``: the
 int4 linears over bfloat16 rows, the row kernel (``int4_bf16.cpp``, decode steps of fewer than
 ``int4.TILE_REQUESTS`` requests) against the byte tiles (``int4_tile8.cpp``, larger decode
-steps and prefill chunks), and the int8 head's bfloat16 row kernel. Usage:
+steps and prefill chunks), and the int8 head's the same two ways (``int8_bf16.cpp`` /
+``int8_tile8.cpp``). Usage:
 
     python benchmarks/packed_matmul.py [--rows 1 4 32] [--threads 2] [--bfloat16]
 """
@@ -59,9 +60,11 @@ def main() -> None:
     print(f"{args.layers} layers x 4 linears + the 49152x576 head, {torch.get_num_threads()} "
           "threads, best of 10 (ms)")
     if args.bfloat16:
-        if not (pk.int4_bf16_available() and pk.int4_tile8_available()):
+        if not (pk.int4_bf16_available() and pk.int4_tile8_available()
+                and pk.bf16_available("int8_tile8")):
             raise SystemExit("the bfloat16 row kernel or the byte tiles do not build here")
-        print(f"{'rows':>5} {'int4 rows':>10} {'int4 tiles':>11} {'ratio':>6} {'head rows':>10}")
+        print(f"{'rows':>5} {'int4 rows':>10} {'int4 tiles':>11} {'ratio':>6} {'head rows':>10} "
+              f"{'head tiles':>11} {'ratio':>6}")
         for m in args.rows:
             xs = {576: torch.randn(m, 576).bfloat16(), 1536: torch.randn(m, 1536).bfloat16()}
             rows = _best_ms(lambda xs=xs: [pk.int4_bf16_mm(xs[q.shape[1] * 2], q, s)
@@ -69,7 +72,9 @@ def main() -> None:
             tiles = _best_ms(lambda xs=xs: [pk.int4_tile8_mm(xs[q.shape[1] * 2], q, s)
                                             for layer in w4 for q, s in layer])
             h8 = _best_ms(lambda xs=xs: pk.int8_bf16_mm(xs[576], *head8))
-            print(f"{m:>5} {rows:>10.2f} {tiles:>11.2f} {rows / tiles:>5.2f}x {h8:>10.2f}")
+            h8t = _best_ms(lambda xs=xs: pk.int8_tile8_mm(xs[576], *head8))
+            print(f"{m:>5} {rows:>10.2f} {tiles:>11.2f} {rows / tiles:>5.2f}x {h8:>10.2f} "
+                  f"{h8t:>11.2f} {h8 / h8t:>5.2f}x")
         return
     print(f"{'rows':>5} {'dec f32':>9} {'dec int4':>9} {'ratio':>6} {'head f32':>9} "
           f"{'head int8':>10} {'ratio':>6}")

@@ -35,6 +35,10 @@
 // Not a GGML type: int4.cpp's split layout (q [N, K / 2] nibbles as Q4_1's, sm [N, K / 32, 2]
 // float16 scale and min: Q4_1's d and m), the int4 layers' prefill chunks (int4_tile8.cpp).
 #define KQ_INT4_SPLIT 1000
+// Nor this: int8_bf16.cpp's layout (q int8 [N, K], float32 scales [N, groups], groups 1 per
+// row or K / 32 per block), the int8 layers' and logits head's decode steps of many requests
+// (int8_tile8.cpp). The quants shifted by 128, as Q8_0's.
+#define KQ_INT8_SPLIT 1001
 
 // The types a call takes here: the blocks of 32 and the k-quants.
 static inline bool kq_tile8_type(int64_t type) {
@@ -198,7 +202,8 @@ static inline kq_t8_rows kq_t8_quantize(const void* x, bool bf16, int64_t M, int
 template <int TYPE>
 static void kq_tile8(const void* x, bool bf16, const uint8_t* w, void* out, bool obf,
                      int64_t M, int64_t N, int64_t K, int64_t ldo, int64_t rb,
-                     const uint16_t* sm = nullptr) {
+                     const uint16_t* sm = nullptr, const float* sf = nullptr,
+                     int64_t groups = 0) {
     const int64_t blocks = K / 32;
     const kq_t8_rows rx = kq_t8_quantize(x, bf16, M, K, kq_t8<TYPE>::off, kq_t8<TYPE>::halves);
     const int64_t strips = (N + 15) / 16;
@@ -218,6 +223,9 @@ static void kq_tile8(const void* x, bool bf16, const uint8_t* w, void* out, bool
                 const uint16_t* ps = sm + n0 * 2 * blocks;
                 for (int64_t b = 0; b < blocks; ++b)
                     kq_strip_unpack_int4(p, ps, 2 * blocks, nw, b, S + b);
+            } else if constexpr (TYPE == KQ_INT8_SPLIT) {
+                for (int64_t b = 0; b < blocks; ++b)
+                    kq_strip_unpack_int8(p, sf + n0 * groups, groups, nw, b, S + b);
             } else if constexpr (kq_t8<TYPE>::per_unpack == 8) {  // super-blocks of 256
                 const int64_t bb = kq_row_bytes(TYPE, 256);
                 for (int64_t b = 0; b < blocks; b += 8) {

@@ -108,6 +108,27 @@ static inline void kq_strip_unpack_int4(const uint8_t* const* p, const uint16_t*
     }
 }
 
+// Block b of 16 rows of int8 weights in int8_bf16.cpp's layout: the signed bytes at p[c] +
+// 32 b shifted by 128 (unsigned, as Q8_0's), the float32 scale of row c at sf[c * groups + b]
+// (a scale per block of 32) or sf[c] (groups 1: per row); c < nw, a short strip repeats its
+// last row (gathered, as kq_strip_unpack_int4's scales).
+static inline void kq_strip_unpack_int8(const uint8_t* const* p, const float* sf,
+                                        int64_t groups, int64_t nw, int64_t b,
+                                        kq_strip_block* dst) {
+    const __m512i rows = _mm512_min_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)(nw - 1)));
+    const __m512i at = groups == 1 ? rows : _mm512_add_epi32(
+        _mm512_mullo_epi32(rows, _mm512_set1_epi32((int)groups)), _mm512_set1_epi32((int)b));
+    dst->d = _mm512_i32gather_ps(at, sf, 4);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);  // q + 128, unsigned
+    __m512i Q[4];
+    for (int h = 0; h < 2; ++h) {
+        kq_rows_t4<4>(p, 32 * b + 16 * h, Q);
+        for (int j = 0; j < 4; ++j) dst->g[4 * h + j] = _mm512_xor_si512(Q[j], flip);
+    }
+}
+
 // Byte j of every lane of v as a signed or unsigned 32-bit integer.
 static inline __m512i kq_lane_byte(__m512i v, int j, bool sgn) {
     const __m512i top = _mm512_slli_epi32(v, 24 - 8 * j);

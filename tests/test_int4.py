@@ -313,3 +313,43 @@ def test_bfloat16_decode_steps_of_many_requests_take_the_int8_tiles():
     with int4.step_requests(int4.TILE_REQUESTS):  # a row's result, whatever beside it
         assert torch.equal(layer(x[:3]), tiles[:3])
     assert int4._Step.requests is None
+
+
+def test_int8_layers_and_head_take_the_int8_tiles_in_steps_of_many_requests():
+    """An int8 layer (the logits head of the embedded model) in bfloat16: from
+    ``TILE_REQUESTS`` requests, byte dot products over the activations rounded to int8 per
+    block of 32 (``int8_tile8.cpp``): exactly those products, to float32 rounding, per row
+    whatever the rows beside it; fewer requests keep the exact-weights row kernel."""
+    from asyncengine.executor.models import int4
+
+    if not (packed_kernels.bf16_available("int8_bf16")
+            and packed_kernels.bf16_available("int8_tile8")):
+        pytest.skip("no AVX-512 BF16 / VNNI tiles here")
+    torch.manual_seed(0)
+    n, k = 100, 576  # 6 strips of 16 weight rows and a short one
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    x = torch.randn(int4.TILE_REQUESTS + 4, k).bfloat16()
+    # the activations as the kernel rounds them, in float32: d = max|x| / 127 per block of 32,
+    # x * (1 / d) to nearest even (llama.cpp's Q8_0 activations)
+    xb = x.float().view(len(x), k // 32, 32)
+    d = xb.abs().amax(dim=2, keepdim=True) / 127
+    xq = torch.round(xb * (1 / d)).double()
+    d = d.double()
+    for scales in (torch.rand(n, 1) * 0.01, torch.rand(n, k // 32) * 0.01):
+        w = (q.double().view(n, scales.shape[1], -1) * scales.double()[..., None]).view(n, k)
+        want = (xq * d).view(len(x), k) @ w.T
+        got = packed_kernels.int8_tile8_mm(x, q, scales)
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+        alone = torch.cat([packed_kernels.int8_tile8_mm(x[i:i + 1], q, scales)
+                           for i in range(len(x))])
+        assert torch.equal(alone, got)
+    layer = Int8Linear(torch.randn(n, k) * 0.05, float32_out=True)
+    tiles = packed_kernels.int8_tile8_mm(x, layer.qweight, layer.scales)
+    rows = packed_kernels.int8_bf16_mm(x, layer.qweight, layer.scales)
+    assert not torch.equal(tiles, rows)
+    assert torch.equal(layer(x), tiles)
+    assert torch.equal(layer(x[:3]), rows[:3])
+    with int4.step_requests(2):  # two requests verifying their drafts
+        assert torch.equal(layer(x), rows)
+    with int4.step_requests(int4.TILE_REQUESTS):
+        assert torch.equal(layer(x[:3]), tiles[:3])

@@ -257,8 +257,8 @@ def test_greedy_output_is_identical_in_bfloat16_with_ngram_drafts():
 def test_drafts_past_tile_requests_rows_keep_the_row_kernel_in_bfloat16(monkeypatch):
     """Two requests verifying 16 drafts each: steps of 34 rows but two requests. The byte
     tiles (int4.TILE_REQUESTS) are for steps of that many requests, so these rows keep the row
-    kernel and are computed as the one-token steps compute them: the same tokens, and the same
-    logprobs to the bit, with and without the drafts."""
+    kernels, the layers' and the int8 head's, and are computed as the one-token steps compute
+    them: the same tokens, and the same logprobs to the bit, with and without the drafts."""
     from asyncengine.executor.kernels import packed
     from asyncengine.executor.models.decode_stack import DecodeStack
     from asyncengine.executor.models.int4 import TILE_REQUESTS

@@ -39,6 +39,7 @@ from asyncengine.core.sched.interface import ModelRunnerOutput, SchedulerOutput
 from asyncengine.executor.attention.base import AttentionBackend, AttentionMetadata
 from asyncengine.executor.input_batch import InputBatch
 from asyncengine.executor.kv_blocks import BlockCopy, read_blocks, write_blocks
+from asyncengine.executor.models.int4 import step_requests
 from asyncengine.executor.penalty_state import PenaltyState
 from asyncengine.executor.sampler import NO_TOKEN, prompt_logprobs, sample, sample_ids
 from asyncengine.executor.sampler.greedy_head import MIN_ROWS as GREEDY_HEAD_MIN_ROWS
@@ -265,6 +266,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> ModelRunnerOutput:
         """Run the step and read its results back (the CPU; the worker thread)."""
+        # its requests pick the CPU matmul kernels (int4.TILE_REQUESTS), the head's included
+        with step_requests(inputs.attn_metadata.num_requests):
+            return self._execute(inputs)
+
+    def _execute(self, inputs: StepInputs) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
         hidden = self._forward(inputs)
         ids = self._greedy_from_hidden(inputs, hidden, result.prompt_logprobs)

@@ -60,6 +60,8 @@ _ARGS = {
                   "int64_t", "int64_t", "int64_t"),
     "int4_tile8": ("const uint16_t*", "const uint8_t*", "const uint16_t*", "uint16_t*",
                    "int64_t", "int64_t", "int64_t"),
+    "int8_tile8": ("const uint16_t*", "const int8_t*", "const float*", "float*", "int64_t",
+                   "int64_t", "int64_t", "int64_t"),
     "int4_dequant": ("const uint8_t*", "const uint16_t*", "ae_t*", "int64_t", "int64_t"),
     "kquant": ("const float*", "const uint8_t*", "float*", "int64_t", "int64_t", "int64_t",
                "int64_t", "int64_t"),
@@ -105,9 +107,9 @@ _BF16_PATH: dict[str, bool] = {}
 
 
 def bf16_available(name: str = "int4_bf16") -> bool:
-    """Whether kernel ``name`` (int4_bf16, int8_bf16: AVX-512 BF16; int4_tile8: AVX-512 VNNI
-    and BITALG) runs here: its instructions compiled in (asked once, by a call with no rows:
-    the kernel then writes a nonzero flag)."""
+    """Whether kernel ``name`` (int4_bf16, int8_bf16: AVX-512 BF16; int4_tile8, int8_tile8:
+    AVX-512 VNNI and BITALG) runs here: its instructions compiled in (asked once, by a call
+    with no rows: the kernel then writes a nonzero flag)."""
     ok = _BF16_PATH.get(name)
     if ok is None:
         fn = _load(name)
@@ -115,7 +117,8 @@ def bf16_available(name: str = "int4_bf16") -> bool:
         if fn is not None:
             flag = torch.zeros(1, dtype=torch.int32)
             fn(torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.uint8),
-               torch.zeros(1), flag, 0, 0, 0, *((0,) if name == "int8_bf16" else ()))
+               torch.zeros(1), flag, 0, 0, 0,
+               *((0,) if name in ("int8_bf16", "int8_tile8") else ()))
             ok = bool(flag.item())
         _BF16_PATH[name] = ok
     return ok
@@ -153,6 +156,17 @@ def int8_bf16_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torc
     out = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32)
     _load("int8_bf16")(x, q, scales, out, x.shape[0], q.shape[0], x.shape[1],
                        scales.shape[1])
+    return out
+
+
+def int8_tile8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] bfloat16 @ (q * scales).T`` -> float32 ``[M, N]`` by byte dot products, the
+    activations rounded to int8 per block of 32 (``int8_tile8.cpp``; scales as
+    ``int8_bf16_mm``'s; check ``bf16_available("int8_tile8")`` first)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32)
+    _load("int8_tile8")(x, q, scales, out, x.shape[0], q.shape[0], x.shape[1],
+                        scales.shape[1])
     return out
 
 

@@ -57,12 +57,14 @@ BF16_ROWS = DEQUANT_ROWS
 # which picks the kernel by the step's requests alone (TILE_REQUESTS below), so that a
 # verification's rows are computed as one-token steps of the same requests compute them.
 BF16_GEMM_ROWS = 40
-# From this many requests in a step (decode batches), a bfloat16 int4 layer multiplies through
-# the byte tiles too, whatever its row count: at many rows a bfloat16 row costs a
-# vdpbf16ps per 32 weights, a tile row 11 instructions per 512 products. SmolLM2's 120
-# linears, 2 threads, Zen 5, row kernel / tiles (``benchmarks/packed_matmul.py --bfloat16``):
-# 1.78 / 2.93 ms at 1 row, 4.31 / 4.72 at 9, 7.36 / 5.89 at 16, 14.45 / 9.23 at 32; a
-# 32-request decode step of the embedded model 25-27 -> 20 ms. Counted in requests, not rows:
+# From this many requests in a step (decode batches), a bfloat16 int4 layer (and an int8 one,
+# the logits head: ``quantization.Int8Linear``) multiplies through the byte tiles too,
+# whatever its row count: at many rows a bfloat16 row costs a vdpbf16ps per 32 weights, a
+# tile row 11 instructions per 512 products. SmolLM2's 120 linears, 2 threads, Zen 5, row
+# kernel / tiles (``benchmarks/packed_matmul.py --bfloat16``): 1.80 / 3.04 ms at 1 row, 4.28 /
+# 4.64 at 9, 7.45 / 6.02 at 16, 14.13 / 9.18 at 32; its int8 head 0.44 / 0.62, 1.15 / 0.94,
+# 2.02 / 1.18, 4.21 / 1.82; a 32-request decode step of the embedded model 25-27 -> 19-20 ms.
+# Counted in requests, not rows:
 # a verification's drafts (a row each) leave its rows' arithmetic that of a one-token step of
 # the same requests, so greedy output stays the same with and without speculative decoding.
 TILE_REQUESTS = 16
@@ -75,10 +77,16 @@ class _Step:
     requests: int | None = None
 
 
+def step_requests_or(rows: int) -> int:
+    """The running step's requests; outside a step, ``rows``."""
+    return _Step.requests or rows
+
+
 @contextmanager
 def step_requests(requests: int | None) -> Iterator[None]:
-    """While a step's forward pass runs: its number of requests, which decides the kernel of
-    its bfloat16 int4 matmuls (``TILE_REQUESTS``). One step at a time runs the model."""
+    """While a step runs (its forward pass, its logits): its number of requests, which decides
+    the kernel of its bfloat16 int4 / int8 matmuls (``TILE_REQUESTS``). One step at a time runs
+    the model."""
     before, _Step.requests = _Step.requests, requests
     try:
         yield
@@ -158,7 +166,7 @@ class Int4Linear(nn.Module):
             buffers = self._buffers
             rows = x.shape[0]
             if rows < BF16_GEMM_ROWS and not (
-                    self._tile8 and (_Step.requests or rows) >= TILE_REQUESTS):
+                    self._tile8 and step_requests_or(rows) >= TILE_REQUESTS):
                 return packed_kernels.int4_bf16_mm(x, buffers["packed"],
                                                    buffers["scale_min"]).to(torch.bfloat16)
             if self._tile8:

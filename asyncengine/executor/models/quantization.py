@@ -31,7 +31,7 @@ from torch import nn
 
 from asyncengine.config import QUANTIZATIONS
 from asyncengine.executor.kernels import packed as packed_kernels
-from asyncengine.executor.models.int4 import BF16_ROWS
+from asyncengine.executor.models.int4 import BF16_ROWS, TILE_REQUESTS, step_requests_or
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,9 @@ class Int8Linear(nn.Module):
         self._bf16 = (self.use_kernel and scales.shape[1] in (1, self.in_features // 32)
                       and self.in_features % 64 == 0
                       and packed_kernels.bf16_available("int8_bf16"))
+        # Steps of TILE_REQUESTS requests or more: byte tiles over activations rounded to int8
+        # (``int8_tile8.cpp``, AVX-512 VNNI and BITALG), as Int4Linear's layers take them.
+        self._tile8 = self._bf16 and packed_kernels.bf16_available("int8_tile8")
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int8(self.qweight, self.scales, dtype)
@@ -94,7 +97,10 @@ class Int8Linear(nn.Module):
         dtype = torch.float32 if self.float32_out else x.dtype
         if (self._bf16 and x2.dtype is torch.bfloat16 and x2.shape[0] < BF16_ROWS
                 and not torch.compiler.is_compiling()):
-            y = packed_kernels.int8_bf16_mm(x2, self.qweight, self.scales).to(dtype)
+            mm = (packed_kernels.int8_tile8_mm
+                  if self._tile8 and step_requests_or(x2.shape[0]) >= TILE_REQUESTS
+                  else packed_kernels.int8_bf16_mm)
+            y = mm(x2, self.qweight, self.scales).to(dtype)
         elif self.use_kernel:
             y = packed_kernels.int8_linear(x2.float(), self.qweight, self.scales).to(dtype)
         else:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from asyncengine.config import EngineConfig
 from asyncengine.executor.attention import AttentionShape, get_attention_backend
+from asyncengine.executor.models.int4 import step_requests
 from asyncengine.executor.models.loader import pick_dtype, resolve_model
 from asyncengine.executor.parallel.loader import load_tp_model
 from asyncengine.executor.parallel.messages import (
@@ -129,9 +130,10 @@ class Worker:
                                                self.device)
         self.backend.plan(meta)
         model = self.model
-        hidden = model(step.input_ids.to(self.device), positions, self.kv_caches, meta,
-                       self.backend)
-        for first, last in step.ranges:  # prompt logprobs, in rank 0's order
-            model.compute_logits(hidden[first:last])
-        if len(step.sample_indices):
-            model.compute_logits(hidden[step.sample_indices.to(self.device)])
+        with step_requests(meta.num_requests):  # the kernels rank 0 picks (runner.execute)
+            hidden = model(step.input_ids.to(self.device), positions, self.kv_caches, meta,
+                           self.backend)
+            for first, last in step.ranges:  # prompt logprobs, in rank 0's order
+                model.compute_logits(hidden[first:last])
+            if len(step.sample_indices):
+                model.compute_logits(hidden[step.sample_indices.to(self.device)])
