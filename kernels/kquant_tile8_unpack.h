@@ -83,17 +83,23 @@ static inline void kq_strip_unpack(const uint8_t* const* p, int64_t at, kq_strip
     }
 }
 
+// Lane c: the element index min(c, nw - 1) * stride + off of a strip's per-row array (a short
+// strip repeats its last row), for a gather.
+static inline __m512i kq_lane_at(int64_t nw, int64_t stride, int64_t off) {
+    const __m512i rows = _mm512_min_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)(nw - 1)));
+    return _mm512_add_epi32(_mm512_mullo_epi32(rows, _mm512_set1_epi32((int)stride)),
+                            _mm512_set1_epi32((int)off));
+}
+
 // Block b of 16 rows in int4.cpp's split layout: the nibbles at p[c] + 16 b (Q4_1's order),
 // the float16 (scale, min) of row c at ps[c * stride + 2 b] (c < nw; a short strip repeats its
 // last row), gathered: a 128-bit load there would read past the matrix's last row.
 static inline void kq_strip_unpack_int4(const uint8_t* const* p, const uint16_t* ps,
                                         int64_t stride, int64_t nw, int64_t b,
                                         kq_strip_block* dst) {
-    const __m512i rows = _mm512_min_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32((int)(nw - 1)));
-    const __m512i at = _mm512_add_epi32(_mm512_mullo_epi32(rows, _mm512_set1_epi32(
-        (int)stride)), _mm512_set1_epi32((int)(2 * b)));
+    const __m512i at = kq_lane_at(nw, stride, 2 * b);
     const __m512i h = _mm512_i32gather_epi32(at, (const int*)ps, 2);  // scale | min << 16
     dst->d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
     // d q + m = d (q - 8) + (m + 8 d), as Q4_1's
@@ -115,12 +121,7 @@ static inline void kq_strip_unpack_int4(const uint8_t* const* p, const uint16_t*
 static inline void kq_strip_unpack_int8(const uint8_t* const* p, const float* sf,
                                         int64_t groups, int64_t nw, int64_t b,
                                         kq_strip_block* dst) {
-    const __m512i rows = _mm512_min_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32((int)(nw - 1)));
-    const __m512i at = groups == 1 ? rows : _mm512_add_epi32(
-        _mm512_mullo_epi32(rows, _mm512_set1_epi32((int)groups)), _mm512_set1_epi32((int)b));
-    dst->d = _mm512_i32gather_ps(at, sf, 4);
+    dst->d = _mm512_i32gather_ps(kq_lane_at(nw, groups, groups == 1 ? 0 : b), sf, 4);
     const __m512i flip = _mm512_set1_epi8((char)0x80);  // q + 128, unsigned
     __m512i Q[4];
     for (int h = 0; h < 2; ++h) {
