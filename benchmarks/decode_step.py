@@ -12,6 +12,7 @@ each alone in its step (no prefix-cache hit). Usage:
     python benchmarks/decode_step.py [--batch 1] [--steps 30] [--quantization int8]
         [--dtype bfloat16] [--load-format dummy] [--num-threads N] [--prompt-len 100]
         [--drafts K] [--prefills N] [--compile [--compile-max-tokens N]] [--profile]
+        [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def main(args: argparse.Namespace) -> int:
     from asyncengine.executor.build import build
 
     options = {"model": args.model, "dtype": args.dtype, "load_format": args.load_format,
-               "max_num_seqs": max(args.batch, 1)}
+               "max_num_seqs": max(args.batch, 1), "kv_cache_dtype": args.kv_cache_dtype}
     if args.quantization != "none":
         options["quantization"] = args.quantization
     if args.num_threads:
@@ -137,4 +138,5 @@ if __name__ == "__main__":
     parser.add_argument("--compile-max-tokens", type=int, default=0,
                         help="with --compile: the largest bucket (default: --batch)")
     parser.add_argument("--profile", action="store_true", help="add a profile of 5 steps")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e5m2")
     raise SystemExit(main(parser.parse_args()))

@@ -22,7 +22,7 @@
 
 // Grouped mode, when it applies: every row one span (no window), and some consecutive rows
 // with the same blocks. Returns false (nothing written) otherwise.
-static inline bool ae_attend_grouped(const ae_t* q, const ae_t* kc, const int64_t* tables,
+static inline bool ae_attend_grouped(const ae_t* q, const ae_kv_t* kc, const int64_t* tables,
                                      const int64_t* lens, const int64_t* rows, ae_t* out,
                                      int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
                                      int64_t table_stride, int64_t q_stride, int64_t split,
@@ -62,7 +62,7 @@ static inline bool ae_attend_grouped(const ae_t* q, const ae_t* kc, const int64_
     const int64_t G = H / KVH, kv_row = KVH * D;
     const int64_t* const ga = group_at.data();
     const int64_t* const gr = group_run.data();
-    const ae_t* vc = kc + v_off;
+    const ae_kv_t* vc = kc + v_off;
     #pragma omp parallel if (units > 1)
     {
         static thread_local ae_vec<float> scratch;
@@ -86,7 +86,8 @@ static inline bool ae_attend_grouped(const ae_t* q, const ae_t* kc, const int64_
             for (int64_t r = 0; r < R; ++r) {
                 ae_t* o = out + ((b0 + r) * H + kh * G) * D;
                 for (int64_t g = 0; g < G; ++g)
-                    ae_put_scaled(o + g * D, acc + (r * G + g) * D, 1.f / l[r * G + g], D);
+                    ae_put_scaled(o + g * D, acc + (r * G + g) * D, AE_KV_WIDEN / l[r * G + g],
+                                  D);
             }
         }
     }

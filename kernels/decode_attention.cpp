@@ -1,9 +1,10 @@
 #include "common.h"
+#include "kv_fp8.h"
 #include <vector>
 
 // s[g * BS + j] = dot(q[g], k_j) for the n keys k_j = kb + j * kv_row of one block. Eight
 // keys at a time: eight independent FMA chains, reduced into one vector of eight scores.
-static inline void ae_scores(const float* q, const ae_t* kb, float* s, int64_t G, int64_t D,
+static inline void ae_scores(const float* q, const ae_kv_t* kb, float* s, int64_t G, int64_t D,
                              int64_t n, int64_t BS, int64_t kv_row) {
     for (int64_t g = 0; g < G; ++g) {
         const float* qg = q + g * D;
@@ -14,12 +15,12 @@ static inline void ae_scores(const float* q, const ae_t* kb, float* s, int64_t G
             for (; j + 8 <= n; j += 8) {
                 __m256 a[8];
                 for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
-                const ae_t* k0 = kb + j * kv_row;
+                const ae_kv_t* k0 = kb + j * kv_row;
                 for (int64_t d = 0; d < D; d += 8) {
                     const __m256 qd = _mm256_loadu_ps(qg + d);
                     #pragma GCC unroll 8
                     for (int i = 0; i < 8; ++i)
-                        a[i] = _mm256_fmadd_ps(qd, ae_load8(k0 + i * kv_row + d), a[i]);
+                        a[i] = _mm256_fmadd_ps(qd, ae_kv_load8(k0 + i * kv_row + d), a[i]);
                 }
                 const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]),
                                                  _mm256_hadd_ps(a[2], a[3]));
@@ -31,9 +32,9 @@ static inline void ae_scores(const float* q, const ae_t* kb, float* s, int64_t G
         }
 #endif
         for (; j < n; ++j) {
-            const ae_t* kj = kb + j * kv_row;
+            const ae_kv_t* kj = kb + j * kv_row;
             float dot = 0.f;
-            for (int64_t d = 0; d < D; ++d) dot += qg[d] * ae_get(kj + d);
+            for (int64_t d = 0; d < D; ++d) dot += qg[d] * ae_kv_get(kj + d);
             sg[j] = dot;
         }
     }
@@ -41,7 +42,7 @@ static inline void ae_scores(const float* q, const ae_t* kb, float* s, int64_t G
 
 // acc[d] += sum_j w[j] v_j[d] over the n values v_j = vb + j * kv_row of one block; 32
 // outputs at a time in registers (four independent chains).
-static inline void ae_accumulate(float* acc, const float* w, const ae_t* vb, int64_t D,
+static inline void ae_accumulate(float* acc, const float* w, const ae_kv_t* vb, int64_t D,
                                  int64_t n, int64_t kv_row) {
     int64_t d = 0;
 #ifdef AE_AVX2
@@ -49,12 +50,12 @@ static inline void ae_accumulate(float* acc, const float* w, const ae_t* vb, int
         __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
         __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
         for (int64_t j = 0; j < n; ++j) {
-            const ae_t* v = vb + j * kv_row + d;
+            const ae_kv_t* v = vb + j * kv_row + d;
             const __m256 wj = _mm256_set1_ps(w[j]);
-            a0 = _mm256_fmadd_ps(wj, ae_load8(v), a0);
-            a1 = _mm256_fmadd_ps(wj, ae_load8(v + 8), a1);
-            a2 = _mm256_fmadd_ps(wj, ae_load8(v + 16), a2);
-            a3 = _mm256_fmadd_ps(wj, ae_load8(v + 24), a3);
+            a0 = _mm256_fmadd_ps(wj, ae_kv_load8(v), a0);
+            a1 = _mm256_fmadd_ps(wj, ae_kv_load8(v + 8), a1);
+            a2 = _mm256_fmadd_ps(wj, ae_kv_load8(v + 16), a2);
+            a3 = _mm256_fmadd_ps(wj, ae_kv_load8(v + 24), a3);
         }
         _mm256_storeu_ps(acc + d, a0); _mm256_storeu_ps(acc + d + 8, a1);
         _mm256_storeu_ps(acc + d + 16, a2); _mm256_storeu_ps(acc + d + 24, a3);
@@ -62,13 +63,13 @@ static inline void ae_accumulate(float* acc, const float* w, const ae_t* vb, int
     for (; d + 8 <= D; d += 8) {  // small heads (D = 8, 16, 24) and the rest of others
         __m256 a0 = _mm256_loadu_ps(acc + d);
         for (int64_t j = 0; j < n; ++j)
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), ae_load8(vb + j * kv_row + d), a0);
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), ae_kv_load8(vb + j * kv_row + d), a0);
         _mm256_storeu_ps(acc + d, a0);
     }
 #endif
     for (; d < D; ++d) {
         float a = acc[d];
-        for (int64_t j = 0; j < n; ++j) a += w[j] * ae_get(vb + j * kv_row + d);
+        for (int64_t j = 0; j < n; ++j) a += w[j] * ae_kv_get(vb + j * kv_row + d);
         acc[d] = a;
     }
 }
@@ -97,20 +98,11 @@ static inline int64_t ae_split_of(int64_t split, int64_t len, int64_t KVH, int64
 // is loaded (and widened from bfloat16) once for all G query heads of its KV head.
 #define AE_ATTN_D512 256
 
-static inline __m512 ae_load16(const ae_t* p) {
-#if AE_DTYPE == 0
-    return _mm512_loadu_ps(p);
-#else
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-#endif
-}
-
 // ae_scores for D % 16 == 0, D <= AE_ATTN_D512: 16 keys at a time, each key widened once and
 // multiplied against the G queries; each (key, head)'s 16 partial sums go to `part`, and
 // 16 keys' are summed together (ae_sum16). part: G * 256 floats.
 template <int DVT>  // D / 16 when known at compile time (the common head sizes), else 0
-static inline void ae_scores512_t(const float* q, const ae_t* kb, float* s, int64_t G,
+static inline void ae_scores512_t(const float* q, const ae_kv_t* kb, float* s, int64_t G,
                                   int64_t D, int64_t n, int64_t BS, int64_t kv_row,
                                   float* part) {
     const int64_t DV = DVT > 0 ? DVT : D / 16;
@@ -122,9 +114,9 @@ static inline void ae_scores512_t(const float* q, const ae_t* kb, float* s, int6
                     _mm512_store_ps(part + (g * 16 + i) * 16, _mm512_setzero_ps());
                 continue;
             }
-            const ae_t* k = kb + (j0 + i) * kv_row;
+            const ae_kv_t* k = kb + (j0 + i) * kv_row;
             __m512 kv[DVT > 0 ? DVT : AE_ATTN_D512 / 16];
-            for (int64_t dv = 0; dv < DV; ++dv) kv[dv] = ae_load16(k + 16 * dv);
+            for (int64_t dv = 0; dv < DV; ++dv) kv[dv] = ae_kv_load16(k + 16 * dv);
             for (int64_t g = 0; g < G; ++g) {
                 const float* qg = q + g * D;
                 __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
@@ -143,7 +135,7 @@ static inline void ae_scores512_t(const float* q, const ae_t* kb, float* s, int6
     }
 }
 
-static inline void ae_scores512(const float* q, const ae_t* kb, float* s, int64_t G,
+static inline void ae_scores512(const float* q, const ae_kv_t* kb, float* s, int64_t G,
                                 int64_t D, int64_t n, int64_t BS, int64_t kv_row,
                                 float* part) {
     if (D == 64) ae_scores512_t<4>(q, kb, s, G, D, n, BS, kv_row, part);
@@ -154,16 +146,16 @@ static inline void ae_scores512(const float* q, const ae_t* kb, float* s, int64_
 // acc[g][d] += sum_j w[g][j] v_j[d] for the G heads at once (w = s, row stride BS): 64
 // outputs of up to 4 heads in registers, each value row widened once per 64 outputs.
 template <int GG, int NV>  // NV vectors of 16 outputs
-static inline void ae_accumulate512_gv(float* acc, const float* w, const ae_t* vb, int64_t D,
+static inline void ae_accumulate512_gv(float* acc, const float* w, const ae_kv_t* vb, int64_t D,
                                    int64_t d, int64_t n, int64_t BS, int64_t kv_row) {
     constexpr int64_t nv = NV;
     __m512 a[GG][NV];
     for (int g = 0; g < GG; ++g)
         for (int64_t v = 0; v < nv; ++v) a[g][v] = _mm512_loadu_ps(acc + g * D + d + 16 * v);
     for (int64_t j = 0; j < n; ++j) {
-        const ae_t* vr = vb + j * kv_row + d;
+        const ae_kv_t* vr = vb + j * kv_row + d;
         __m512 x[NV];
-        for (int64_t v = 0; v < nv; ++v) x[v] = ae_load16(vr + 16 * v);
+        for (int64_t v = 0; v < nv; ++v) x[v] = ae_kv_load16(vr + 16 * v);
         for (int g = 0; g < GG; ++g) {
             const __m512 wj = _mm512_set1_ps(w[g * BS + j]);
             for (int64_t v = 0; v < nv; ++v) a[g][v] = _mm512_fmadd_ps(wj, x[v], a[g][v]);
@@ -174,7 +166,7 @@ static inline void ae_accumulate512_gv(float* acc, const float* w, const ae_t* v
 }
 
 template <int GG>
-static inline void ae_accumulate512_g(float* acc, const float* w, const ae_t* vb, int64_t D,
+static inline void ae_accumulate512_g(float* acc, const float* w, const ae_kv_t* vb, int64_t D,
                                       int64_t n, int64_t BS, int64_t kv_row) {
     for (int64_t d = 0; d < D; d += 64) {
         switch (std::min<int64_t>(4, (D - d) / 16)) {
@@ -186,7 +178,7 @@ static inline void ae_accumulate512_g(float* acc, const float* w, const ae_t* vb
     }
 }
 
-static inline void ae_accumulate512(float* acc, const float* w, const ae_t* vb, int64_t G,
+static inline void ae_accumulate512(float* acc, const float* w, const ae_kv_t* vb, int64_t G,
                                     int64_t D, int64_t n, int64_t BS, int64_t kv_row) {
     int64_t g = 0;
     for (; g + 4 <= G; g += 4) ae_accumulate512_g<4>(acc + g * D, w + g * BS, vb, D, n, BS, kv_row);
@@ -267,7 +259,7 @@ static inline void ae_softmax_update(float* sg, int64_t n, float* m, float* l, f
 // positions in the segment), then the values (a row's weights past its end are zero). One
 // row (R = 1) is one span of one request; more are attention_rows.h's groups, each row's
 // result to the bit its own.
-static inline void ae_attend_rows(const float* qv, const ae_t* kc, const ae_t* vc,
+static inline void ae_attend_rows(const float* qv, const ae_kv_t* kc, const ae_kv_t* vc,
                                   const int64_t* table, int64_t start, const int64_t* ends,
                                   int64_t R,
                                   int64_t kh, int64_t G, int64_t D, int64_t BS, int64_t kv_row,
@@ -344,7 +336,7 @@ static inline void ae_attend_rows(const float* qv, const ae_t* kc, const ae_t* v
 }
 
 // One span of one (request, KV head): positions [start, end).
-static inline void ae_attend_span(const float* qv, const ae_t* kc, const ae_t* vc,
+static inline void ae_attend_span(const float* qv, const ae_kv_t* kc, const ae_kv_t* vc,
                                   const int64_t* table, int64_t start, int64_t end,
                                   int64_t kh, int64_t G, int64_t D, int64_t BS, int64_t kv_row,
                                   float soft_cap, float* acc, float* m, float* l, float* s,
@@ -391,7 +383,7 @@ static inline void ae_merge_spans(const float* pt, int64_t first, int64_t last, 
             l += pp[1] * w;
             for (int64_t d = 0; d < D; ++d) acc[d] += pp[2 + d] * w;
         }
-        const float inv = 1.f / l;
+        const float inv = AE_KV_WIDEN / l;  // kv_fp8.h: values loaded / AE_KV_WIDEN
         ae_put_scaled(o + g * D, acc, inv, D);
     }
 }
@@ -417,16 +409,17 @@ static inline void ae_merge_spans(const float* pt, int64_t first, int64_t last, 
 // [B, table_stride]; lens: int64 [B], the keys of each request (its new token's included);
 // out: [B, H, D]. window > 0: only the last `window` keys of each request are attended
 // (sliding-window attention); soft_cap > 0: scores become soft_cap * tanh(score / soft_cap).
-extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
+extern "C" void kernel(const ae_t* q, const ae_kv_t* kc, const int64_t* tables,
                        const int64_t* lens, const int64_t* rows, ae_t* out, int64_t B,
                        int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t table_stride,
                        int64_t q_stride, int64_t split, float scale, int64_t v_off,
                        int64_t window, float soft_cap) {
+    scale *= AE_KV_WIDEN;  // keys loaded / AE_KV_WIDEN (kv_fp8.h): exact, a power of two
     if (window <= 0 && ae_attend_grouped(q, kc, tables, lens, rows, out, B, H, KVH, D, BS,
                                          table_stride, q_stride, split, scale, v_off,
                                          soft_cap))
         return;  // rows sharing their blocks, attended together (attention_rows.h)
-    const ae_t* vc = kc + v_off;
+    const ae_kv_t* vc = kc + v_off;
     const int64_t G = H / KVH, kv_row = KVH * D, pairs = B * KVH;
     // Spans, in (b, kv head, span) order, so a request's spans are consecutive.
     // Scratch of the calling thread, kept between calls (no allocation per call).
@@ -496,7 +489,7 @@ extern "C" void kernel(const ae_t* q, const ae_t* kc, const int64_t* tables,
                                acc, m, l, s, part);
                 if (last - first == 1) {  // one span: the result
                     for (int64_t g = 0; g < G; ++g)
-                        ae_put_scaled(o + g * D, acc + g * D, 1.f / l[g], D);
+                        ae_put_scaled(o + g * D, acc + g * D, AE_KV_WIDEN / l[g], D);
                 } else {
                     float* pp = pt + it * G * (D + 2);
                     for (int64_t g = 0; g < G; ++g) {

@@ -63,7 +63,7 @@ enum {
     AE_GU_SM,
     AE_DOWN_Q,       // down_proj [HD, I / 2]
     AE_DOWN_SM,
-    AE_KV,           // the layer's KV cache [2, blocks, BS, KVH, D]; V at + v_off elements
+    AE_KV,           // the layer's KV cache [2, blocks, BS, KVH, D] of ae_kv_t; V at + v_off
     AE_STACK_PTRS
 };
 #define AE_QKV AE_QKV_Q
@@ -153,7 +153,7 @@ extern "C" void kernel(const ae_t* h, ae_t* out, const int64_t* layers, const ae
     std::memcpy(residual, h, T * HD * sizeof(ae_t));
     for (int64_t l = 0; l < L; ++l) {
         const int64_t* w = layers + l * AE_STACK_PTRS;
-        ae_t* kv = ae_ptr<ae_t>(w, AE_KV);
+        ae_kv_t* kv = ae_ptr<ae_kv_t>(w, AE_KV);
         if (l == 0)
             ae_rms_norm(h, residual, ae_ptr<const ae_t>(w, AE_IN_NORM), x, T, HD, HD, 0, eps);
         else  // residual += h; x = norm(residual)

@@ -210,7 +210,8 @@ def test_version_help_and_flag_errors(capsys):
                   "Frontend:"):
         assert group in help_
     for args, flag in ((["-tp", "0"], "--tensor-parallel-size"),
-                       (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
+                       (["--kv-cache-dtype", "fp8_inc"], "--kv-cache-dtype"),
+                       (["--kv-cache-dtype", "fp8", "--device", "cuda"], "--kv-cache-dtype"),
                        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
                        (["--generation-config", "/no/such/dir"], "--generation-config"),
                        (["--enable-auto-tool-choice"], "--tool-call-parser")):

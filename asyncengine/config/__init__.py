@@ -18,6 +18,7 @@ from asyncengine.config.sections import (
     DEVICES,
     DTYPES,
     GENERATION_CONFIG_HELP,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     POOLING_TYPES,
     QUANTIZATIONS,
@@ -160,9 +161,10 @@ class EngineConfig:
         if not 0 < cc.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization: must be in (0, 1], got "
                              f"{cc.gpu_memory_utilization}")
-        if cc.kv_cache_dtype != "auto":
-            raise ValueError(f"--kv-cache-dtype {cc.kv_cache_dtype}: not supported; the KV cache "
-                             "is kept in the model's dtype (only 'auto')")
+        check_choice("kv_cache_dtype", cc.kv_cache_dtype, KV_CACHE_DTYPES)
+        if cc.kv_cache_dtype.startswith("fp8") and self.device.device == "cuda":
+            raise ValueError(f"--kv-cache-dtype {cc.kv_cache_dtype}: on the CPU only; the "
+                             "float8 cache's CUDA path has not run on a GPU (use auto there)")
         validate_parallel(self.parallel)
         validate_lora(self.lora, self.parallel.tensor_parallel_size, self.device.compile)
         if self.device.compile and self.parallel.tensor_parallel_size > 1:

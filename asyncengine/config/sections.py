@@ -14,6 +14,9 @@ from asyncengine.config.speculative import SpeculativeConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
+# --kv-cache-dtype (vLLM's names; executor/kv_dtype.py gives them their torch dtypes)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3",
+                   "fp8_e5m2")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 POOLING_TYPES = ("last", "mean")
 GENERATION_CONFIG_HELP = (
@@ -78,7 +81,9 @@ class CacheConfig:
                 "activations, KV cache), as in vLLM: the KV cache gets what a profiling run "
                 "leaves of it (CUDA only)"})
     kv_cache_dtype: str = field(default="auto", metadata={
-        "help": "KV-cache dtype: auto (the model's dtype; the only one supported)"})
+        "help": "KV-cache dtype: auto (the model's dtype), or fp8 (= fp8_e4m3) / fp8_e5m2: "
+                "one byte per value, twice the blocks in the same memory (CPU)",
+        "choices": KV_CACHE_DTYPES})
     num_gpu_blocks_override: int | None = field(default=None, metadata={
         "help": "use exactly this many KV-cache blocks (testing)"})
     enable_prefix_caching: bool = field(default=True, metadata={

@@ -25,6 +25,7 @@ from asyncengine.executor.attention import AttentionShape, get_attention_backend
 from asyncengine.executor.attention.prewarm import one_line as _one_line
 from asyncengine.executor.attention.prewarm import prewarm_attention
 from asyncengine.executor.device import Device, make_device
+from asyncengine.executor.kv_dtype import kv_cache_dtype
 from asyncengine.executor.kv_sizing import (
     auto_kv_size,
     check_free_memory,
@@ -130,6 +131,7 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
     source = resolve_model(mc.model, config.load.load_format, mc.revision,
                            config.load.download_dir)
     dtype = pick_dtype(mc.dtype, device.type)
+    kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device.type)
     arch = architecture_of(source.hf_config)
     model_cls = registry.resolve_model(arch, plugin_manager)
     generation_defaults = load_generation_defaults(
@@ -184,11 +186,11 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
         from asyncengine.executor.lora.manager import LoRAManager
 
         lora = LoRAManager(model, config.lora, device.torch_device, dtype)
-    num_blocks = num_kv_blocks(config, model, attn_backend, dtype, device, max_model_len,
+    num_blocks = num_kv_blocks(config, model, attn_backend, kv_dtype, device, max_model_len,
                              at_start)
     kv_caches = _off_the_loop_thread(device, lambda: attn_backend.allocate_kv_cache(
         model.num_layers, num_blocks, block_size, model.num_kv_heads,
-        model.head_dim, dtype, device.torch_device))
+        model.head_dim, kv_dtype, device.torch_device))
     attn_backend.bind_kv_cache(kv_caches)
     if device.type == "cuda":  # weights and cache were made on the default stream
         torch.cuda.synchronize()
@@ -215,15 +217,16 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
     if kv_connector_cls is not None:
         layout = KVCacheLayout(
             model_identity(config, source.path, source.gguf_file), model.num_layers,
-            config.cache.block_size, model.num_kv_heads, model.head_dim, dtype)
+            config.cache.block_size, model.num_kv_heads, model.head_dim, kv_dtype)
         kv_connector = kv_connector_cls(config, layout)
     quant = "" if mc.quantization in ("none", "auto") else f", {mc.quantization} weights"
     if parallel is not None:
         quant += f", tensor parallel {tp_size} (rank 0's shard)"
     backends = backend_names(runner)
-    logger.info("loaded %s (%s, %s%s) on %s: %d KV blocks of %d tokens, max_model_len %d, "
+    cache = "" if kv_dtype == dtype else f" in {str(kv_dtype).removeprefix('torch.')}"
+    logger.info("loaded %s (%s, %s%s) on %s: %d KV blocks of %d tokens%s, max_model_len %d, "
                 "attention %s, sampling %s", model_name, arch, dtype, quant, device.type,
-                num_blocks, block_size, max_model_len, backends["attention"],
+                num_blocks, block_size, cache, max_model_len, backends["attention"],
                 backends["sampling"])
     return EngineParts(
         config=config, model_name=model_name, tokenizer=tokenizer,

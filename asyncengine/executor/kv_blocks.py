@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from asyncengine.executor.kv_dtype import index_copy, to_cache
+
 
 @dataclass
 class BlockCopy:
@@ -113,7 +115,7 @@ def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], kv: torch.
         _scatter(kv_caches, idx, kv)
         return
     side = side_stream(stream)
-    host = _pin(kv.to(cache.dtype))
+    host = _pin(to_cache(kv, cache.dtype).to(cache.dtype))
     with _cuda.stream(side):
         idx = _pinned_ids(block_ids).to(device, non_blocking=True)
         staged = host.to(device, non_blocking=True)  # overlaps the step in flight
@@ -126,4 +128,5 @@ def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], kv: torch.
 
 def _scatter(kv_caches: list[torch.Tensor], idx: torch.Tensor, kv: torch.Tensor) -> None:
     for layer, cache in enumerate(kv_caches):
-        cache.index_copy_(1, idx, kv[:, layer].transpose(0, 1).to(cache.device, cache.dtype))
+        index_copy(cache, 1, idx, to_cache(kv[:, layer].transpose(0, 1), cache.dtype)
+                   .to(cache.device, cache.dtype).contiguous())

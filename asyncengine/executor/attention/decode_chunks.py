@@ -98,8 +98,8 @@ def chunked_decode(plan: ChunkedDecode, q: torch.Tensor, kv_cache: torch.Tensor,
     for chunk in plan.chunks:
         m, n = chunk.blocks.shape
         flat = chunk.blocks.flatten()
-        k = kv_cache[0].index_select(0, flat).view(m, n * bs, kv_heads, dim).transpose(1, 2)
-        v = kv_cache[1].index_select(0, flat).view(m, n * bs, kv_heads, dim).transpose(1, 2)
+        k, v = (kv_cache[i].index_select(0, flat).to(q.dtype).view(m, n * bs, kv_heads, dim)
+                .transpose(1, 2) for i in (0, 1))  # .to: a float8 cache widened
         o, l_c = _flash(qg[:m], k, v, 0.0, False, attn_mask=chunk.mask_for(q.dtype),
                         scale=scale)  # [m, kv, g, dim], [m, kv, g]
         if out is None:

@@ -52,15 +52,21 @@ from asyncengine.executor.attention.torch_paged_plan import (
     make_plan,
 )
 from asyncengine.executor.kernels import layer_ops
+from asyncengine.executor.kv_dtype import index_copy, to_cache
 
 
 class TorchPagedBackend(AttentionBackend):
     name = "torch_paged"
     #: Some layer has a window or a soft cap: no chunked decode (it knows neither).
     variants: bool = False
+    #: The cache's dtype, where it is not the activations' (``--kv-cache-dtype fp8``).
+    kv_dtype: torch.dtype | None = None
 
     def configure_layers(self, options: list[AttentionOptions]) -> None:
         self.variants = any(o != PLAIN for o in options)
+
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
+        self.kv_dtype = kv_caches[0].dtype if kv_caches else None
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         # prepare() runs on the event loop's thread. The plan's tensors (a prefill's mask is
@@ -78,7 +84,8 @@ class TorchPagedBackend(AttentionBackend):
         callers that run the layers' kernels themselves (``models/decode_stack.py``)."""
         plan: StepPlan | None = metadata.extra
         if plan is None:
-            plan = metadata.extra = make_plan(metadata, x, kv_heads, self.variants)
+            plan = metadata.extra = make_plan(metadata, x, kv_heads, self.variants,
+                                              self.kv_dtype)
         if (plan.cpp and plan.identity and plan.all_decodes
                 and isinstance(plan.groups[0], CppDecode)):
             return plan.groups[0]
@@ -89,7 +96,8 @@ class TorchPagedBackend(AttentionBackend):
                 options: AttentionOptions = PLAIN) -> torch.Tensor:
         plan: StepPlan | None = metadata.extra
         if plan is None:
-            plan = metadata.extra = make_plan(metadata, q, kv_cache.shape[3], self.variants)
+            plan = metadata.extra = make_plan(metadata, q, kv_cache.shape[3], self.variants,
+                                              kv_cache.dtype)
         window, cap = options.window, options.soft_cap
         T, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
@@ -98,8 +106,11 @@ class TorchPagedBackend(AttentionBackend):
             layer_ops.kv_write(k, v, kv_cache, metadata.slot_mapping)
         else:
             k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, dim]
-            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+            kq, vq = to_cache(k, kv_cache.dtype), to_cache(v, kv_cache.dtype)
+            index_copy(k_cache.view(-1, num_kv_heads, head_dim), 0, metadata.slot_mapping, kq)
+            index_copy(v_cache.view(-1, num_kv_heads, head_dim), 0, metadata.slot_mapping, vq)
+            if kq is not k:  # a fresh prompt attends its K/V as the cache holds them
+                k, v = kq.to(q.dtype), vq.to(q.dtype)
         out = None if plan.identity else q.new_empty(T, num_heads, head_dim)
         for g in plan.groups:
             if isinstance(g, CppDecode):
@@ -140,7 +151,7 @@ class TorchPagedBackend(AttentionBackend):
                 qg = q[g.token_rows]  # [G, Q, heads, dim]
             qg = qg.view(G, Q, num_kv_heads, group, head_dim).transpose(1, 2)
             qg = qg.reshape(G, num_kv_heads, Q * group, head_dim)
-            kg, vg = _gather(kv_cache, g.blocks)  # [G, kv_heads, L, dim] each
+            kg, vg = _gather(kv_cache, g.blocks, q.dtype)  # [G, kv_heads, L, dim] each
             mask = g.mask_for(group, q.dtype, window)
             if cap is None:
                 o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask,
@@ -182,16 +193,17 @@ def _fresh_mask(n: int, window: int | None, like: torch.Tensor) -> torch.Tensor:
         ~keep, float("-inf"))
 
 
-def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """kv_cache [2, num_blocks, bs, kv_heads, dim], blocks [G, n] -> K, V: [G, kv_heads, n*bs, dim]
-    each."""
+    each, in ``dtype``."""
     G, n = blocks.shape
     _, _, bs, kv_heads, dim = kv_cache.shape
     flat = blocks.flatten()
     # Two copies along dim 0 (a row copy per block): one index_select along dim 1 of the
     # whole cache is faster on average but, measured, ~1.5x slower in some processes.
-    k, v = (kv_cache[i].index_select(0, flat).view(G, n * bs, kv_heads, dim).transpose(1, 2)
-            for i in (0, 1))
+    k, v = (kv_cache[i].index_select(0, flat).to(dtype).view(G, n * bs, kv_heads, dim)
+            .transpose(1, 2) for i in (0, 1))  # .to: a float8 cache widened
     return k, v
 
 

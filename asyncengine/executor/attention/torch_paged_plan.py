@@ -86,13 +86,14 @@ class StepPlan:
 
 
 def make_plan(metadata: AttentionMetadata, q: torch.Tensor, kv_heads: int,
-               variants: bool = False) -> StepPlan:
+              variants: bool = False, kv_dtype: torch.dtype | None = None) -> StepPlan:
+    """``kv_dtype``: the cache's (None: q's)."""
     device = metadata.slot_mapping.device
     q_lens, seq_lens = metadata.query_lens, metadata.seq_lens
     decodes = [i for i, n in enumerate(q_lens) if n == 1]
     prefills = [i for i, n in enumerate(q_lens) if n > 1]
     groups: list[SDPAGroup | ChunkedDecode | CppDecode] = []
-    cpp = layer_ops.usable(q)
+    cpp = layer_ops.usable_kv(q, q.dtype if kv_dtype is None else kv_dtype)
     total = metadata.query_start_loc[-1]
     if prefills and cpp and total * metadata.block_tables.shape[1] <= ROWS_TABLE_MAX:
         # every token one row of the in-place kernel, prefill tokens included

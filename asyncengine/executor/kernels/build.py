@@ -42,6 +42,9 @@ _DIR = kernel_dir()
 
 # AE_DTYPE codes of the element types the layer kernels are built for.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# AE_KV_FP8 codes of a KV cache in float8 (``kv_fp8.h``); a cache in the activations' dtype
+# is code 0.
+KV_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
 _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.M)
@@ -61,11 +64,15 @@ def _inline(name: str, seen: set[str], directory: Path = _DIR) -> str:
     return _LOCAL_INCLUDE.sub(include, (directory / name).read_text())
 
 
-def source(name: str, dtype_code: int | None = None, directory: Path = _DIR) -> str:
+def source(name: str, dtype_code: int | None = None, directory: Path = _DIR,
+           kv_code: int = 0) -> str:
     """The self-contained C++ source of kernel ``name``: ``<name>.cpp`` with the files it
     includes from that folder inlined (a kernel may include another one's ``.cpp`` under a
-    renamed ``kernel``: ``decode_stack.cpp`` does)."""
+    renamed ``kernel``: ``decode_stack.cpp`` does). ``kv_code``: the KV cache's float8 type
+    (``KV_CODES``; 0, the activations' dtype)."""
     text = _inline(f"{name}.cpp", {f"{name}.cpp"}, directory)
+    if kv_code:
+        text = f"#define AE_KV_FP8 {kv_code}\n{text}"
     if dtype_code is not None:
         text = f"#define AE_DTYPE {dtype_code}\n{text}"
     return text
@@ -73,15 +80,17 @@ def source(name: str, dtype_code: int | None = None, directory: Path = _DIR) -> 
 
 @functools.cache
 def load(name: str, argtypes: tuple[str, ...], dtype_code: int | None = None,
-         directory: Path = _DIR) -> Callable[..., None] | None:
+         directory: Path = _DIR, kv_code: int = 0) -> Callable[..., None] | None:
     """The compiled kernel ``name`` (for ``dtype_code``), or None where it cannot be built
     here (no compiler, an unsupported platform); callers then take their PyTorch path.
-    ``directory``: where ``<name>.cpp`` is, when it is not one of ``kernel_dir()``."""
+    ``directory``: where ``<name>.cpp`` is, when it is not one of ``kernel_dir()``;
+    ``kv_code``: see :func:`source`."""
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
         return CppPythonBindingsCodeCache.load_pybinding(list(argtypes),
-                                                         source(name, dtype_code, directory))
+                                                         source(name, dtype_code, directory,
+                                                                kv_code))
     except Exception as exc:
         logger.warning("the %s CPU kernel could not be built (%s: %s); its PyTorch path runs "
                        "instead", name, type(exc).__name__, exc)

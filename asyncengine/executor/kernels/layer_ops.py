@@ -13,6 +13,10 @@ kernel (``<name>.cpp``, float32 and bfloat16):
   split across threads by (request, KV head, span of positions) and merged exactly
   (``decode_attention.cpp``).
 
+The last two are built again for a KV cache in float8 (``--kv-cache-dtype fp8``,
+``kv_fp8.h``): ``kv_write`` rounds the rows to float8 as torch's cast does (saturated), and
+attention widens the cached float8 exactly to float32.
+
 Each op computes what its PyTorch counterpart computes, in float32 with one rounding to the
 element type, so results agree to float32 rounding (``tests/test_layer_ops.py``). The model
 takes these paths only in eager mode on the CPU (``usable``); under ``torch.compile``
@@ -26,7 +30,7 @@ import os
 
 import torch
 
-from asyncengine.executor.kernels.build import DTYPE_CODES, load
+from asyncengine.executor.kernels.build import DTYPE_CODES, KV_CODES, load
 
 ENV = "ASYNCENGINE_CPU_KERNELS"
 ENABLED = os.environ.get(ENV, "1") != "0"
@@ -36,9 +40,9 @@ _ARGS: dict[str, tuple[str, ...]] = {
                  "int64_t", "int64_t", "float"),
     "rope": ("ae_t*", "const ae_t*", "const ae_t*", "int64_t", "int64_t", "int64_t", "int64_t"),
     "silu_mul": ("const ae_t*", "ae_t*", "int64_t", "int64_t"),
-    "kv_write": ("const ae_t*", "const ae_t*", "ae_t*", "const int64_t*", "int64_t", "int64_t",
+    "kv_write": ("const ae_t*", "const ae_t*", "ae_kv_t*", "const int64_t*", "int64_t", "int64_t",
                  "int64_t", "int64_t", "int64_t"),
-    "decode_attention": ("const ae_t*", "const ae_t*", "const int64_t*", "const int64_t*",
+    "decode_attention": ("const ae_t*", "const ae_kv_t*", "const int64_t*", "const int64_t*",
                          "const int64_t*", "ae_t*", "int64_t", "int64_t", "int64_t", "int64_t",
                          "int64_t", "int64_t", "int64_t", "int64_t", "float", "int64_t",
                          "int64_t", "float"),
@@ -54,6 +58,31 @@ def _kernels(dtype: torch.dtype) -> dict[str, object] | None:
         fns = None if code is None else {n: load(n, a, code) for n, a in _ARGS.items()}
         _BUILT[dtype] = fns if fns is not None and all(fns.values()) else None
     return _BUILT[dtype]
+
+
+# The kernels that read or write the KV cache: built again for each float8 cache dtype.
+_KV_OPS = ("kv_write", "decode_attention")
+_KV_BUILT: dict[tuple[torch.dtype, torch.dtype], dict[str, object] | None] = {}
+
+
+def _kv_kernels(dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, object] | None:
+    """``kv_write`` and ``decode_attention`` for activations of ``dtype`` and a KV cache of
+    ``kv_dtype`` (the activations' own, or a float8 of ``KV_CODES``)."""
+    if kv_dtype == dtype:
+        return _kernels(dtype)
+    key = (dtype, kv_dtype)
+    if key not in _KV_BUILT:
+        code, kv = DTYPE_CODES.get(dtype), KV_CODES.get(kv_dtype)
+        fns = None
+        if code is not None and kv is not None and _kernels(dtype) is not None:
+            fns = {n: load(n, _ARGS[n], code, kv_code=kv) for n in _KV_OPS}
+        _KV_BUILT[key] = fns if fns is not None and all(fns.values()) else None
+    return _KV_BUILT[key]
+
+
+def usable_kv(x: torch.Tensor, kv_dtype: torch.dtype) -> bool:
+    """``usable(x)``, and ``kv_write`` / ``decode_attention`` run for a cache of ``kv_dtype``."""
+    return usable(x) and _kv_kernels(x.dtype, kv_dtype) is not None
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -98,10 +127,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
     """Rows of ``k``, ``v`` ([T, kv_heads, D], heads contiguous) into slots ``slots`` (int64
-    [T]) of ``kv_cache`` [2, blocks, block_size, kv_heads, D]."""
+    [T]) of ``kv_cache`` [2, blocks, block_size, kv_heads, D] (of their dtype, or a float8:
+    ``usable_kv``)."""
     T, kv_heads, D = k.shape
-    _kernels(k.dtype)["kv_write"](k, v, kv_cache, slots, T, kv_heads * D, k.stride(0),
-                                  v.stride(0), kv_cache.stride(0))
+    _kv_kernels(k.dtype, kv_cache.dtype)["kv_write"](
+        k, v, kv_cache, slots, T, kv_heads * D, k.stride(0), v.stride(0), kv_cache.stride(0))
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
@@ -111,16 +141,17 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tens
     """Attention of one query token per request over the paged cache, read in place.
 
     q: [T, heads, D] (a step's queries; heads contiguous); kv_cache: [2, blocks, block_size,
-    kv_heads, D]; tables: int64 [B, n] block tables (contiguous); lens: int64 [B] keys per
-    request (its new token's included, already written); rows: int64 [B], the row of ``q``
-    of each request; split: positions per work item (a multiple of block_size); window: only
-    each request's last ``window`` keys; soft_cap: scores capped by ``cap * tanh(s / cap)``.
+    kv_heads, D] (of q's dtype or a float8: ``usable_kv``); tables: int64 [B, n] block tables
+    (contiguous); lens: int64 [B] keys per request (its new token's included, already
+    written); rows: int64 [B], the row of ``q`` of each request; split: positions per work
+    item (a multiple of block_size); window: only each request's last ``window`` keys;
+    soft_cap: scores capped by ``cap * tanh(s / cap)``.
     Returns [B, heads, D]."""
     _, heads, D = q.shape
     _, _, block_size, kv_heads, _ = kv_cache.shape
     B = rows.shape[0]
     out = torch.empty(B, heads, D, dtype=q.dtype)
-    _kernels(q.dtype)["decode_attention"](
+    _kv_kernels(q.dtype, kv_cache.dtype)["decode_attention"](
         q, kv_cache, tables, lens, rows, out, B, heads, kv_heads, D, block_size,
         tables.stride(0), q.stride(0), split, float(scale), kv_cache.stride(0), window or 0,
         float(soft_cap or 0.0))

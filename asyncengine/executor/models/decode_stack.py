@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from asyncengine.executor.kernels import layer_ops
-from asyncengine.executor.kernels.build import DTYPE_CODES, load
+from asyncengine.executor.kernels.build import DTYPE_CODES, KV_CODES, load
 from asyncengine.executor.models import kquants
 from asyncengine.executor.models.int4 import DEQUANT_ROWS, TILE_REQUESTS, Int4Linear
 
@@ -55,8 +55,9 @@ class DecodeStack:
     def __init__(self, model: Any, fn: Any, kquant: bool = False,
                  dtype: torch.dtype = torch.float32, tiles: bool = False) -> None:
         self.fn = fn
+        self._fp8_fns: dict[torch.dtype, Any] = {}  # the stack for a float8 KV cache
         self.kquant = kquant
-        self.dtype = dtype  # of the activations, norms and KV cache
+        self.dtype = dtype  # of the activations and norms (and the KV cache, but float8)
         # the most tokens a step may have: the matmul kernels' packed range
         # (a bfloat16 GGUF model where the kernel multiplies bfloat16 tiles: up to FUSED_ROWS)
         self.max_rows = DEQUANT_ROWS if not kquant else (
@@ -165,17 +166,27 @@ class DecodeStack:
         if plan is None:
             return None
         kv = kv_caches[0]
-        if kv.dtype != self.dtype or kv.stride(0) != kv_caches[-1].stride(0):
+        fn = self.fn if kv.dtype == self.dtype else self._fp8_fn(kv.dtype)
+        if fn is None or kv.stride(0) != kv_caches[-1].stride(0):
             return None
         self._point_at(kv_caches)
         out = torch.empty(T, self.hidden, dtype=self.dtype)
-        self.fn(h.contiguous(), out, self.table, self.final_norm, cos, sin, meta.slot_mapping,
+        fn(h.contiguous(), out, self.table, self.final_norm, cos, sin, meta.slot_mapping,
                 plan.tables, plan.lens, plan.rows, self.num_layers, T, self.hidden,
                 self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
                 meta.block_size, plan.tables.stride(0), plan.split, kv.stride(0), self.scale,
                 self.eps, *self._lora_args(lora),
                 int(meta.num_requests >= self.tile_requests))
         return out
+
+    def _fp8_fn(self, kv_dtype: torch.dtype) -> Any:
+        """The stack built for a float8 KV cache of ``kv_dtype`` (``kv_fp8.h``), or None."""
+        if kv_dtype not in self._fp8_fns:
+            code = KV_CODES.get(kv_dtype)
+            self._fp8_fns[kv_dtype] = None if code is None else load(
+                "decode_stack_kq" if self.kquant else "decode_stack", _ARGS,
+                DTYPE_CODES[self.dtype], kv_code=code)
+        return self._fp8_fns[kv_dtype]
 
     def _lora_args(self, lora: Any) -> tuple[Any, ...]:
         if lora is None:
@@ -187,7 +198,7 @@ class DecodeStack:
         """The table's last column: each layer's KV cache (re-read if the caches moved)."""
         ptrs = tuple(c.data_ptr() for c in kv_caches)
         if ptrs != self._caches:
-            if len(ptrs) != self.num_layers or any(c.dtype != self.dtype or
+            if len(ptrs) != self.num_layers or any(c.dtype != kv_caches[0].dtype or
                                                    not c.is_contiguous() for c in kv_caches):
                 raise ValueError("the KV caches do not match the model's layers")
             self.table[:, -1] = torch.tensor(ptrs, dtype=torch.int64)

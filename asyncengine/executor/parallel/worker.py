@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from asyncengine.config import EngineConfig
 from asyncengine.executor.attention import AttentionShape, get_attention_backend
+from asyncengine.executor.kv_dtype import kv_cache_dtype
 from asyncengine.executor.models.int4 import step_requests
 from asyncengine.executor.models.loader import pick_dtype, resolve_model
 from asyncengine.executor.parallel.loader import load_tp_model
@@ -106,8 +107,9 @@ class Worker:
             from asyncengine.executor.attention.prewarm import prewarm_attention
 
             self.backend = prewarm_attention(config, self.backend, m, graphs=False)
+        kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, dtype, self.device.type)
         self.kv_caches = self.backend.allocate_kv_cache(m.num_layers, num_blocks, bs,
-                                                        m.num_kv_heads, m.head_dim, dtype,
+                                                        m.num_kv_heads, m.head_dim, kv_dtype,
                                                         self.device)
         self.backend.bind_kv_cache(self.kv_caches)
         self.mirror = BlockTableMirror(-(-max_model_len // bs) + 1)
