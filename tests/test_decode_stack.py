@@ -19,12 +19,14 @@ pytestmark = pytest.mark.skipif(not packed_kernels.available("int4"),
 
 
 def _run(model, stack: DecodeStack | None, prompts: dict[str, torch.Tensor],
-         decodes: list[list[str]]) -> list[dict[str, torch.Tensor]]:
+         decodes: list[list[str]], kv_dtype: torch.dtype | None = None
+         ) -> list[dict[str, torch.Tensor]]:
     """Prefill ``prompts``, then one decode step per entry of ``decodes`` (the requests in
-    it each feed their last greedy token). Returns every step's logits."""
+    it each feed their last greedy token), the KV cache in ``kv_dtype`` (None: the model's).
+    Returns every step's logits."""
     model._stack = stack
     runner = PagedRunner(model, num_blocks=320, block_size=4,
-                         dtype=model.model.norm.weight.dtype)
+                         dtype=kv_dtype or model.model.norm.weight.dtype)
     out = [runner.step(prompts)]
     last = {r: int(out[0][r][-1].argmax()) for r in prompts}
     for reqs in decodes:
@@ -53,6 +55,21 @@ def _count_runs(stack: DecodeStack, monkeypatch) -> list[int]:
                                     "tiny-int4-bf16", "mixed-gguf", "mixed-gguf-bf16"])
 def test_stack_equals_the_per_layer_path_bit_for_bit(source, tiny_models, monkeypatch,
                                                      tmp_path):
+    check_stack(source, None, tiny_models, monkeypatch, tmp_path)
+
+
+@pytest.mark.parametrize(("source", "kv_dtype"), [
+    ("embedded-gguf-bf16", torch.float8_e4m3fn), ("tiny-int4", torch.float8_e5m2),
+    ("mixed-gguf", torch.float8_e4m3fn)])
+def test_stack_equals_the_per_layer_path_with_a_float8_cache(source, kv_dtype, tiny_models,
+                                                             monkeypatch, tmp_path):
+    """--kv-cache-dtype fp8: both stacks (int4, GGUF blocks) built for a float8 cache give
+    the per-layer path's numbers, which read and write the same cache."""
+    check_stack(source, kv_dtype, tiny_models, monkeypatch, tmp_path)
+
+
+def check_stack(source: str, kv_dtype: torch.dtype | None, tiny_models, monkeypatch,
+                tmp_path) -> None:
     dtype = torch.bfloat16 if source.endswith("bf16") else torch.float32
     if dtype == torch.bfloat16 and not source.startswith("mixed-gguf") and \
             not packed_kernels.int4_bf16_available():
@@ -83,10 +100,10 @@ def test_stack_equals_the_per_layer_path_bit_for_bit(source, tiny_models, monkey
         assert stack.tile_requests == (TILE_REQUESTS if packed_kernels.int4_tile8_available()
                                        else 1 << 62)
     ran = _count_runs(stack, monkeypatch)
-    fused = _run(model, stack, prompts, decodes)
+    fused = _run(model, stack, prompts, decodes, kv_dtype)
     # every decode step in the stack's range ran fused (GGUF: fewer than 8 tokens), no prefill
     assert ran == [len(d) for d in decodes if len(d) < stack.max_rows]
-    per_layer = _run(model, None, prompts, decodes)
+    per_layer = _run(model, None, prompts, decodes, kv_dtype)
     for got, want in zip(fused, per_layer, strict=True):
         for r in want:
             assert torch.equal(got[r], want[r]), r

@@ -47,6 +47,7 @@ class PagedRunner:
         self.kv = self.backend.allocate_kv_cache(model.num_layers, num_blocks, block_size,
                                                  model.num_kv_heads, model.head_dim,
                                                  dtype, "cpu")
+        self.backend.bind_kv_cache(self.kv)
         self.free = list(range(num_blocks))
         random.Random(0).shuffle(self.free)
         self.tables: dict[str, list[int]] = {}
