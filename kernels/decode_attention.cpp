@@ -254,11 +254,13 @@ static inline void ae_softmax_update(float* sg, int64_t n, float* m, float* l, f
 // Software prefetches (into L2) of the cache rows a segment reads next. A step's cache is
 // read once, from memory (at 32 requests of 1,000 positions a layer's K and V are 24 MB in
 // bfloat16, a step's 700 MB): the keys and values of one KV head are rows of D elements
-// every KVH * D, block after block, which the hardware prefetchers follow poorly. Measured
-// (benchmarks/decode_step.py --batch 32 --prompt-len 1000, 2 threads, the embedded model,
-// alternated with AE_ATTN_PREFETCH 0): a step 52.5 -> 49.8 ms with a bfloat16 cache, 51 ->
-// 38 ms with a float8 one, whose attention was latency-bound at half the bytes; 1 request of
-// 300 positions and 32 of 100 unchanged. AE_ATTN_PREFETCH 0 turns them off.
+// every KVH * D, block after block, which the hardware prefetchers follow poorly, so the
+// kernel waited on memory at a third of its bandwidth. Measured (benchmarks/decode_step.py
+// --batch 32 --prompt-len 1000, 2 threads, the embedded model, alternated with
+// AE_ATTN_PREFETCH 0): a step 52 -> 41 ms with a bfloat16 cache, 51-55 -> 33 ms with a
+// float8 one; 1 request of 300 positions, 32 of 100 and a 1 + 8 row verification unchanged.
+// (Prefetching a whole segment at once gained a third as much.) AE_ATTN_PREFETCH 0 turns
+// them off.
 #ifndef AE_ATTN_PREFETCH
 #define AE_ATTN_PREFETCH 1
 #endif
@@ -309,18 +311,26 @@ static inline void ae_attend_rows(const float* qv, const ae_kv_t* kc, const ae_k
             p0 += k;
         }
 #if AE_ATTN_PREFETCH
-        // this segment's values, read after its scores and softmax, and the next segment's
-        // keys, read after these values
-        for (int64_t i = 0; i < nseg; ++i)
-            ae_prefetch_rows(vc + seg_base[i], seg_n[i], kv_row, D);
-        for (int64_t p = p0, m = 0; p < end && m < SP;) {
+        // the next segment's blocks, each prefetched while this segment's block of the same
+        // index is read (its keys while scoring, its values while accumulating): the
+        // requests spread over the segment, one segment ahead; the first segment's values
+        // at its start
+        int64_t nxt_base[AE_ATTN_SPAN_BLOCKS], nxt_n[AE_ATTN_SPAN_BLOCKS], nn = 0;
+        for (int64_t p = p0, m = 0; p < end && m < SP && nn < AE_ATTN_SPAN_BLOCKS;) {
             const int64_t k = std::min(BS - p % BS, end - p);
-            ae_prefetch_rows(kc + (table[p / BS] * BS + p % BS) * kv_row + kh * D, k, kv_row, D);
+            nxt_base[nn] = (table[p / BS] * BS + p % BS) * kv_row + kh * D;
+            nxt_n[nn++] = k;
             m += k;
             p += k;
         }
+        if (first == start)
+            for (int64_t i = 0; i < nseg; ++i)
+                ae_prefetch_rows(vc + seg_base[i], seg_n[i], kv_row, D);
 #endif
         for (int64_t i = 0; i < nseg; ++i) {
+#if AE_ATTN_PREFETCH
+            if (i < nn) ae_prefetch_rows(kc + nxt_base[i], nxt_n[i], kv_row, D);
+#endif
 #ifdef AE_ATTN512
             if (wide) {  // each key's score alone: all rows' query heads at once
                 ae_scores512(qv, kc + seg_base[i], s + seg_at[i], RG, D, seg_n[i], SP, kv_row,
@@ -353,6 +363,9 @@ static inline void ae_attend_rows(const float* qv, const ae_kv_t* kc, const ae_k
             }
         }
         for (int64_t i = 0; i < nseg; ++i) {
+#if AE_ATTN_PREFETCH
+            if (i < nn) ae_prefetch_rows(vc + nxt_base[i], nxt_n[i], kv_row, D);
+#endif
 #ifdef AE_ATTN512
             if (wide) ae_accumulate512(acc, s + seg_at[i], vc + seg_base[i], RG, D, seg_n[i],
                                        SP, kv_row);
