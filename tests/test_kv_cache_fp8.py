@@ -17,6 +17,7 @@ import torch
 from asyncengine import SamplingParams
 from asyncengine.config import EngineConfig
 from asyncengine.engine.engine import AsyncEngine
+from asyncengine.executor.attention import torch_paged_plan
 from asyncengine.executor.kernels import layer_ops
 from asyncengine.executor.kv_dtype import FP8_MAX, kv_cache_dtype
 from tests.spec_utils import NGRAM, generate_all, make_engine, pool_is_free
@@ -142,7 +143,7 @@ def fp8_models(tmp_path_factory) -> dict[str, str]:
             for f in ("llama", "gemma2")}
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+@pytest.mark.parametrize("kernels", ["rows", "sdpa", "torch"])
 @pytest.mark.parametrize(("family", "flag"), [("llama", "fp8"), ("llama", "fp8_e5m2"),
                                               ("gemma2", "fp8")])
 def test_greedy_equals_transformers_with_the_same_rounding(fp8_models, family, flag, kernels,
@@ -151,8 +152,10 @@ def test_greedy_equals_transformers_with_the_same_rounding(fp8_models, family, f
     cache rounds K and V to the same float8, under chunked prefill, preemption (12 blocks of
     8) and a second round of prefix-cache hits; generate without the rounding is much further
     off (the float8 cache is really read). Gemma 2: soft caps, a window, head_dim 256."""
-    if not kernels:
+    if kernels == "torch":  # no own kernels: the PyTorch path writes and gathers
         monkeypatch.setattr(layer_ops, "ENABLED", False)
+    elif kernels == "sdpa":  # prompts through SDPA (long ones do), K/V written by kv_write
+        monkeypatch.setattr(torch_paged_plan, "ROWS_TABLE_MAX", 0)
     directory = fp8_models[family]
     kv_dtype = kv_cache_dtype(flag, torch.float32, "cpu")
     hf = hf_reference_model(directory)

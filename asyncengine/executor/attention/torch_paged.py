@@ -106,11 +106,10 @@ class TorchPagedBackend(AttentionBackend):
             layer_ops.kv_write(k, v, kv_cache, metadata.slot_mapping)
         else:
             k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, dim]
-            kq, vq = to_cache(k, kv_cache.dtype), to_cache(v, kv_cache.dtype)
-            index_copy(k_cache.view(-1, num_kv_heads, head_dim), 0, metadata.slot_mapping, kq)
-            index_copy(v_cache.view(-1, num_kv_heads, head_dim), 0, metadata.slot_mapping, vq)
-            if kq is not k:  # a fresh prompt attends its K/V as the cache holds them
-                k, v = kq.to(q.dtype), vq.to(q.dtype)
+            index_copy(k_cache.view(-1, num_kv_heads, head_dim), 0, metadata.slot_mapping,
+                       to_cache(k, kv_cache.dtype))
+            index_copy(v_cache.view(-1, num_kv_heads, head_dim), 0, metadata.slot_mapping,
+                       to_cache(v, kv_cache.dtype))
         out = None if plan.identity else q.new_empty(T, num_heads, head_dim)
         for g in plan.groups:
             if isinstance(g, CppDecode):
@@ -128,7 +127,10 @@ class TorchPagedBackend(AttentionBackend):
                 continue
             if g.fresh is not None:
                 s, e = g.fresh
-                qf, kf, vf = q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
+                kf, vf = k[s:e], v[s:e]
+                if kv_cache.dtype != q.dtype:  # its K/V as the cache holds them (float8)
+                    kf, vf = (to_cache(x, kv_cache.dtype).to(q.dtype) for x in (kf, vf))
+                qf, kf, vf = q[s:e].transpose(0, 1), kf.transpose(0, 1), vf.transpose(0, 1)
                 if options == PLAIN:
                     # 4-D (a batch of one): PyTorch's CPU flash kernel takes only 4-D inputs
                     # (3-D ones fall back to the unfused math path: 1.3x / 1.8x / 3.5x the

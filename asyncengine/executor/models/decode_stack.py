@@ -172,11 +172,10 @@ class DecodeStack:
         self._point_at(kv_caches)
         out = torch.empty(T, self.hidden, dtype=self.dtype)
         fn(h.contiguous(), out, self.table, self.final_norm, cos, sin, meta.slot_mapping,
-                plan.tables, plan.lens, plan.rows, self.num_layers, T, self.hidden,
-                self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
-                meta.block_size, plan.tables.stride(0), plan.split, kv.stride(0), self.scale,
-                self.eps, *self._lora_args(lora),
-                int(meta.num_requests >= self.tile_requests))
+           plan.tables, plan.lens, plan.rows, self.num_layers, T, self.hidden,
+           self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
+           meta.block_size, plan.tables.stride(0), plan.split, kv.stride(0), self.scale,
+           self.eps, *self._lora_args(lora), int(meta.num_requests >= self.tile_requests))
         return out
 
     def _fp8_fn(self, kv_dtype: torch.dtype) -> Any:
