@@ -46,10 +46,12 @@ def kv_cache_dtype(flag: str, dtype: torch.dtype, device_type: str) -> torch.dty
 
 
 def to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """K or V rows as the cache stores them: float8 saturated, else unchanged."""
-    limit = FP8_MAX.get(cache_dtype)
-    if limit is None or x.dtype == cache_dtype:
+    """K or V rows as the cache stores them: float8 saturated, another dtype cast."""
+    if x.dtype == cache_dtype:
         return x
+    limit = FP8_MAX.get(cache_dtype)
+    if limit is None:
+        return x.to(cache_dtype)
     return x.float().clamp(-limit, limit).to(cache_dtype)
 
 
