@@ -271,6 +271,32 @@ static inline void ae_prefetch_rows(const ae_kv_t* row, int64_t n, int64_t kv_ro
             __builtin_prefetch((const char*)row + b, 0, 2);  // for reading, into L2
 }
 
+// One segment of a (request, KV head)'s positions: up to AE_ATTN_SPAN_BLOCKS consecutive
+// blocks from position `first`, at most SP positions: block i's first row at element base[i]
+// of the cache (its head's), n[i] positions, at[i] the offset of its scores; `last` the
+// position after the segment. count 0: no positions left.
+struct AeSegment {
+    int64_t base[AE_ATTN_SPAN_BLOCKS], n[AE_ATTN_SPAN_BLOCKS], at[AE_ATTN_SPAN_BLOCKS];
+    int64_t count, total, first, last;
+};
+
+static inline void ae_segment(const int64_t* table, int64_t p, int64_t end, int64_t BS,
+                              int64_t SP, int64_t kv_row, int64_t head_off, AeSegment* seg) {
+    seg->first = p;
+    seg->count = seg->total = 0;
+    while (p < end && seg->count < AE_ATTN_SPAN_BLOCKS) {
+        const int64_t off = p % BS;  // 0 except at a window's first block
+        const int64_t k = std::min(BS - off, end - p);
+        if (seg->total + k > SP) break;
+        seg->base[seg->count] = (table[p / BS] * BS + off) * kv_row + head_off;
+        seg->n[seg->count] = k;
+        seg->at[seg->count++] = seg->total;
+        seg->total += k;
+        p += k;
+    }
+    seg->last = p;
+}
+
 // Rows [0, R) of one sequence (one block table), KV head kh, positions [start, ends[r]) for
 // row r, online softmax from a fresh state: qv [R * G, D] (the rows' query heads, scaled);
 // acc [R * G, D], m, l [R * G], s [R * G, SP]; part: ae_scores512's, R * G * 256 floats,
@@ -286,8 +312,6 @@ static inline void ae_attend_rows(const float* qv, const ae_kv_t* kc, const ae_k
                                   float soft_cap, float* acc, float* m, float* l, float* s,
                                   float* part) {
     const int64_t SP = AE_ATTN_SPAN_BLOCKS * BS, RG = R * G;
-    int64_t seg_base[AE_ATTN_SPAN_BLOCKS], seg_n[AE_ATTN_SPAN_BLOCKS];
-    int64_t seg_at[AE_ATTN_SPAN_BLOCKS];
     int64_t end = 0;
     for (int64_t r = 0; r < R; ++r) end = std::max(end, ends[r]);
 #ifdef AE_ATTN512
@@ -297,52 +321,36 @@ static inline void ae_attend_rows(const float* qv, const ae_kv_t* kc, const ae_k
 #endif
     for (int64_t i = 0; i < RG * D; ++i) acc[i] = 0.f;
     for (int64_t g = 0; g < RG; ++g) { m[g] = -INFINITY; l[g] = 0.f; }
-    for (int64_t p0 = start; p0 < end;) {
-        const int64_t first = p0;  // the segment's first position
-        int64_t nseg = 0, n = 0;
-        while (p0 < end && nseg < AE_ATTN_SPAN_BLOCKS) {
-            const int64_t off = p0 % BS;  // 0 except at a window's first block
-            const int64_t k = std::min(BS - off, end - p0);
-            if (n + k > SP) break;
-            seg_base[nseg] = (table[p0 / BS] * BS + off) * kv_row + kh * D;
-            seg_n[nseg] = k;
-            seg_at[nseg++] = n;
-            n += k;
-            p0 += k;
-        }
+    AeSegment segs[2];  // this segment and the next
+    int cur = 0;
+    ae_segment(table, start, end, BS, SP, kv_row, kh * D, &segs[0]);
 #if AE_ATTN_PREFETCH
-        // the next segment's blocks, each prefetched while this segment's block of the same
-        // index is read (its keys while scoring, its values while accumulating): the
-        // requests spread over the segment, one segment ahead; the first segment's values
-        // at its start
-        int64_t nxt_base[AE_ATTN_SPAN_BLOCKS], nxt_n[AE_ATTN_SPAN_BLOCKS], nn = 0;
-        for (int64_t p = p0, m = 0; p < end && m < SP && nn < AE_ATTN_SPAN_BLOCKS;) {
-            const int64_t k = std::min(BS - p % BS, end - p);
-            nxt_base[nn] = (table[p / BS] * BS + p % BS) * kv_row + kh * D;
-            nxt_n[nn++] = k;
-            m += k;
-            p += k;
-        }
-        if (first == start)
-            for (int64_t i = 0; i < nseg; ++i)
-                ae_prefetch_rows(vc + seg_base[i], seg_n[i], kv_row, D);
+    for (int64_t i = 0; i < segs[0].count; ++i)  // the first segment's values
+        ae_prefetch_rows(vc + segs[0].base[i], segs[0].n[i], kv_row, D);
 #endif
-        for (int64_t i = 0; i < nseg; ++i) {
+    while (segs[cur].count > 0) {
+        const AeSegment& S = segs[cur];
+        AeSegment& next = segs[cur ^ 1];
+        ae_segment(table, S.last, end, BS, SP, kv_row, kh * D, &next);
+        const int64_t first = S.first, n = S.total;
+        // The next segment's blocks are prefetched while this segment's block of the same
+        // index is read (its keys while scoring, its values while accumulating): the
+        // requests spread over the segment, one segment ahead.
+        for (int64_t i = 0; i < S.count; ++i) {
 #if AE_ATTN_PREFETCH
-            if (i < nn) ae_prefetch_rows(kc + nxt_base[i], nxt_n[i], kv_row, D);
+            if (i < next.count) ae_prefetch_rows(kc + next.base[i], next.n[i], kv_row, D);
 #endif
 #ifdef AE_ATTN512
             if (wide) {  // each key's score alone: all rows' query heads at once
-                ae_scores512(qv, kc + seg_base[i], s + seg_at[i], RG, D, seg_n[i], SP, kv_row,
-                             part);
+                ae_scores512(qv, kc + S.base[i], s + S.at[i], RG, D, S.n[i], SP, kv_row, part);
                 continue;
             }
 #endif
             // the 8-key path groups a block's keys by its count: each row its own count there
             for (int64_t r = 0; r < R; ++r) {
-                const int64_t valid = std::min(seg_n[i], ends[r] - first - seg_at[i]);
+                const int64_t valid = std::min(S.n[i], ends[r] - first - S.at[i]);
                 if (valid > 0)
-                    ae_scores(qv + r * G * D, kc + seg_base[i], s + r * G * SP + seg_at[i], G, D,
+                    ae_scores(qv + r * G * D, kc + S.base[i], s + r * G * SP + S.at[i], G, D,
                               valid, SP, kv_row);
             }
         }
@@ -362,19 +370,20 @@ static inline void ae_attend_rows(const float* qv, const ae_kv_t* kc, const ae_k
                 for (int64_t j = nr; j < n; ++j) sg[j] = 0.f;
             }
         }
-        for (int64_t i = 0; i < nseg; ++i) {
+        for (int64_t i = 0; i < S.count; ++i) {
 #if AE_ATTN_PREFETCH
-            if (i < nn) ae_prefetch_rows(vc + nxt_base[i], nxt_n[i], kv_row, D);
+            if (i < next.count) ae_prefetch_rows(vc + next.base[i], next.n[i], kv_row, D);
 #endif
 #ifdef AE_ATTN512
-            if (wide) ae_accumulate512(acc, s + seg_at[i], vc + seg_base[i], RG, D, seg_n[i],
-                                       SP, kv_row);
+            if (wide) ae_accumulate512(acc, s + S.at[i], vc + S.base[i], RG, D, S.n[i], SP,
+                                       kv_row);
             else
 #endif
             for (int64_t g = 0; g < RG; ++g)
-                ae_accumulate(acc + g * D, s + g * SP + seg_at[i], vc + seg_base[i], D,
-                              seg_n[i], kv_row);
+                ae_accumulate(acc + g * D, s + g * SP + S.at[i], vc + S.base[i], D, S.n[i],
+                              kv_row);
         }
+        cur ^= 1;
     }
 }
 
