@@ -127,9 +127,14 @@ def model_dir(shape: dict[str, Any], name: str) -> str:
 
 
 def make_engine(args: argparse.Namespace, directory: str, max_num_seqs: int):
+    """An engine on the GPU, built after the previous part's engine has been collected and
+    torch's cache emptied: the engine's start-up check wants its whole share free, and an
+    engine dropped by the caller a moment ago may still be held by a reference cycle (the
+    first GPU run failed here: 12 of 79 GiB free for the throughput part's engine)."""
     from asyncengine.config import EngineConfig
     from asyncengine.engine.engine import AsyncEngine
 
+    release_gpu_memory()
     return AsyncEngine(EngineConfig.from_dict({
         "model": directory, "load_format": "dummy", "tokenizer": tokenizer_path(args),
         "dtype": "bfloat16", "device": "cuda", "max_model_len": 4096,
@@ -138,13 +143,13 @@ def make_engine(args: argparse.Namespace, directory: str, max_num_seqs: int):
         "gpu_memory_utilization": args.gpu_memory_utilization}))
 
 
-def free(engine) -> None:
+def release_gpu_memory() -> None:
+    """Collect what is no longer referenced (engines in reference cycles included) and give
+    torch's cached blocks back, so that ``torch.cuda.mem_get_info`` counts them as free."""
     import gc
 
     import torch
 
-    engine.shutdown()
-    del engine
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -197,23 +202,73 @@ class HostTimer:
         self.runner.prepare, self.runner.enqueue = self._prepare, self._enqueue
 
 
+class StepMarks:
+    """CUDA events recorded on the device's stream around every step's work (``enqueue``):
+    a step's span is the GPU's time on it, and the gap before the next step's start is the
+    GPU waiting for the host."""
+
+    def __init__(self, runner) -> None:
+        import torch
+
+        self.runner, self._enqueue = runner, runner.enqueue
+        self.marks: list[tuple[Any, Any, int]] = []
+
+        def enqueue(inputs):  # runs on the device's stream, in step order
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = self._enqueue(inputs)
+            end.record()
+            self.marks.append((start, end, inputs.num_tokens))
+            return out
+
+        runner.enqueue = enqueue
+
+    def restore(self) -> None:
+        self.runner.enqueue = self._enqueue
+
+    def spans_and_gaps(self, num_tokens: int, skip: int = 0) -> tuple[list[float], list[float]]:
+        """Over consecutive steps of ``num_tokens`` tokens (after the first ``skip`` marks):
+        each step's span and the gap after it, in ms."""
+        import torch
+
+        torch.cuda.synchronize()
+        marks = self.marks[skip:]
+        full = {i for i, (_, _, n) in enumerate(marks) if n == num_tokens}
+        pairs = [i for i in sorted(full) if i + 1 in full]
+        gaps = [max(0.0, marks[i][1].elapsed_time(marks[i + 1][0])) for i in pairs]
+        spans = [marks[i][0].elapsed_time(marks[i][1]) for i in pairs]
+        return spans, gaps
+
+
+def idle_percent(spans: list[float], gaps: list[float]) -> float:
+    return 100 * sum(gaps) / max(sum(gaps) + sum(spans), 1e-9)
+
+
+def host_verdict(gpu_idle_percent: float) -> str:
+    """Whether the host's work per step, not the GPU, sets the pace: the GPU waits between
+    steps for more than a tenth of the time."""
+    return "BOUNDS" if gpu_idle_percent > 10 else "does not bound"
+
+
 def batch1_decode(args: argparse.Namespace, key: str, bandwidth: float) -> dict[str, Any]:
     import anyio
     import torch
 
     name, shape, target = SHAPES[key]
     engine = make_engine(args, model_dir(shape, name), max_num_seqs=1)
-    timer = None
+    timer = marks = None
 
     async def main():
-        nonlocal timer
+        nonlocal timer, marks
         async with engine:
             await decode_times(engine, 1, 32)  # warm-up
-            timer = HostTimer(engine.runner)
+            timer, marks = HostTimer(engine.runner), StepMarks(engine.runner)
             return (await decode_times(engine, 1, args.tokens))[0]
 
     times = anyio.run(main)
     timer.restore()
+    marks.restore()
     skip = 16  # the prefill and the first steps
     per_token = (times[-1] - times[skip]) / (len(times) - 1 - skip)
     context = PROMPT_LEN + (skip + len(times)) / 2  # the mean context of the timed steps
@@ -229,34 +284,26 @@ def batch1_decode(args: argparse.Namespace, key: str, bandwidth: float) -> dict[
           f"{bound * 1e3:.3f} ms/token")
     print(f"  measured {per_token * 1e3:.3f} ms/token ({1 / per_token:.0f} tokens/s): "
           f"{100 * bound / per_token:.1f}% of the bound (target >= {100 * target:.0f}%)")
-    verdict = "BOUNDS" if host >= 0.9 * per_token else "does not bound"
+    spans, gaps = marks.spans_and_gaps(1, skip=skip)
+    idle = idle_percent(spans, gaps)
+    print(f"  GPU per step: busy {statistics.median(spans):.3f} ms, then idle "
+          f"{statistics.median(gaps):.3f} ms until the next step's work ({idle:.1f}% idle)")
     print(f"  host per step: prepare {prep * 1e3:.3f} ms + enqueue (plan, copies, replay "
-          f"launch) {enq * 1e3:.3f} ms = {host * 1e3:.3f} ms: Python planning {verdict} "
-          "batch-1 decode")
-    free(engine)
+          f"launch) {enq * 1e3:.3f} ms = {host * 1e3:.3f} ms: the host's work per step "
+          f"{host_verdict(idle)} batch-1 decode")
+    engine.shutdown()
     return {"shape": name, "ms_per_token": per_token * 1e3, "bound_ms": bound * 1e3,
             "fraction_of_bound": bound / per_token, "target": target,
-            "host_ms_per_step": host * 1e3, "bandwidth_GBps": bandwidth / 1e9}
+            "host_ms_per_step": host * 1e3, "prepare_ms": prep * 1e3, "enqueue_ms": enq * 1e3,
+            "gpu_busy_ms": statistics.median(spans), "gpu_gap_ms": statistics.median(gaps),
+            "gpu_idle_percent": idle, "bandwidth_GBps": bandwidth / 1e9}
 
 
 def idle_at_batch(engine, args: argparse.Namespace) -> tuple[float, str]:
     import anyio
-    import torch
 
     runner = engine.runner
-    marks: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
-    real_enqueue = runner.enqueue
-
-    def timed_enqueue(inputs):  # runs on the device's stream, in step order
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = real_enqueue(inputs)
-        end.record()
-        marks.append((start, end, inputs.num_tokens))
-        return out
-
-    runner.enqueue = timed_enqueue
+    marks = StepMarks(runner)
     profiler = None
     if args.profiler:
         from torch.profiler import ProfilerActivity, profile
@@ -266,7 +313,7 @@ def idle_at_batch(engine, args: argparse.Namespace) -> tuple[float, str]:
     async def main():
         async with engine:
             await decode_times(engine, args.batch, 8)  # warm-up
-            marks.clear()
+            marks.marks.clear()
             if profiler is not None:
                 profiler.__enter__()
             await decode_times(engine, args.batch, args.tokens)
@@ -274,15 +321,11 @@ def idle_at_batch(engine, args: argparse.Namespace) -> tuple[float, str]:
                 profiler.__exit__(None, None, None)
 
     anyio.run(main)
-    runner.enqueue = real_enqueue
-    torch.cuda.synchronize()
-    full = {i for i, (_, _, n) in enumerate(marks) if n == args.batch}  # full-batch decodes
-    pairs = [i for i in sorted(full) if i + 1 in full]  # consecutive full decode steps
-    gaps = [max(0.0, marks[i][1].elapsed_time(marks[i + 1][0])) for i in pairs]
-    spans = [marks[i][0].elapsed_time(marks[i][1]) for i in pairs]
-    idle = 100 * sum(gaps) / max(sum(gaps) + sum(spans), 1e-9)
+    marks.restore()
+    spans, gaps = marks.spans_and_gaps(args.batch)  # consecutive full-batch decode steps
+    idle = idle_percent(spans, gaps)
     mechanism = engine.device.awaiter.name
-    print(f"[idle] {args.batch} streams, await {mechanism}: {len(pairs)} consecutive full "
+    print(f"[idle] {args.batch} streams, await {mechanism}: {len(spans)} consecutive full "
           f"decode steps, median step {statistics.median(spans):.2f} ms, median gap "
           f"{statistics.median(gaps):.3f} ms; GPU idle between steps {idle:.2f}% "
           "(target < 5%)")
@@ -306,7 +349,7 @@ def idle_both_mechanisms(args: argparse.Namespace) -> dict[str, Any]:
         engine.device.awaiter.close()
         engine.device.awaiter = make_event_awaiter(mechanism)
         idle[mechanism], _ = idle_at_batch(engine, args)
-    free(engine)
+    engine.shutdown()
     best = recommend_await(idle)
     print(f"[idle] recommended ASYNCENGINE_CUDA_AWAIT default: {best} ("
           + ", ".join(f"{m} {v:.2f}%" for m, v in idle.items()) + " GPU idle)")
@@ -332,7 +375,9 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
 
     for n in args.concurrency:
         ours[n] = anyio.run(run, n)
-    free(engine)
+    engine.shutdown()
+    engine = None  # collected below, before transformers' model takes its memory
+    release_gpu_memory()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig.from_pretrained(directory)
