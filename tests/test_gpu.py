@@ -84,6 +84,12 @@ GPU_MODELS = {
     "qwen2_sw-hd64": ("qwen2_sw", dict(hidden_size=256, num_attention_heads=4,
                                        num_key_value_heads=2, intermediate_size=512)),
 }
+#: Every layer windowed: a request's blocks before its window are released as it goes, so 12
+#: blocks never run short (no preemption) and the prefix chain from block 0 is broken once
+#: they are reused (no prefix hits: a hit needs the whole chain here, where vLLM's
+#: sliding-window manager needs only the window's blocks). The first GPU run found both; the
+#: CPU gives the same counts. These run in 6 blocks (12 preemptions) and assert no hits.
+ALL_WINDOW = {"mistral_sw-hd64"}
 FP32_MODELS = ["embedded", "llama-hd64", "llama-hd128", "qwen3-hd128", "gemma2"]
 BF16_MODELS = ["embedded", *GPU_MODELS]
 
@@ -195,7 +201,7 @@ def test_bfloat16_flashinfer_agrees_with_transformers(name, graphs, gpu_models):
     pytest.importorskip("flashinfer")
     llm = LLM(model_path(name, gpu_models), device="cuda", dtype="bfloat16",
               attention_backend="flashinfer", enforce_eager=not graphs,
-              num_gpu_blocks_override=12, **STRESS)
+              num_gpu_blocks_override=6 if name in ALL_WINDOW else 12, **STRESS)
     runner = llm.engine.runner
     assert_backends(llm, "flashinfer", "flashinfer")
     replays = []
@@ -224,7 +230,8 @@ def test_bfloat16_flashinfer_agrees_with_transformers(name, graphs, gpu_models):
     assert decisive >= 0.5 * len(diffs)  # the filter (tiny models) keeps most positions
     assert np.mean(diffs) <= BF16_LP_MEAN and np.percentile(diffs, 99) <= BF16_LP_P99
     stats = llm.engine.stats()
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.num_preemptions > 0
+    assert (stats.prefix_cache_hits > 0) == (name not in ALL_WINDOW)
     if graphs:
         assert replays and max(replays) > 1  # decode steps replayed batched graphs
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks

@@ -11,7 +11,10 @@ run, never the float32 equality.
 * A float32 engine on CUDA takes the dense path (FlashInfer has no float32 kernels) and gives
   PEFT's greedy tokens, base and adapter requests mixed.
 * A bfloat16 engine runs the segment GEMM (asserted, no silent fallback), loses no request,
-  leaks no block, and agrees with the same engine on the dense path up to bfloat16's near-ties.
+  leaks no block, and agrees with the same engine on the dense path up to bfloat16's near-ties:
+  where two greedy sequences part, the two tokens are the dense path's best two, within
+  ``NEAR_TIE``. (The first GPU run asked for 80% of whole sequences equal and got 67%: one
+  near-tie flips the rest of a sequence; that measure said nothing of the op.)
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1800),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 lora_families = test_lora.lora_families  # the fixture: tiny models with PEFT adapters
-#: bfloat16 engine against the dense path: the share of jobs whose tokens agree (before a
-#: near-tie flips one, the rest of a greedy sequence follows it)
-BF16_AGREE = 0.8
+#: bfloat16 engine against the dense path: where two greedy sequences part, the dense path's
+#: two best tokens at that position are the two chosen, at most this far apart (nats). The
+#: first GPU run (H100) found 2 of 6 jobs parting (a sequence-level agreement of 0.67). The
+#: tiny random model is nearly uniform: its top-2 gaps have a median of 0.025 nats (on the CPU
+#: in float32), and bfloat16 against float32 on the CPU parts at a gap of 0.0027.
+NEAR_TIE = 0.01
 
 
 def gpu_table(S: int, R: int, K: int, N: int, dtype: torch.dtype) -> SlotTable:
@@ -97,6 +103,36 @@ def _jobs(engine) -> list[tuple[list[int], str | None]]:
     return [(prompts[i], names[i % len(names)]) for i in range(len(prompts))]
 
 
+def first_divergences(engine, jobs: list[tuple[list[int], str | None]],
+                      got: list[list[int]], want: list[list[int]],
+                      ) -> dict[int, tuple[int, dict[int, float]]]:
+    """For each job whose sequences part (``got`` against ``engine``'s own ``want``): the first
+    position where they do, and ``engine``'s two best tokens there with their logprobs."""
+    import anyio
+
+    from asyncengine import SamplingParams
+
+    first = {i: next(p for p, (a, b) in enumerate(zip(g, w, strict=True)) if a != b)
+             for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w}
+    top2: dict[int, dict[int, float]] = {}
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=2)
+
+    async def one(i: int) -> None:
+        ids, name = jobs[i]
+        async for out in engine.generate(ids + want[i][:first[i]], params, lora_name=name):
+            if out.finished:
+                top2[i] = {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+
+    async def main() -> None:
+        async with engine:
+            async with anyio.create_task_group() as tg:
+                for i in first:
+                    tg.start_soon(one, i)
+
+    anyio.run(main)
+    return {i: (first[i], top2[i]) for i in first}
+
+
 def _free(engine) -> None:
     del engine
     gc.collect()
@@ -136,6 +172,10 @@ def test_bfloat16_engine_runs_the_segment_gemm(lora_families, monkeypatch):
     dense = engine_for(paths, max_loras=3, device="cuda", dtype="bfloat16")
     assert dense.runner.lora.tables.gemm is None
     want = run_mixed(dense, jobs)
+    parted = first_divergences(dense, jobs, got, want)
     _free(dense)
-    agree = sum(g == w for g, w in zip(got, want, strict=True)) / len(jobs)
-    assert agree >= BF16_AGREE, agree
+    for i, (pos, top2) in parted.items():
+        assert set(top2) == {got[i][pos], want[i][pos]}, (i, pos, top2)
+        gap = abs(top2[got[i][pos]] - top2[want[i][pos]])
+        assert gap <= NEAR_TIE, f"job {i} parts at token {pos} with a gap of {gap:.3f} nats"
+    assert len(parted) < len(jobs)  # most sequences agree whole

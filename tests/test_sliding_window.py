@@ -87,3 +87,27 @@ def test_release_is_per_step_work_and_free_after(monkeypatch):
     kv.free(req)
     assert len(freed) == len(set(freed)) == 15  # every block once
     assert kv.num_free_blocks == kv.num_total_blocks
+
+
+@pytest.mark.parametrize("blocks, preempted", [(12, False), (6, True)])
+def test_the_gpu_tests_settings_on_an_all_window_model(mistral_sw, blocks, preempted):
+    """tests/test_gpu.py's stress settings (prompts, chunk, pool) on a model windowed in every
+    layer, with the counts the first GPU run found: in 12 blocks nothing is preempted (each
+    request holds only its window's blocks) and, in any pool, nothing hits the prefix cache
+    (its chain from block 0 is reused once released); in 6 blocks requests are preempted and
+    the tokens stay transformers'."""
+    from asyncengine import LLM
+    from tests.test_gpu import PROMPTS, STRESS
+
+    llm = LLM(mistral_sw, dtype="float32", num_gpu_blocks_override=blocks, **STRESS)
+    hf = hf_reference_model(mistral_sw)
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for _ in range(2):
+        outs = llm.generate(prompts, greedy)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 32)[0]
+                                                          for p in prompts]
+    stats = llm.engine.stats()
+    assert (stats.num_preemptions > 0) == preempted
+    assert stats.prefix_cache_queries > 0 and stats.prefix_cache_hits == 0
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
