@@ -21,7 +21,7 @@ same run on the same device:
 
 Usage: python benchmarks/gpu.py [--only decode,idle,throughput] [--shapes 1b,8b]
     [--tokens 128] [--batch 256] [--concurrency 1,32,256] [--json FILE] [--profiler]
-    [--dry-run]
+    [--host-profile] [--dry-run]
 
 The tokenizer (only used to detokenize; ids past its vocabulary decode to nothing) is
 ``--tokenizer``, else ``$ASYNCENGINE_TEST_TOKENIZER_DIR`` (``make gpu-wheelhouse`` carries
@@ -241,6 +241,44 @@ class StepMarks:
         return spans, gaps
 
 
+class HostProfile:
+    """``--host-profile``: cProfile over the timed steps, on the loop's thread (where
+    ``prepare``, ``enqueue`` and emission run; the waiter and launcher threads are not
+    profiled), printed as the functions with the most time of their own, per step."""
+
+    def __init__(self, on: bool) -> None:
+        import cProfile
+
+        self.profile = cProfile.Profile() if on else None
+
+    def __enter__(self) -> HostProfile:
+        if self.profile is not None:
+            self.profile.enable()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.profile is not None:
+            self.profile.disable()
+
+    def report(self, steps: int, top: int = 25) -> list[str]:
+        """The ``top`` functions by own time: ms per step (own, cumulative), calls per step."""
+        import pstats
+
+        if self.profile is None:
+            return []
+        stats = pstats.Stats(self.profile).stats  # (file, line, name) -> (cc, nc, tt, ct, _)
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+        total = sum(v[2] for v in stats.values())
+        lines = [f"  host profile (loop thread, {steps} steps; profiled, so slower): "
+                 f"{1e3 * total / steps:.3f} ms per step in all; own ms, cumulative ms and "
+                 "calls per step:"]
+        for (file, line, name), (_, calls, own, cum, _) in rows:
+            where = f"{os.path.basename(file)}:{line}" if line else file
+            lines.append(f"    {1e3 * own / steps:8.3f} {1e3 * cum / steps:8.3f} "
+                         f"{calls / steps:7.1f}  {name} ({where})")
+        return lines
+
+
 def idle_percent(spans: list[float], gaps: list[float]) -> float:
     return 100 * sum(gaps) / max(sum(gaps) + sum(spans), 1e-9)
 
@@ -258,17 +296,22 @@ def batch1_decode(args: argparse.Namespace, key: str, bandwidth: float) -> dict[
     name, shape, target = SHAPES[key]
     engine = make_engine(args, model_dir(shape, name), max_num_seqs=1)
     timer = marks = None
+    profile = HostProfile(args.host_profile)
 
     async def main():
         nonlocal timer, marks
         async with engine:
             await decode_times(engine, 1, 32)  # warm-up
             timer, marks = HostTimer(engine.runner), StepMarks(engine.runner)
-            return (await decode_times(engine, 1, args.tokens))[0]
+            times = (await decode_times(engine, 1, args.tokens))[0]
+            timer.restore()
+            marks.restore()
+            if args.host_profile:  # a pass of its own: the timed figures stay unprofiled
+                with profile:
+                    await decode_times(engine, 1, args.tokens)
+            return times
 
     times = anyio.run(main)
-    timer.restore()
-    marks.restore()
     skip = 16  # the prefill and the first steps
     per_token = (times[-1] - times[skip]) / (len(times) - 1 - skip)
     context = PROMPT_LEN + (skip + len(times)) / 2  # the mean context of the timed steps
@@ -291,6 +334,7 @@ def batch1_decode(args: argparse.Namespace, key: str, bandwidth: float) -> dict[
     print(f"  host per step: prepare {prep * 1e3:.3f} ms + enqueue (plan, copies, replay "
           f"launch) {enq * 1e3:.3f} ms = {host * 1e3:.3f} ms: the host's work per step "
           f"{host_verdict(idle)} batch-1 decode")
+    print("\n".join(profile.report(args.tokens)))
     engine.shutdown()
     return {"shape": name, "ms_per_token": per_token * 1e3, "bound_ms": bound * 1e3,
             "fraction_of_bound": bound / per_token, "target": target,
@@ -304,6 +348,7 @@ def idle_at_batch(engine, args: argparse.Namespace) -> tuple[float, str]:
 
     runner = engine.runner
     marks = StepMarks(runner)
+    host = HostProfile(args.host_profile)
     profiler = None
     if args.profiler:
         from torch.profiler import ProfilerActivity, profile
@@ -319,9 +364,12 @@ def idle_at_batch(engine, args: argparse.Namespace) -> tuple[float, str]:
             await decode_times(engine, args.batch, args.tokens)
             if profiler is not None:
                 profiler.__exit__(None, None, None)
+            marks.restore()
+            if args.host_profile:  # a pass of its own: the timed figures stay unprofiled
+                with host:
+                    await decode_times(engine, args.batch, args.tokens)
 
     anyio.run(main)
-    marks.restore()
     spans, gaps = marks.spans_and_gaps(args.batch)  # consecutive full-batch decode steps
     idle = idle_percent(spans, gaps)
     mechanism = engine.device.awaiter.name
@@ -333,6 +381,7 @@ def idle_at_batch(engine, args: argparse.Namespace) -> tuple[float, str]:
         busy, window = _busy_ms(profiler)
         print(f"  kernel timeline (gaps inside steps included): GPU busy {busy:.1f} of "
               f"{window:.1f} ms, idle {100 * (1 - busy / window):.2f}%")
+    print("\n".join(host.report(args.tokens)))
     waits = getattr(runner.attn_backend, "plan_waits", 0)
     print(f"  launches: {engine.device.num_loop_launches} from the loop, "
           f"{engine.device.num_thread_launches} from the launcher thread; plan waits {waits}")
@@ -464,6 +513,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--profiler", action="store_true",
                         help="also measure idle time from torch.profiler's kernel timeline")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="after each timed run, a profiled one (cProfile, the loop's "
+                        "thread): its costliest functions per step")
     parser.add_argument("--json", default=None, help="write the figures to this file")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the plan and the models' bytes; measure nothing")

@@ -284,3 +284,20 @@ def test_step_marks_measure_the_gpu_s_idle_between_steps(monkeypatch):
     assert bench.idle_percent(spans, gaps) == pytest.approx(60.0)
     assert bench.host_verdict(60.0) == "BOUNDS"
     assert bench.host_verdict(3.0) == "does not bound"
+
+
+def test_host_profile_reports_the_loop_s_costliest_functions_per_step():
+    def plan_step():  # stands in for the loop's work of one step
+        return sum(i * i for i in range(2000))
+
+    assert bench.parse_args(["--host-profile"]).host_profile
+    assert bench.HostProfile(False).report(10) == []  # off: nothing, and no profiling
+    profile = bench.HostProfile(True)
+    with profile:
+        for _ in range(10):
+            plan_step()
+    lines = profile.report(10, top=5)
+    assert "10 steps" in lines[0] and len(lines) == 6
+    row = next(line for line in lines[1:] if "plan_step (test_gpu_tools.py:" in line)
+    own, cumulative, calls = row.split()[:3]
+    assert float(calls) == 1.0 and float(cumulative) >= float(own) >= 0
