@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 DISTRIBUTIONS := $(wildcard schedulers/*/pyproject.toml plugins/*/pyproject.toml)
 DISTRIBUTIONS := $(DISTRIBUTIONS:/pyproject.toml=)
 
-.PHONY: install serve test lint bench clean gpu-wheelhouse gpu-check
+.PHONY: install serve test lint bench clean gpu-wheelhouse gpu-check gpu-session
 
 # The venv sees the system's site-packages, so an already-installed torch (a CUDA build on a
 # GPU machine, say) is kept. Otherwise the pinned CPU torch goes in first: a bare `torch`
@@ -57,3 +57,8 @@ gpu-wheelhouse: install
 
 gpu-check:
 	$(GPU_PYTHON) scripts/gpu_check.py --report $(GPU_REPORT) --steps $(GPU_STEPS) $(GPU_ARGS)
+
+# All of gpu-check in one device command of ~9 minutes (a 15-minute lease): prewarms side by
+# side with the tests, the benchmark alone, one deadline; report.md and gpu-run.tgz.
+gpu-session:
+	$(GPU_PYTHON) scripts/gpu_session.py --report $(GPU_REPORT) $(GPU_ARGS)

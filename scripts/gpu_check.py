@@ -108,13 +108,15 @@ def run(step: Step, report: Path, env: dict[str, str]) -> None:
 
 def summary_lines(step: Step) -> list[str]:
     """What the report keeps of a step: pytest's skips, failures and summary; all of the
-    benchmark; the last lines otherwise."""
-    if step.name == "test":
+    benchmark; the last lines otherwise. (``make gpu-session`` names its steps
+    ``test:first``, ``prewarm:sampling``, ...: the part before the colon is the kind.)"""
+    kind = step.name.split(":")[0]
+    if kind == "test":
         keep = [line for line in step.tail if re.match(
             r"(SKIPPED|FAILED|ERROR|XFAIL|\d+ (passed|failed)|=+ .*(passed|failed|error))",
             line)]
         return keep or step.tail[-10:]
-    if step.name == "bench":
+    if kind == "bench":
         return step.tail
     return step.tail[-8:]
 

@@ -250,6 +250,15 @@ def test_prewarm_command_compiles_each_spec_then_sampling():
     assert [c[0] for c in sampling.calls] == ["plain", "top_p", "top_k", "top_k_top_p"]
     with pytest.raises(ValueError, match="--specs"):
         prewarm.parse_specs("64+fast")
+    # One part each, for processes side by side (make gpu-session).
+    sampling.calls.clear()
+    assert list(prewarm.prewarm_specs(specs, dtype=torch.float32, device="cpu", module=fi,
+                                      sampling_module=sampling, parts=["sampling"],
+                                      log=lines.append)) == ["sampling"]
+    assert len(sampling.calls) == 4
+    assert list(prewarm.prewarm_specs(specs[:1], dtype=torch.float32, device="cpu", module=fi,
+                                      sampling_module=sampling, parts=["attention"],
+                                      log=lines.append)) == ["head_dim 64"]
 
 
 def test_prewarm_command_dry_run_and_without_a_gpu(capsys):
@@ -259,6 +268,11 @@ def test_prewarm_command_dry_run_and_without_a_gpu(capsys):
     out = capsys.readouterr().out
     assert out.count("would compile: attention") == len(prewarm.DEFAULT_SPECS)
     assert "sampling" in out
+    assert prewarm.main(["--dry-run", "--parts", "lora"]) == 0
+    assert capsys.readouterr().out == "would compile: LoRA segment GEMM (bfloat16)\n"
+    with pytest.raises(SystemExit) as e:
+        prewarm.main(["--parts", "attention,kv"])
+    assert e.value.code == 2 and "--parts: kv" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         prewarm.main(["--specs", "64+bogus"])
     assert e.value.code == 2 and "--specs" in capsys.readouterr().err

@@ -29,6 +29,7 @@ def load(relative: str):
 
 wheelhouse = load("scripts/gpu_wheelhouse.py")
 gpu_check = load("scripts/gpu_check.py")
+gpu_session = load("scripts/gpu_session.py")
 bench = load("benchmarks/gpu.py")
 
 
@@ -163,6 +164,54 @@ def test_gpu_check_runs_each_step_and_writes_the_report(tmp_path, capsys):
     assert "SKIPPED [1] tests/test_gpu.py:90: the embedded model" in text
     assert "2 passed, 1 skipped" in text and "[decode] 1.0 ms/token" in text
     assert (report / "pytest.log").read_text().startswith("$ ")
+
+
+def test_gpu_session_runs_its_phases_side_by_side_within_the_deadline(tmp_path, capsys,
+                                                                     monkeypatch):
+    """make gpu-session with a stand-in interpreter: phase 2's six steps (five prewarms and
+    the first tests) overlap, every step's log lands in one tarball beside report.md, and a
+    phase that would start past the deadline does not run."""
+    import tarfile
+    import time
+
+    (tmp_path / "wh").mkdir()
+    (tmp_path / "wh" / "a-1.0-py3-none-any.whl").write_bytes(b"")
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n"
+                    "case \"$*\" in\n"
+                    "  *torch.cuda*) echo 'NVIDIA H100 80GB HBM3';;\n"
+                    "  *executor.prewarm*) sleep ${SLEEP:-1}; echo 'prewarm: sampling: 1.0 s';;\n"
+                    "  *-m\\ pytest*) sleep ${SLEEP:-1}; echo '3 passed in 1.00s';;\n"
+                    "  *benchmarks/gpu.py*) echo '[decode] 1.9 ms/token';;\n"
+                    "esac\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    common = ["--python", str(fake), "--wheelhouse", str(tmp_path / "wh")]
+    report = tmp_path / "report"
+    start = time.monotonic()
+    assert gpu_session.main([*common, "--report", str(report), "--work",
+                             str(tmp_path / "work"), "--deadline", "60"]) == 0
+    assert time.monotonic() - start < 5  # phase 2 side by side: 1 s, not 6
+    assert sorted(p.name for p in report.iterdir()) == ["gpu-run.tgz", "report.md"]
+    text = (report / "report.md").read_text()
+    for name in ("install", "prewarm:attention-256", "prewarm:lora", "test:first",
+                 "test:rest", "bench"):
+        assert f"| {name} | 0 |" in text
+    assert "3 passed in 1.00s" in text and "[decode] 1.9 ms/token" in text
+    with tarfile.open(report / "gpu-run.tgz") as tar:
+        names = tar.getnames()
+    assert {"install.log", "prewarm-sampling.log", "pytest-first.log", "pytest-rest.log",
+            "bench.log"} <= set(names)
+    capsys.readouterr()
+    # Phase 2 takes 4 s and leaves less than the 5 s a phase needs: 3 and 4 never start.
+    monkeypatch.setattr(gpu_session, "MIN_LEFT", 5)
+    monkeypatch.setenv("SLEEP", "4")
+    late = tmp_path / "late"
+    assert gpu_session.main([*common, "--report", str(late), "--work", str(tmp_path / "w2"),
+                             "--deadline", "8"]) == 1
+    text = (late / "report.md").read_text()
+    assert "| test:first | 0 |" in text and "test:rest" not in text and "| bench |" not in text
+    with pytest.raises(SystemExit):
+        gpu_session.main(["--wheelhouse", str(tmp_path / "none"), "--dry-run"])
 
 
 # -- benchmarks/gpu.py ----------------------------------------------------------------------------

@@ -62,18 +62,24 @@ DEFAULT_SPECS = (
 )
 
 
+#: What a prewarm compiles, in this order (``--parts``: separate processes can compile
+#: separate parts side by side; one module's nvcc jobs use only a few cores).
+PARTS = ("attention", "sampling", "lora")
+
+
 def prewarm_specs(specs: tuple[KernelSpec, ...] | list[KernelSpec], *, dtype: torch.dtype,
                   device: str = "cuda", graphs: bool = True, vocab_size: int = 49152,
                   module: Any = None, sampling_module: Any = None,
+                  parts: tuple[str, ...] | list[str] = PARTS,
                   log: Any = print) -> dict[str, float]:
     """Compile and load every spec's prefill and decode kernels, then the sampling kernels,
-    then LoRA's segment GEMM; the seconds each took, by name. Raises what FlashInfer's JIT
-    raises."""
+    then LoRA's segment GEMM (those of ``parts``); the seconds each took, by name. Raises
+    what FlashInfer's JIT raises."""
     from asyncengine.executor.attention.flashinfer import FlashInferBackend
     from asyncengine.executor.sampler import flashinfer_sampling
 
     took: dict[str, float] = {}
-    for spec in specs:
+    for spec in specs if "attention" in parts else ():
         heads, kv_heads = spec.heads
         backend = FlashInferBackend(heads, kv_heads, spec.head_dim, 16, dtype, device,
                                     max_pages_per_seq=2, module=module,
@@ -81,10 +87,13 @@ def prewarm_specs(specs: tuple[KernelSpec, ...] | list[KernelSpec], *, dtype: to
         backend.configure_layers([spec.options])
         took[str(spec)] = backend.prewarm(graphs=graphs)
         log(f"prewarm: attention {spec} ({dtype}): {took[str(spec)]:.1f} s")
-    start = time.perf_counter()
-    flashinfer_sampling.prewarm(device, vocab_size, module=sampling_module)
-    took["sampling"] = time.perf_counter() - start
-    log(f"prewarm: sampling: {took['sampling']:.1f} s")
+    if "sampling" in parts:
+        start = time.perf_counter()
+        flashinfer_sampling.prewarm(device, vocab_size, module=sampling_module)
+        took["sampling"] = time.perf_counter() - start
+        log(f"prewarm: sampling: {took['sampling']:.1f} s")
+    if "lora" not in parts:
+        return took
     from asyncengine.executor.lora import segment
 
     start = time.perf_counter()
@@ -106,12 +115,23 @@ def parse_specs(text: str) -> list[KernelSpec]:
     return specs
 
 
+def parse_parts(text: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        raise argparse.ArgumentTypeError(f"--parts: {', '.join(bad) or 'nothing'} not in "
+                                         f"{', '.join(PARTS)}")
+    return parts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m asyncengine.executor.prewarm",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--specs", type=parse_specs, default=list(DEFAULT_SPECS),
                         help="HEAD_DIM[+tc][+window][+softcap],... (default: the GPU tests' "
                              "and benchmarks' kernels)")
+    parser.add_argument("--parts", type=parse_parts, default=list(PARTS),
+                        help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--no-graphs", action="store_true",
                         help="skip the CUDA-graph-mode decode wrappers")
@@ -122,10 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     if args.dry_run:
-        for spec in args.specs:
+        for spec in args.specs if "attention" in args.parts else ():
             print(f"would compile: attention {spec} ({args.dtype})")
-        print("would compile: sampling")
-        print(f"would compile: LoRA segment GEMM ({args.dtype})")
+        if "sampling" in args.parts:
+            print("would compile: sampling")
+        if "lora" in args.parts:
+            print(f"would compile: LoRA segment GEMM ({args.dtype})")
         return 0
     if not torch.cuda.is_available():
         print("prewarm needs a CUDA GPU (FlashInfer compiles for the device it runs on)",
@@ -138,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prewarm: the flashinfer package is unusable: {error}", file=sys.stderr)
         return 1
     took = prewarm_specs(args.specs, dtype=getattr(torch, args.dtype),
-                         graphs=not args.no_graphs)
+                         graphs=not args.no_graphs, parts=args.parts)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(took, f, indent=1)
