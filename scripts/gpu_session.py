@@ -13,7 +13,7 @@ deadline:
 1. install;
 2. prewarm, one process per part, beside the tests that need no attention kernel (float32,
    events, seeded sampling; these wait on the lock of the sampling kernels):
-   - attention at head dims 64 and 128;
+   - attention at head dims 64 and 128 (and 128's tensor-core decode);
    - 64 with a window;
    - Gemma 2's two variants at 256;
    - sampling;
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check  # noqa: E402
 
 FIRST_TESTS = "float32 or events or seeded"
-PREWARMS = {"attention-64-128": ["--parts", "attention", "--specs", "64,128"],
+PREWARMS = {"attention-64-128": ["--parts", "attention", "--specs", "64,128,128+tc"],
             "attention-64-window": ["--parts", "attention", "--specs", "64+window"],
             "attention-256": ["--parts", "attention", "--specs", "256+window+softcap,256+softcap"],
             "sampling": ["--parts", "sampling"],

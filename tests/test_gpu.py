@@ -78,6 +78,11 @@ GPU_MODELS = {
                                  intermediate_size=512)),
     "qwen3-hd128": ("qwen3", dict(hidden_size=256, num_attention_heads=4,
                                   num_key_value_heads=2, head_dim=128, intermediate_size=512)),
+    # A GQA group of 8 (Llama-3-70B's; Qwen2.5-7B's is 7): FlashInfer's tensor-core decode,
+    # chosen for groups above 4, which no other model here reaches.
+    "llama-gqa8-hd128": ("llama", dict(hidden_size=256, num_attention_heads=8,
+                                       num_key_value_heads=1, head_dim=128,
+                                       intermediate_size=512)),
     "gemma2": ("gemma2", dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
                               intermediate_size=512)),  # head_dim 256, soft caps, window 8
     "mistral_sw-hd64": ("mistral_sw", dict(hidden_size=256, num_attention_heads=4,

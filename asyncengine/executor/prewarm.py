@@ -57,6 +57,7 @@ DEFAULT_SPECS = (
     KernelSpec(64),  # llama-hd64, qwen2-hd64, the embedded SmolLM2, Llama-3.2-1B's shape
     KernelSpec(64, window=True),  # windowed Mistral / Qwen2
     KernelSpec(128),  # llama-hd128, qwen3-hd128, Llama-3.1-8B's shape
+    KernelSpec(128, tensor_cores=True),  # llama-gqa8-hd128 (a GQA group above 4)
     KernelSpec(256, window=True, soft_cap=True),  # Gemma 2's local layers
     KernelSpec(256, soft_cap=True),  # Gemma 2's global layers
 )
