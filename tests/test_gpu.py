@@ -92,10 +92,10 @@ GPU_MODELS = {
                                        num_key_value_heads=2, intermediate_size=512)),
 }
 #: Every layer windowed: a request's blocks before its window are released as it goes, so 12
-#: blocks never run short (no preemption) and the prefix chain from block 0 is broken once
-#: they are reused (no prefix hits: a hit needs the whole chain here, where vLLM's
-#: sliding-window manager needs only the window's blocks). The first GPU run found both; the
-#: CPU gives the same counts. These run in 6 blocks (12 preemptions) and assert no hits.
+#: blocks never run short (no preemption); and these prompts have at most one full block
+#: before their last token, which the window of a hit needs and which is released and reused
+#: before the second pass (no prefix hits). The first GPU run found both; the CPU gives the
+#: same counts (tests/test_sliding_window.py). These run in 6 blocks (12 preemptions).
 ALL_WINDOW = {"mistral_sw-hd64"}
 FP32_MODELS = ["embedded", "llama-hd64", "llama-hd128", "qwen3-hd128", "gemma2"]
 BF16_MODELS = ["embedded", *GPU_MODELS]

@@ -20,6 +20,14 @@ computation moves on (in ``cache_full_blocks``, after indexing them: they stay p
 hits until reused): a request then holds about ``(window + chunk) / block_size + 2`` blocks
 whatever its length. Its block table keeps their ids, so positions still map to table rows;
 attention never reads them again (the window masks them). Per step this is O(blocks released).
+
+A prefix hit there needs only the blocks the window of the first uncomputed token reaches,
+as in vLLM's sliding-window manager: the leading blocks of a request that ran before were
+released and may have been reused, so the chain from block 0 is often broken. The blocks of
+the hit before the window are placeholders: ``Block`` objects outside the pool, each with the
+id of the hit's first real block. That id is a row the window masks, and it is never written
+(its positions are computed), touched or freed: the placeholders count as released. The cache
+is zero-filled, so a masked read of any block is finite.
 """
 
 from __future__ import annotations
@@ -83,6 +91,9 @@ class KVCacheManager:
             return [], 0
         hashes = update_block_hashes(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.sliding_window is not None:
+            blocks = self._windowed_hit(hashes[:max_blocks])
+            return blocks, len(blocks) * self.block_size
         blocks: list[Block] = []
         for block_hash in hashes[:max_blocks]:
             block = self.pool.get_cached_block(block_hash)
@@ -90,6 +101,34 @@ class KVCacheManager:
                 break
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
+
+    def _windowed_hit(self, hashes: list[bytes]) -> list[Block]:
+        """The longest hit of ``L`` blocks whose blocks ``[first, L)`` are cached, ``first``
+        being the block of the oldest key the window of position ``L * block_size`` sees;
+        placeholders before ``first``. O(len(hashes)), once per admission."""
+        bs, window = self.block_size, self.sliding_window
+        cached = [self.pool.get_cached_block(h) for h in hashes]
+        runs, run = [], 0  # runs[i]: cached blocks in a row ending at block i
+        for block in cached:
+            run = run + 1 if block is not None else 0
+            runs.append(run)
+        for end in range(len(cached), 0, -1):
+            # The query at position end * bs sees keys > end * bs - window.
+            first = max(0, (end * bs - window + 1) // bs)
+            if runs[end - 1] >= end - first:
+                stand_in = cached[first].block_id
+                return [Block(stand_in) for _ in range(first)] + cached[first:end]
+        return []
+
+    def _num_placeholders(self, blocks: list[Block]) -> int:
+        """How many leading entries of a windowed hit are placeholders (not pool blocks)."""
+        pool_blocks = self.pool.blocks
+        n = 0
+        for block in blocks:
+            if pool_blocks[block.block_id] is block:
+                break
+            n += 1
+        return n
 
     def has_room(self, request_id: str, num_tokens: int) -> bool:
         """Whether the request's blocks already hold ``num_tokens`` tokens (the common decode
@@ -114,8 +153,10 @@ class KVCacheManager:
         if num_new_blocks <= 0 and blocks is not None:
             return True  # the common decode step: the last block has room
         num_new_blocks = max(num_new_blocks, 0)
+        skip = self._num_placeholders(computed) if self.sliding_window is not None else 0
+        real = computed[skip:] if skip else computed
         # Hit blocks nobody holds sit in the free list: taking them shrinks it too.
-        num_evictable = sum(1 for b in computed if b.ref_cnt == 0)
+        num_evictable = sum(1 for b in real if b.ref_cnt == 0)
         if num_new_blocks + num_evictable > self.pool.num_free_blocks:
             return False
 
@@ -123,10 +164,12 @@ class KVCacheManager:
             blocks = self._blocks[rid] = []
             self._block_ids[rid] = []
             self._num_cached_blocks[rid] = len(computed)
+            if skip:  # placeholders: released from the start, never freed
+                self._num_released[rid] = skip
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += len(computed) * self.block_size
-        self.pool.touch(computed)  # before allocate(), which could evict them
+        self.pool.touch(real)  # before allocate(), which could evict them
         new = computed + self.pool.allocate(num_new_blocks)
         blocks.extend(new)
         self._block_ids[rid].extend(b.block_id for b in new)
