@@ -378,3 +378,46 @@ def test_on_the_cpu_the_loop_thread_does_not_preempt_the_compute_on_wakeup(engin
     assert before == os.SCHED_OTHER
     assert policies["loop"] == os.SCHED_BATCH and policies["worker"] == os.SCHED_OTHER
     assert os.sched_getscheduler(0) == before
+
+
+def test_offline_llm_builds_one_output_per_request(tiny_llama, monkeypatch):
+    """LLM.generate asks for final outputs only (vLLM's FINAL_ONLY): each request's consumer is
+    woken and given an output once, at its end, not after every step; the outputs are the
+    ones iterating the streams gives (n > 1, logprobs, stop strings and penalties too)."""
+    from asyncengine.engine.streams import RequestStream
+
+    prompts = [f"offline {i} " * (i + 1) for i in range(6)]
+    params = [mixed_params(i) for i in range(6)]
+    config = {"dtype": "float32", "max_num_seqs": 8, "block_size": 8, "max_model_len": 256}
+    engine = AsyncEngine(EngineConfig.from_dict({"model": tiny_llama, **config}))
+
+    async def iterate() -> list:
+        async with engine:
+            streams = [await engine.add_request(p, sp)
+                       for p, sp in zip(prompts, params, strict=True)]
+            finals = []
+            for stream in streams:
+                async for out in stream:
+                    last = out
+                finals.append(last)
+            return finals
+
+    iterated = anyio.run(iterate)
+    takes: list[str] = []
+    real_take = RequestStream._take
+    monkeypatch.setattr(RequestStream, "_take",
+                        lambda self: takes.append(self.request_id) or real_take(self))
+    llm = LLM(tiny_llama, **config)
+    outs = llm.generate(prompts, params)
+    assert len(takes) == len(set(takes)) == len(prompts)  # one output built per request
+    assert all(o.finished for o in outs)
+    for sp, got, want in zip(params, outs, iterated, strict=True):
+        exact = sp.temperature == 0 or sp.seed is not None  # the same tokens in any batch
+        fields = (("token_ids", "text", "finish_reason") if exact
+                  else ("finish_reason",))
+        for name in fields:
+            assert [getattr(c, name) for c in got.outputs] == \
+                [getattr(c, name) for c in want.outputs], name
+        assert [len(c.token_ids) for c in got.outputs] == [len(c.token_ids)
+                                                          for c in want.outputs]
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks

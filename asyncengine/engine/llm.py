@@ -69,8 +69,7 @@ class LLM:
                        for p, sp, pr in zip(prompts, params, prios, strict=True)]
 
             async def collect(i: int) -> None:
-                async for out in streams[i]:
-                    results[i] = out
+                results[i] = await streams[i].final()  # woken once, at the end
 
             async with anyio.create_task_group() as tg:
                 for i in range(len(streams)):

@@ -68,6 +68,8 @@ class RequestStream:
         # is parked in __anext__ (the only moment pushing cannot interleave with its writes).
         self._push: Callable[[RequestStream], bool] | None = None
         self._waiting = False
+        # Set by final(): the consumer wants the final output only (wake it at the end).
+        self._final_only = False
         self._first = samples[0].request
         # Whether take_text() may stand in for take() (see there).
         self._plain = deltas_only and len(samples) == 1 and not samples[0].want_logprobs
@@ -77,6 +79,8 @@ class RequestStream:
     def notify(self) -> None:
         """New outputs are ready. In push mode, while the consumer is parked, deliver them
         now from the loop (one synchronous write, no task switch); else wake the consumer."""
+        if self._final_only and not self.finished:
+            return  # final(): nothing to wake the consumer for before the end
         push = self._push
         if push is not None and self._waiting and self._error is None:
             try:
@@ -153,6 +157,22 @@ class RequestStream:
             finally:
                 self._waiting = False
             self._event.clear()
+        return self._take()
+
+    async def final(self) -> RequestOutput:
+        """The final output alone (vLLM's ``RequestOutputKind.FINAL_ONLY``, what ``LLM``
+        uses): the consumer is woken once, when the request ends (or fails), not after every
+        step, and no output is built before the last one. Raises what ``__anext__`` raises."""
+        self._final_only = True
+        while self._error is None and not self.finished:
+            self._waiting = True
+            try:
+                await self._event.wait()
+            finally:
+                self._waiting = False
+            self._event.clear()
+        if self._error is not None:
+            raise self._error
         return self._take()
 
     def _take(self) -> RequestOutput:
