@@ -53,7 +53,18 @@ def load_tp_model(source: base.ModelSource, load_format: str, dtype: torch.dtype
         model.load_weights((name, shard_tensor(name, tensor_getter(t), plan))
                            for name, t in iter_gguf_tensors(source.gguf_path, config, None))
     else:
-        model.load_weights(_iter_sharded_safetensors(base.safetensors_files(source.path), plan))
+        from asyncengine.executor.models.checkpoint_quant import (
+            checkpoint_quantization,
+            dequantize_fp8,
+        )
+
+        files = base.safetensors_files(source.path)
+        fp8 = checkpoint_quantization(config, source.name)
+        if fp8 is None:
+            model.load_weights(_iter_sharded_safetensors(files, plan))
+        else:  # whole float8 matrices dequantized, then sharded
+            model.load_weights((name, shard_tensor(name, tensor_getter(t), plan)) for name, t
+                               in dequantize_fp8(base._iter_safetensors(files), fp8))
     return model.eval()
 
 
