@@ -1,7 +1,7 @@
 """FP8 checkpoints (compressed-tensors, fp8, fbgemm_fp8), as vLLM serves them: their float8
 matrices are dequantized at load, and the greedy tokens equal transformers' on the dequantized
 model. Before this, such a checkpoint loaded silently with its scales ignored (wrong tokens).
-Other quantization methods are refused, naming the method."""
+Other quantization methods are refused, naming the method (AWQ: tests/test_awq_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -129,7 +129,8 @@ def test_an_fp8_checkpoint_packs_with_int8(base, tmp_path):
 
 
 @pytest.mark.parametrize("qc, words", [
-    ({"quant_method": "awq", "bits": 4}, "'awq'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "'gemv'"),
     ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized",
       "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int",

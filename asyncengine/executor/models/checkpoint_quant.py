@@ -1,8 +1,12 @@
 """Quantized safetensors checkpoints: the ``quantization_config`` of a model's config.json.
 
-The FP8 checkpoints vLLM serves are read here. Their float8 (e4m3) matrices are dequantized
-once, as they are loaded, to the model's dtype; ``--quantization int8`` / ``int4`` can then pack
-them as they would any float weights. Three formats are read:
+The FP8 and AWQ checkpoints vLLM serves are read here. Their matrices are dequantized once, as
+they are loaded, to the model's dtype; ``--quantization int8`` / ``int4`` can then pack them as
+they would any float weights. AWQ (``quant_method: awq``, ``version: gemm``, 4 bits, zero
+points: AutoAWQ's format) stores ``qweight`` (int32, ``[in, out / 8]``, eight 4-bit values a
+word in AWQ's column order), ``qzeros`` (the same packing, a row per group of ``group_size``
+inputs) and ``scales`` (``[in / group_size, out]``); ``W = (q - zero) * scale``. Three FP8
+formats are read:
 
 * ``compressed-tensors`` with float 8-bit weights (``format: float-quantized``, the
   llm-compressor / RedHatAI FP8 models): ``W = weight * weight_scale``, where the scale is per
@@ -11,7 +15,7 @@ them as they would any float weights. Three formats are read:
   ``weight_block_size`` (128 x 128), ``W = weight * weight_scale_inv`` block by block;
 * ``fbgemm_fp8``: ``weight_scale`` per output channel.
 
-Activation scales (``input_scale``) and the checkpoint's KV-cache scales (``k_scale``,
+For FP8, activation scales (``input_scale``) and the checkpoint's KV-cache scales (``k_scale``,
 ``v_scale``) are dropped, each family logged once: activations stay in the model's dtype, and
 the KV cache is unscaled (``--kv-cache-dtype``). So the tokens are those of the dequantized
 model (transformers on it gives the same), not those of FP8 matmuls. Any other
@@ -31,6 +35,10 @@ import torch
 logger = logging.getLogger("asyncengine")
 
 FP8_METHODS = ("compressed-tensors", "fp8", "fbgemm_fp8")
+METHODS = (*FP8_METHODS, "awq")
+#: Where AWQ's packing puts output column k of a group of eight: nibble AWQ_REVERSE_ORDER[k].
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+_AWQ_PARTS = ("qweight", "qzeros", "scales")
 _DROPPED = ("input_scale", "input_scale_ub", "k_scale", "v_scale", "kv_scale")
 
 
@@ -45,20 +53,35 @@ class FP8Scheme:
         return "weight_scale_inv" if self.method == "fp8" else "weight_scale"
 
 
-def checkpoint_quantization(config: Any, name: str) -> FP8Scheme | None:
-    """The FP8 scheme of ``config``'s ``quantization_config``, None without one. ValueError
-    for what asyncengine cannot read."""
+@dataclass(frozen=True)
+class AWQScheme:
+    group_size: int
+    method: str = "awq"
+
+
+def checkpoint_quantization(config: Any, name: str) -> FP8Scheme | AWQScheme | None:
+    """The scheme of ``config``'s ``quantization_config``, None without one. ValueError for
+    what asyncengine cannot read."""
     qc = getattr(config, "quantization_config", None)
     if qc is None:
         return None
     if not isinstance(qc, dict):
         qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
     method = str(qc.get("quant_method", "")).lower()
-    supported = (f"supported: FP8 checkpoints ({', '.join(FP8_METHODS)}), GGUF files, and "
-                 "--quantization int8/int4 on float weights")
-    if method not in FP8_METHODS:
+    supported = (f"supported: FP8 checkpoints ({', '.join(FP8_METHODS)}), AWQ (4-bit GEMM), "
+                 "GGUF files, and --quantization int8/int4 on float weights")
+    if method not in METHODS:
         raise ValueError(f"model {name!r}: its quantization_config has quant_method "
                          f"{method or '(none)'!r}, which asyncengine cannot load ({supported})")
+    if method == "awq":
+        bits, version = qc.get("bits", qc.get("w_bit")), str(qc.get("version", "gemm")).lower()
+        group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+        if bits != 4 or version != "gemm" or not qc.get("zero_point", True) or group < 1:
+            raise ValueError(f"model {name!r}: an AWQ checkpoint of {bits} bits, version "
+                             f"{version!r}, zero_point {qc.get('zero_point', True)}, group "
+                             f"{group}; asyncengine reads 4-bit GEMM checkpoints with zero "
+                             f"points ({supported})")
+        return AWQScheme(group)
     if method == "fp8":
         block = qc.get("weight_block_size")
         if block is None or len(block) != 2:
@@ -94,6 +117,59 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor,
                          f"{(rows, cols)} in blocks of {block}: expected {expected}")
     full = s.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return w * full
+
+
+def dequantize_checkpoint(weights: Iterator[tuple[str, torch.Tensor]],
+                          scheme: FP8Scheme | AWQScheme) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with its quantized matrices dequantized (float32)."""
+    if isinstance(scheme, AWQScheme):
+        return dequantize_awq(weights, scheme.group_size)
+    return dequantize_fp8(weights, scheme)
+
+
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ's int32 words ``[rows, cols]`` -> the 4-bit values ``[rows, 8 * cols]``, in column
+    order."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [rows, cols, 8]: nibble i at i
+    return nibbles[..., list(AWQ_REVERSE_ORDER)].reshape(packed.shape[0], -1)
+
+
+def dequantize_awq_matrix(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                          group_size: int) -> torch.Tensor:
+    """One AWQ matrix as a float32 ``[out, in]`` weight (nn.Linear's layout)."""
+    q = unpack_awq(qweight).to(torch.float32)  # [in, out]
+    zeros = unpack_awq(qzeros).to(torch.float32)  # [in / group, out]
+    s = scales.to(torch.float32)
+    if zeros.shape != s.shape or q.shape[0] != s.shape[0] * group_size or \
+            q.shape[1] != s.shape[1]:
+        raise ValueError(f"an AWQ matrix of {tuple(q.shape)} values with zeros "
+                         f"{tuple(zeros.shape)} and scales {tuple(s.shape)} in groups of "
+                         f"{group_size}")
+    w = (q - zeros.repeat_interleave(group_size, 0)) * s.repeat_interleave(group_size, 0)
+    return w.t().contiguous()
+
+
+def dequantize_awq(weights: Iterator[tuple[str, torch.Tensor]],
+                   group_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every ``X.qweight`` / ``X.qzeros`` / ``X.scales`` triple (any order, any shard) as
+    ``X.weight``; the other tensors as they are."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix, _, kind = name.rpartition(".")
+        if kind not in _AWQ_PARTS:
+            yield name, tensor
+            continue
+        have = parts.setdefault(prefix, {})
+        have[kind] = tensor
+        if len(have) == len(_AWQ_PARTS):
+            del parts[prefix]
+            yield prefix + ".weight", dequantize_awq_matrix(
+                have["qweight"], have["qzeros"], have["scales"], group_size)
+    if parts:
+        prefix, have = next(iter(parts.items()))
+        missing = [k for k in _AWQ_PARTS if k not in have]
+        raise ValueError(f"AWQ checkpoint: {prefix!r} has no {', '.join(missing)}")
 
 
 def dequantize_fp8(weights: Iterator[tuple[str, torch.Tensor]],

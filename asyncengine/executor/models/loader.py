@@ -203,11 +203,11 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
             raise ValueError(f"model {source.name!r}: architecture {arch} is not supported "
                              f"(supported: {', '.join(sorted(BUILTIN_MODELS))})")
     fmt = _load_format(source, load_format)
-    fp8 = None
+    quantized = None
     if fmt == "safetensors":  # refused before anything is built
         from asyncengine.executor.models.checkpoint_quant import checkpoint_quantization
 
-        fp8 = checkpoint_quantization(config, source.name)
+        quantized = checkpoint_quantization(config, source.name)
     device = torch.device(device)
     with _default_dtype(dtype), device:
         model = model_cls(config)
@@ -231,12 +231,12 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
     else:
         files = safetensors_files(source.path)
         weights = _iter_safetensors(files)
-        if fp8 is not None:  # float8 matrices dequantized as they are read
-            from asyncengine.executor.models.checkpoint_quant import dequantize_fp8
+        if quantized is not None:  # FP8 / AWQ matrices dequantized as they are read
+            from asyncengine.executor.models.checkpoint_quant import dequantize_checkpoint
 
-            weights = dequantize_fp8(weights, fp8)
-            logger.info("FP8 checkpoint (%s): its matrices are dequantized to %s", fp8.method,
-                        dtype)
+            weights = dequantize_checkpoint(weights, quantized)
+            logger.info("quantized checkpoint (%s): its matrices are dequantized to %s",
+                        quantized.method, dtype)
         model.load_weights(_progress(weights, _count_tensors(files), source.name))
     if quantization not in ("none", "gguf"):
         from asyncengine.executor.models.quantization import quantize_model

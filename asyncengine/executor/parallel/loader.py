@@ -55,16 +55,16 @@ def load_tp_model(source: base.ModelSource, load_format: str, dtype: torch.dtype
     else:
         from asyncengine.executor.models.checkpoint_quant import (
             checkpoint_quantization,
-            dequantize_fp8,
+            dequantize_checkpoint,
         )
 
         files = base.safetensors_files(source.path)
-        fp8 = checkpoint_quantization(config, source.name)
-        if fp8 is None:
+        quantized = checkpoint_quantization(config, source.name)
+        if quantized is None:
             model.load_weights(_iter_sharded_safetensors(files, plan))
-        else:  # whole float8 matrices dequantized, then sharded
+        else:  # whole quantized matrices dequantized, then sharded
             model.load_weights((name, shard_tensor(name, tensor_getter(t), plan)) for name, t
-                               in dequantize_fp8(base._iter_safetensors(files), fp8))
+                               in dequantize_checkpoint(base._iter_safetensors(files), quantized))
     return model.eval()
 
 
