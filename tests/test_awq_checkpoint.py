@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.executor.models.checkpoint_quant import (
-    dequantize_awq,
+    AWQScheme,
     dequantize_awq_matrix,
+    dequantize_checkpoint,
     unpack_awq,
 )
 from tests.test_engine import hf_greedy
@@ -109,6 +110,7 @@ def test_awq_checkpoint_gives_transformers_tokens_on_the_dequantized_model(tmp_p
 def test_an_awq_matrix_missing_a_part_is_an_error():
     qw, qz, sc = quantize_awq(torch.randn(8, 64))
     with pytest.raises(ValueError, match="'x' has no qzeros"):
-        list(dequantize_awq(iter([("x.qweight", qw), ("x.scales", sc)]), GROUP))
+        list(dequantize_checkpoint(iter([("x.qweight", qw), ("x.scales", sc)]),
+                                   AWQScheme(GROUP)))
     with pytest.raises(ValueError, match="groups of 16"):
         dequantize_awq_matrix(qw, qz, sc, 16)

@@ -131,7 +131,7 @@ def test_an_fp8_checkpoint_packs_with_int8(base, tmp_path):
 @pytest.mark.parametrize("qc, words", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "'gemv'"),
-    ({"quant_method": "gptq", "bits": 4}, "'gptq'"),
+    ({"quant_method": "gptq", "bits": 3}, "3 bits"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized",
       "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int",
                                           "strategy": "group"}}}}, "'pack-quantized'"),

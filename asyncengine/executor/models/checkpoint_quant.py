@@ -5,8 +5,12 @@ they are loaded, to the model's dtype; ``--quantization int8`` / ``int4`` can th
 they would any float weights. AWQ (``quant_method: awq``, ``version: gemm``, 4 bits, zero
 points: AutoAWQ's format) stores ``qweight`` (int32, ``[in, out / 8]``, eight 4-bit values a
 word in AWQ's column order), ``qzeros`` (the same packing, a row per group of ``group_size``
-inputs) and ``scales`` (``[in / group_size, out]``); ``W = (q - zero) * scale``. Three FP8
-formats are read:
+inputs) and ``scales`` (``[in / group_size, out]``); ``W = (q - zero) * scale``. GPTQ
+(``quant_method: gptq``, 4 or 8 bits: AutoGPTQ / GPTQModel) packs ``qweight`` along the inputs
+(``[in / per_word, out]``, plain order) and ``qzeros`` along the outputs, stores ``zero - 1``
+unless ``checkpoint_format`` is ``gptq_v2``, and under act-order (``desc_act``) ``g_idx``
+gives each input row's group (without it, row ``k``'s group is ``k // group_size``);
+``W = (q - zero[g_idx]) * scale[g_idx]``. Three FP8 formats are read:
 
 * ``compressed-tensors`` with float 8-bit weights (``format: float-quantized``, the
   llm-compressor / RedHatAI FP8 models): ``W = weight * weight_scale``, where the scale is per
@@ -35,10 +39,10 @@ import torch
 logger = logging.getLogger("asyncengine")
 
 FP8_METHODS = ("compressed-tensors", "fp8", "fbgemm_fp8")
-METHODS = (*FP8_METHODS, "awq")
+METHODS = (*FP8_METHODS, "awq", "gptq")
 #: Where AWQ's packing puts output column k of a group of eight: nibble AWQ_REVERSE_ORDER[k].
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
-_AWQ_PARTS = ("qweight", "qzeros", "scales")
+_AWQ_PARTS = ("qweight", "qzeros", "scales")  # GPTQ's too, and g_idx under act-order
 _DROPPED = ("input_scale", "input_scale_ub", "k_scale", "v_scale", "kv_scale")
 
 
@@ -59,7 +63,17 @@ class AWQScheme:
     method: str = "awq"
 
 
-def checkpoint_quantization(config: Any, name: str) -> FP8Scheme | AWQScheme | None:
+@dataclass(frozen=True)
+class GPTQScheme:
+    bits: int
+    group_size: int  # -1: one group of all the inputs
+    zero_offset: int  # 1 for the original format (zeros stored minus one), 0 for gptq_v2
+    act_order: bool = False  # desc_act: g_idx maps each input row to its group
+    method: str = "gptq"
+
+
+def checkpoint_quantization(config: Any,
+                            name: str) -> FP8Scheme | AWQScheme | GPTQScheme | None:
     """The scheme of ``config``'s ``quantization_config``, None without one. ValueError for
     what asyncengine cannot read."""
     qc = getattr(config, "quantization_config", None)
@@ -69,10 +83,19 @@ def checkpoint_quantization(config: Any, name: str) -> FP8Scheme | AWQScheme | N
         qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
     method = str(qc.get("quant_method", "")).lower()
     supported = (f"supported: FP8 checkpoints ({', '.join(FP8_METHODS)}), AWQ (4-bit GEMM), "
-                 "GGUF files, and --quantization int8/int4 on float weights")
+                 "GPTQ (4 or 8 bits), GGUF files, and --quantization int8/int4 on float "
+                 "weights")
     if method not in METHODS:
         raise ValueError(f"model {name!r}: its quantization_config has quant_method "
                          f"{method or '(none)'!r}, which asyncengine cannot load ({supported})")
+    if method == "gptq":
+        bits, group = qc.get("bits"), int(qc.get("group_size", 128))
+        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+        if bits not in (4, 8) or fmt not in ("gptq", "gptq_v2") or group == 0 or group < -1:
+            raise ValueError(f"model {name!r}: a GPTQ checkpoint of {bits} bits, format "
+                             f"{fmt!r}, group {group}; asyncengine reads 4- and 8-bit gptq / "
+                             f"gptq_v2 checkpoints ({supported})")
+        return GPTQScheme(bits, group, 0 if fmt == "gptq_v2" else 1, bool(qc.get("desc_act")))
     if method == "awq":
         bits, version = qc.get("bits", qc.get("w_bit")), str(qc.get("version", "gemm")).lower()
         group = int(qc.get("group_size", qc.get("q_group_size", 128)))
@@ -120,18 +143,34 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor,
 
 
 def dequantize_checkpoint(weights: Iterator[tuple[str, torch.Tensor]],
-                          scheme: FP8Scheme | AWQScheme) -> Iterator[tuple[str, torch.Tensor]]:
+                          scheme: FP8Scheme | AWQScheme | GPTQScheme,
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with its quantized matrices dequantized (float32)."""
     if isinstance(scheme, AWQScheme):
-        return dequantize_awq(weights, scheme.group_size)
+        return _gather(weights, _AWQ_PARTS, (), "AWQ", lambda p: dequantize_awq_matrix(
+            p["qweight"], p["qzeros"], p["scales"], scheme.group_size))
+    if isinstance(scheme, GPTQScheme):  # g_idx: each input row's group, under act-order only
+        parts, dropped = (_AWQ_PARTS + ("g_idx",), ()) if scheme.act_order else \
+            (_AWQ_PARTS, ("g_idx",))
+        return _gather(weights, parts, dropped, "GPTQ",
+                       lambda p: dequantize_gptq_matrix(p, scheme))
     return dequantize_fp8(weights, scheme)
+
+
+def unpack_words(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Integers packed ``32 / bits`` to an int32 word, value i at bits ``i * bits`` on,
+    along ``dim`` (0: rows, 1: columns) -> the values, ``32 / bits`` times as many there."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [rows, cols, per_word]
+    if dim == 1:
+        return values.reshape(packed.shape[0], -1)
+    return values.permute(0, 2, 1).reshape(-1, packed.shape[1])
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """AWQ's int32 words ``[rows, cols]`` -> the 4-bit values ``[rows, 8 * cols]``, in column
-    order."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [rows, cols, 8]: nibble i at i
+    order (within each word's eight, column k is nibble ``AWQ_REVERSE_ORDER[k]``)."""
+    nibbles = unpack_words(packed, 4, 1).reshape(packed.shape[0], -1, 8)
     return nibbles[..., list(AWQ_REVERSE_ORDER)].reshape(packed.shape[0], -1)
 
 
@@ -150,26 +189,48 @@ def dequantize_awq_matrix(qweight: torch.Tensor, qzeros: torch.Tensor, scales: t
     return w.t().contiguous()
 
 
-def dequantize_awq(weights: Iterator[tuple[str, torch.Tensor]],
-                   group_size: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every ``X.qweight`` / ``X.qzeros`` / ``X.scales`` triple (any order, any shard) as
-    ``X.weight``; the other tensors as they are."""
-    parts: dict[str, dict[str, torch.Tensor]] = {}
+def dequantize_gptq_matrix(parts: dict[str, torch.Tensor], scheme: GPTQScheme) -> torch.Tensor:
+    """One GPTQ matrix as a float32 ``[out, in]`` weight (nn.Linear's layout)."""
+    q = unpack_words(parts["qweight"], scheme.bits, 0).to(torch.float32)  # [in, out]
+    zeros = unpack_words(parts["qzeros"], scheme.bits, 1).to(torch.float32)  # [groups, out]
+    s = parts["scales"].to(torch.float32)
+    zeros = zeros + scheme.zero_offset
+    rows = q.shape[0]
+    g_idx = parts.get("g_idx")
+    if g_idx is None:
+        size = rows if scheme.group_size == -1 else scheme.group_size
+        g_idx = torch.arange(rows) // size
+    g_idx = g_idx.to(torch.int64)
+    if zeros.shape != s.shape or s.shape[1] != q.shape[1] or g_idx.shape != (rows,) or \
+            int(g_idx.max()) >= s.shape[0] or int(g_idx.min()) < 0:
+        raise ValueError(f"a GPTQ matrix of {tuple(q.shape)} values with zeros "
+                         f"{tuple(zeros.shape)}, scales {tuple(s.shape)} and g_idx "
+                         f"{tuple(g_idx.shape)}")
+    return ((q - zeros[g_idx]) * s[g_idx]).t().contiguous()
+
+
+def _gather(weights: Iterator[tuple[str, torch.Tensor]], parts: tuple[str, ...],
+            dropped: tuple[str, ...], what: str,
+            build: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every matrix stored as the tensors ``X.<part>`` (any order, any shard) as one
+    ``X.weight``, built by ``build(parts)`` once all have come; tensors named ``X.<dropped>``
+    left out; the other tensors as they are."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         prefix, _, kind = name.rpartition(".")
-        if kind not in _AWQ_PARTS:
+        if kind in dropped:
+            continue
+        if kind not in parts:
             yield name, tensor
             continue
-        have = parts.setdefault(prefix, {})
+        have = pending.setdefault(prefix, {})
         have[kind] = tensor
-        if len(have) == len(_AWQ_PARTS):
-            del parts[prefix]
-            yield prefix + ".weight", dequantize_awq_matrix(
-                have["qweight"], have["qzeros"], have["scales"], group_size)
-    if parts:
-        prefix, have = next(iter(parts.items()))
-        missing = [k for k in _AWQ_PARTS if k not in have]
-        raise ValueError(f"AWQ checkpoint: {prefix!r} has no {', '.join(missing)}")
+        if len(have) == len(parts):
+            yield prefix + ".weight", build(pending.pop(prefix))
+    if pending:
+        prefix, have = next(iter(pending.items()))
+        missing = [k for k in parts if k not in have]
+        raise ValueError(f"{what} checkpoint: {prefix!r} has no {', '.join(missing)}")
 
 
 def dequantize_fp8(weights: Iterator[tuple[str, torch.Tensor]],
