@@ -13,15 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncengine import LLM, SamplingParams
 from asyncengine.executor.models.checkpoint_quant import (
     AWQScheme,
     dequantize_awq_matrix,
     dequantize_checkpoint,
     unpack_awq,
 )
-from tests.test_engine import hf_greedy
-from tests.utils import hf_reference_model, make_tiny_model
+from tests.test_fp8_checkpoint import check_against_dequantized
+from tests.utils import make_tiny_model
 
 GROUP = 32
 #: AutoAWQ's packing: nibble i of a word holds column INTERLEAVE[i] of its group of eight.
@@ -93,17 +92,7 @@ def test_awq_checkpoint_gives_transformers_tokens_on_the_dequantized_model(tmp_p
                            intermediate_size=128, num_attention_heads=4,
                            num_key_value_heads=2, num_hidden_layers=2)
     path, ref = make_awq(base, tmp_path / "awq")
-    llm = LLM(path, dtype="float32", max_model_len=128)
-    prompts = [[5, 17, 300, 42, 7], list(range(100, 130))]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16,
-                                                ignore_eos=True))
-    hf = hf_reference_model(ref)
-    for p, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(hf, p, 16)[0]
-    loaded = dict(llm.engine.runner.model.named_parameters())
-    want = load_file(next(Path(ref).glob("*.safetensors")))
-    name = "model.layers.1.mlp.down_proj.weight"
-    assert torch.equal(loaded[name], want[name])
+    llm = check_against_dequantized(path, ref)
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
 
 

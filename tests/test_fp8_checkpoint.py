@@ -93,18 +93,9 @@ def make_fp8(base: str, out: Path, method: str, how: str) -> tuple[str, str]:
     return str(out), str(ref)
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> str:
-    return make_tiny_model(tmp_path_factory.mktemp("fp8") / "base", "llama",
-                           initializer_range=0.1, **SHAPE)
-
-
-@pytest.mark.parametrize("method, how", [("compressed-tensors", "channel"),
-                                         ("compressed-tensors", "tensor"),
-                                         ("fp8", "block"), ("fbgemm_fp8", "channel")])
-def test_fp8_checkpoint_gives_transformers_tokens_on_the_dequantized_model(
-        base, tmp_path, method, how):
-    path, ref = make_fp8(base, tmp_path / "m", method, how)
+def check_against_dequantized(path: str, ref: str) -> LLM:
+    """A quantized checkpoint at ``path`` gives the greedy tokens transformers gives on
+    ``ref`` (what it dequantizes to), and loads exactly ``ref``'s matrices."""
     llm = LLM(path, dtype="float32", max_model_len=128)
     prompts = [[5, 17, 300, 42, 7], list(range(100, 130))]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16,
@@ -117,6 +108,22 @@ def test_fp8_checkpoint_gives_transformers_tokens_on_the_dequantized_model(
     want = load_file(next(Path(ref).glob("*.safetensors")))
     name = "model.layers.1.mlp.down_proj.weight"
     assert torch.equal(loaded[name], want[name])
+    return llm
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("fp8") / "base", "llama",
+                           initializer_range=0.1, **SHAPE)
+
+
+@pytest.mark.parametrize("method, how", [("compressed-tensors", "channel"),
+                                         ("compressed-tensors", "tensor"),
+                                         ("fp8", "block"), ("fbgemm_fp8", "channel")])
+def test_fp8_checkpoint_gives_transformers_tokens_on_the_dequantized_model(
+        base, tmp_path, method, how):
+    path, ref = make_fp8(base, tmp_path / "m", method, how)
+    llm = check_against_dequantized(path, ref)
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
 
 

@@ -13,15 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncengine import LLM, SamplingParams
 from asyncengine.executor.models.checkpoint_quant import (
     GPTQScheme,
     dequantize_checkpoint,
     dequantize_gptq_matrix,
     unpack_words,
 )
-from tests.test_engine import hf_greedy
-from tests.utils import hf_reference_model, make_tiny_model
+from tests.test_fp8_checkpoint import check_against_dequantized
+from tests.utils import make_tiny_model
 
 GROUP = 32
 
@@ -110,17 +109,8 @@ def test_unpacking_along_rows_and_columns():
 def test_gptq_checkpoint_gives_transformers_tokens_on_the_dequantized_model(
         base, tmp_path, bits, fmt, act_order):
     path, ref = make_gptq(base, tmp_path / "q", bits, fmt, act_order)
-    llm = LLM(path, dtype="float32", max_model_len=128)
-    prompts = [[5, 17, 300, 42, 7], list(range(100, 130))]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16,
-                                                ignore_eos=True))
-    hf = hf_reference_model(ref)
-    for p, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(hf, p, 16)[0]
-    loaded = dict(llm.engine.runner.model.named_parameters())
-    want = load_file(next(Path(ref).glob("*.safetensors")))
-    name = "model.layers.1.mlp.down_proj.weight"
-    assert torch.equal(loaded[name], want[name])
+    llm = check_against_dequantized(path, ref)
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
 
 
 def test_act_order_needs_g_idx_and_the_zeros_offset_matters():

@@ -151,13 +151,17 @@ class RequestStream:
                 raise StopAsyncIteration
             if self.finished or any(s.has_news for s in self.samples):
                 break
-            self._waiting = True
-            try:
-                await self._event.wait()
-            finally:
-                self._waiting = False
-            self._event.clear()
+            await self._wait()
         return self._take()
+
+    async def _wait(self) -> None:
+        """Park until the engine notifies (or fails) this stream."""
+        self._waiting = True
+        try:
+            await self._event.wait()
+        finally:
+            self._waiting = False
+        self._event.clear()
 
     async def final(self) -> RequestOutput:
         """The final output alone (vLLM's ``RequestOutputKind.FINAL_ONLY``, what ``LLM``
@@ -165,12 +169,7 @@ class RequestStream:
         step, and no output is built before the last one. Raises what ``__anext__`` raises."""
         self._final_only = True
         while self._error is None and not self.finished:
-            self._waiting = True
-            try:
-                await self._event.wait()
-            finally:
-                self._waiting = False
-            self._event.clear()
+            await self._wait()
         if self._error is not None:
             raise self._error
         return self._take()
