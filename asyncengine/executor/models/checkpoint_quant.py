@@ -146,6 +146,8 @@ def dequantize_checkpoint(weights: Iterator[tuple[str, torch.Tensor]],
                           scheme: FP8Scheme | AWQScheme | GPTQScheme,
                           ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with its quantized matrices dequantized (float32)."""
+    logger.info("quantized checkpoint (%s): its matrices are dequantized as they are read",
+                scheme.method)
     if isinstance(scheme, AWQScheme):
         return _gather(weights, _AWQ_PARTS, (), "AWQ", lambda p: dequantize_awq_matrix(
             p["qweight"], p["qzeros"], p["scales"], scheme.group_size))

@@ -19,6 +19,10 @@ import torch
 from torch import nn
 
 from asyncengine.executor.cpu_flags import cpu_has_bf16 as _cpu_has_bf16
+from asyncengine.executor.models.checkpoint_quant import (
+    checkpoint_quantization,
+    dequantize_checkpoint,
+)
 from asyncengine.executor.models.registry import BUILTIN_MODELS, architecture_of
 
 logger = logging.getLogger(__name__)
@@ -203,11 +207,8 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
             raise ValueError(f"model {source.name!r}: architecture {arch} is not supported "
                              f"(supported: {', '.join(sorted(BUILTIN_MODELS))})")
     fmt = _load_format(source, load_format)
-    quantized = None
-    if fmt == "safetensors":  # refused before anything is built
-        from asyncengine.executor.models.checkpoint_quant import checkpoint_quantization
-
-        quantized = checkpoint_quantization(config, source.name)
+    # a quantized checkpoint asyncengine cannot read is refused before anything is built
+    quantized = checkpoint_quantization(config, source.name) if fmt == "safetensors" else None
     device = torch.device(device)
     with _default_dtype(dtype), device:
         model = model_cls(config)
@@ -231,12 +232,8 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
     else:
         files = safetensors_files(source.path)
         weights = _iter_safetensors(files)
-        if quantized is not None:  # FP8 / AWQ matrices dequantized as they are read
-            from asyncengine.executor.models.checkpoint_quant import dequantize_checkpoint
-
+        if quantized is not None:  # FP8 / AWQ / GPTQ matrices dequantized as they are read
             weights = dequantize_checkpoint(weights, quantized)
-            logger.info("quantized checkpoint (%s): its matrices are dequantized to %s",
-                        quantized.method, dtype)
         model.load_weights(_progress(weights, _count_tensors(files), source.name))
     if quantization not in ("none", "gguf"):
         from asyncengine.executor.models.quantization import quantize_model
