@@ -2,9 +2,9 @@
 
 Run with ``pytest -m gpu -rs tests/test_gpu_lora.py``; skipped without CUDA, and the
 segment-GEMM tests without the ``flashinfer`` package. They first ran on an H100 on
-2026-11-27: the op, its no-synchronization check and the float32 engine passed; the bfloat16
-engine's criterion was revised after it (NEAR_TIE) and has not run on a GPU since. Never
-loosen the float32 equality.
+2026-11-27: the op, its no-synchronization check and the float32 engine passed, twice; the
+bfloat16 engine's criterion was revised after each run (below). Never loosen the float32
+equality.
 
 * The op: bfloat16 tables on the real ``SegmentGEMMWrapper``, a mixed batch (base rows
   between adapter rows), against the float32 product; and no device-to-host synchronization
@@ -12,10 +12,15 @@ loosen the float32 equality.
 * A float32 engine on CUDA takes the dense path (FlashInfer has no float32 kernels) and gives
   PEFT's greedy tokens, base and adapter requests mixed.
 * A bfloat16 engine runs the segment GEMM (asserted, no silent fallback), loses no request,
-  leaks no block, and agrees with the same engine on the dense path up to bfloat16's near-ties:
-  where two greedy sequences part, the two tokens are the dense path's best two, within
-  ``NEAR_TIE``. (The first GPU run asked for 80% of whole sequences equal and got 67%: one
-  near-tie flips the rest of a sequence; that measure said nothing of the op.)
+  leaks no block, and scores each job's prompt and greedy output as the same engine on the
+  dense path does: the mean logprob difference within a quarter of what the job's adapter
+  moves (dense with it against dense without), and base rows within bfloat16's noise.
+  (Greedy sequences said little: the tiny random model is nearly uniform, its top tokens
+  within hundredths of a nat, so bfloat16's rounding parts them at any near-tie. The first
+  GPU run asked for 80% of whole sequences equal and got 67%; the second, for parting
+  tokens among the dense path's best two within 0.01 nats, found a third token 0.12 nats
+  down at the first output token.) On the CPU, bfloat16 against float32 on the dense path
+  differs by a mean of ~0.005 nats; an adapter moves ~0.2.
 """
 
 from __future__ import annotations
@@ -36,12 +41,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1800),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 lora_families = test_lora.lora_families  # the fixture: tiny models with PEFT adapters
-#: bfloat16 engine against the dense path: where two greedy sequences part, the dense path's
-#: two best tokens at that position are the two chosen, at most this far apart (nats). The
-#: first GPU run (H100) found 2 of 6 jobs parting (a sequence-level agreement of 0.67). The
-#: tiny random model is nearly uniform: its top-2 gaps have a median of 0.025 nats (on the CPU
-#: in float32), and bfloat16 against float32 on the CPU parts at a gap of 0.0027.
-NEAR_TIE = 0.01
 
 
 def gpu_table(S: int, R: int, K: int, N: int, dtype: torch.dtype) -> SlotTable:
@@ -104,34 +103,31 @@ def _jobs(engine) -> list[tuple[list[int], str | None]]:
     return [(prompts[i], names[i % len(names)]) for i in range(len(prompts))]
 
 
-def first_divergences(engine, jobs: list[tuple[list[int], str | None]],
-                      got: list[list[int]], want: list[list[int]],
-                      ) -> dict[int, tuple[int, dict[int, float]]]:
-    """For each job whose sequences part (``got`` against ``engine``'s own ``want``): the first
-    position where they do, and ``engine``'s two best tokens there with their logprobs."""
+def prompt_logprobs(engine, jobs: list[tuple[list[int], str | None]]) -> list[torch.Tensor]:
+    """Each job's prompt tokens' logprobs (from the second on) under ``engine``, with the
+    job's adapter; the engine runs (and is closed) here."""
     import anyio
 
     from asyncengine import SamplingParams
 
-    first = {i: next(p for p, (a, b) in enumerate(zip(g, w, strict=True)) if a != b)
-             for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w}
-    top2: dict[int, dict[int, float]] = {}
-    params = SamplingParams(temperature=0, max_tokens=1, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(jobs)
 
     async def one(i: int) -> None:
         ids, name = jobs[i]
-        async for out in engine.generate(ids + want[i][:first[i]], params, lora_name=name):
-            if out.finished:
-                top2[i] = {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+        async for o in engine.generate(ids, params, lora_name=name):
+            if o.finished:
+                out[i] = torch.tensor([lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:],
+                                                                         ids[1:], strict=True)])
 
     async def main() -> None:
         async with engine:
             async with anyio.create_task_group() as tg:
-                for i in first:
+                for i in range(len(jobs)):
                     tg.start_soon(one, i)
 
     anyio.run(main)
-    return {i: (first[i], top2[i]) for i in first}
+    return out
 
 
 def _free(engine) -> None:
@@ -166,17 +162,24 @@ def test_bfloat16_engine_runs_the_segment_gemm(lora_families, monkeypatch):
     assert all(t.A.dtype == torch.bfloat16 for t in lora_tables.tables.values())
     jobs = _jobs(engine) * 3
     got = run_mixed(engine, jobs)
+    assert [len(g) for g in got] == [test_lora.N] * len(jobs)
+    # each job's prompt and greedy output, scored by both paths with the job's adapter
+    scored = [(ids + out, name) for (ids, name), out in zip(jobs, got, strict=True)]
+    segment = prompt_logprobs(engine, scored)
     assert engine.num_free_blocks == engine.num_total_blocks
     assert engine.num_unfinished_requests == 0
     _free(engine)
     monkeypatch.setattr(tables, "make_segment_gemm", lambda *a: None)
     dense = engine_for(paths, max_loras=3, device="cuda", dtype="bfloat16")
     assert dense.runner.lora.tables.gemm is None
-    want = run_mixed(dense, jobs)
-    parted = first_divergences(dense, jobs, got, want)
+    both = prompt_logprobs(dense, scored + [(ids, None) for ids, _ in scored])
+    want, base = both[:len(scored)], both[len(scored):]
+    assert dense.num_free_blocks == dense.num_total_blocks
     _free(dense)
-    for i, (pos, top2) in parted.items():
-        assert set(top2) == {got[i][pos], want[i][pos]}, (i, pos, top2)
-        gap = abs(top2[got[i][pos]] - top2[want[i][pos]])
-        assert gap <= NEAR_TIE, f"job {i} parts at token {pos} with a gap of {gap:.3f} nats"
-    assert len(parted) < len(jobs)  # most sequences agree whole
+    for i, (_, name) in enumerate(scored):
+        error = (segment[i] - want[i]).abs().mean().item()
+        if name is None:  # the base rows between adapter rows: untouched by the GEMM
+            assert error <= 0.02, (i, error)
+            continue
+        effect = (want[i] - base[i]).abs().mean().item()
+        assert error <= 0.25 * effect, (i, name, error, effect)
