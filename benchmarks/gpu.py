@@ -20,12 +20,12 @@ same run on the same device:
    transformers' ``generate`` (same weights, bfloat16, static batch, same device) as a floor.
 
 Usage: python benchmarks/gpu.py [--only decode,idle,throughput] [--shapes 1b,8b]
-    [--tokens 128] [--batch 256] [--concurrency 1,32,256] [--json FILE] [--profiler]
-    [--host-profile] [--dry-run]
+    [--layer-ops fused,pytorch] [--tokens 128] [--batch 256] [--concurrency 1,32,256]
+    [--json FILE] [--profiler] [--host-profile] [--dry-run]
 
 The tokenizer (only used to detokenize; ids past its vocabulary decode to nothing) is
 ``--tokenizer``, else ``$ASYNCENGINE_TEST_TOKENIZER_DIR`` (``make gpu-wheelhouse`` carries
-one), else the embedded model's. Written without a GPU: it has never run.
+one), else the embedded model's. It first ran on an H100 on 2026-11-27 (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -293,6 +293,8 @@ def batch1_decode(args: argparse.Namespace, key: str, bandwidth: float) -> dict[
     import anyio
     import torch
 
+    from asyncengine.executor.kernels import cuda_layer_ops
+
     name, shape, target = SHAPES[key]
     engine = make_engine(args, model_dir(shape, name), max_num_seqs=1)
     timer = marks = None
@@ -318,8 +320,11 @@ def batch1_decode(args: argparse.Namespace, key: str, bandwidth: float) -> dict[
     bound = hbm_bound(shape, context, bandwidth)
     host = statistics.median(timer.prepare[skip:]) + statistics.median(timer.enqueue[skip:])
     mode = "eager" if args.enforce_eager else "CUDA graphs"
+    ops = "fused (FlashInfer)" if cuda_layer_ops.usable(torch.empty(
+        0, dtype=torch.bfloat16, device="cuda")) else "PyTorch"
     print(f"[decode] {torch.cuda.get_device_name()}: {name} shape, bf16, batch 1, {mode}, "
-          f"attention {engine.runner.attn_backend.name}, await {engine.device.awaiter.name}")
+          f"attention {engine.runner.attn_backend.name}, await {engine.device.awaiter.name}, "
+          f"layer ops {ops}")
     kv = kv_bytes_per_token(shape, context)
     prep, enq = statistics.median(timer.prepare[skip:]), statistics.median(timer.enqueue[skip:])
     print(f"  weights {weight_bytes(shape) / 2**30:.2f} GiB + KV {kv / 2**20:.1f} MiB per "
@@ -336,7 +341,8 @@ def batch1_decode(args: argparse.Namespace, key: str, bandwidth: float) -> dict[
           f"{host_verdict(idle)} batch-1 decode")
     print("\n".join(profile.report(args.tokens)))
     engine.shutdown()
-    return {"shape": name, "ms_per_token": per_token * 1e3, "bound_ms": bound * 1e3,
+    return {"shape": name, "layer_ops": ops, "ms_per_token": per_token * 1e3,
+            "bound_ms": bound * 1e3,
             "fraction_of_bound": bound / per_token, "target": target,
             "host_ms_per_step": host * 1e3, "prepare_ms": prep * 1e3, "enqueue_ms": enq * 1e3,
             "gpu_busy_ms": statistics.median(spans), "gpu_gap_ms": statistics.median(gaps),
@@ -508,6 +514,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--await-mechanisms", type=_choices(("thread", "poll"),
                                                             "--await-mechanisms"),
                         default=["thread", "poll"])
+    parser.add_argument("--layer-ops", type=_choices(("fused", "pytorch"), "--layer-ops"),
+                        default=["fused"], help="decode with FlashInfer's fused norm / RoPE / "
+                        "SiLU, PyTorch's ops, or both (fused,pytorch: the ratio of one run)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--tokenizer", default=None)
@@ -561,8 +570,17 @@ def main(argv: list[str] | None = None) -> int:
     if "decode" in args.only:
         results["decode"] = []
         for key in args.shapes:
-            results["decode"].append(batch1_decode(args, key, bandwidth))
-            save()
+            rows = {}
+            for ops in args.layer_ops:  # ASYNCENGINE_CUDA_LAYER_OPS is read at start-up
+                os.environ["ASYNCENGINE_CUDA_LAYER_OPS"] = "1" if ops == "fused" else "0"
+                rows[ops] = batch1_decode(args, key, bandwidth)
+                results["decode"].append(rows[ops])
+                save()
+            os.environ.pop("ASYNCENGINE_CUDA_LAYER_OPS")
+            if len(rows) == 2:
+                print(f"[decode] {SHAPES[key][0]}: fused layer ops "
+                      f"{rows['pytorch']['ms_per_token'] / rows['fused']['ms_per_token']:.2f}x "
+                      "the speed of PyTorch's ops (same run)")
     if "idle" in args.only:
         results["idle"] = idle_both_mechanisms(args)
         save()

@@ -18,9 +18,10 @@ deadline:
    - Gemma 2's two variants at 256;
    - sampling;
    - LoRA;
+   - the layer ops (norm; RoPE and the activations);
 3. the other GPU tests;
 4. benchmarks/gpu.py alone on the GPU, with ``--host-profile``:
-   - batch-1 decode (1B, 8B);
+   - batch-1 decode (1B, 8B), with the fused layer ops and without;
    - idle at 256 streams (the default waiter thread only: it beat polling by 7 points);
    - throughput.
 
@@ -47,11 +48,13 @@ PREWARMS = {"attention-64-128": ["--parts", "attention", "--specs", "64,128,128+
             "attention-64-window": ["--parts", "attention", "--specs", "64+window"],
             "attention-256": ["--parts", "attention", "--specs", "256+window+softcap,256+softcap"],
             "sampling": ["--parts", "sampling"],
-            "lora": ["--parts", "lora"]}
+            "lora": ["--parts", "lora"],
+            "layer-norm": ["--parts", "norm"],
+            "layer-rope-act": ["--parts", "rope,activation"]}
 #: A phase starts only with at least this many seconds left before the deadline.
 MIN_LEFT = 10
 BENCH_ARGS = ["--only", "decode,idle,throughput", "--shapes", "1b,8b", "--tokens", "64",
-              "--await-mechanisms", "thread", "--host-profile"]
+              "--await-mechanisms", "thread", "--layer-ops", "fused,pytorch", "--host-profile"]
 
 
 def phases(args: argparse.Namespace, work: Path) -> list[list[gpu_check.Step]]:

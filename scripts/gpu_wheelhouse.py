@@ -11,7 +11,7 @@ by git) with:
   stops the script;
 * ``flashinfer-python==0.7.2.post1`` trimmed (62 MB as published): of its kernel sources
   (``data/csrc``) only those of the kernels asyncengine compiles (FA2 batch prefill, batch
-  decode, sampling, top-k, the segment GEMM of LoRA), and none of the vendored libraries'
+  decode, sampling, top-k, the segment GEMM of LoRA, norm and RoPE), and none of the vendored libraries'
   examples, tests and Python bindings; the wheel's RECORD is rewritten to match;
 * ``tokenizer/``: the embedded model's tokenizer (the GPU tests' tiny models use it; the
   93 MB embedded model itself does not travel);
@@ -67,7 +67,9 @@ PLATFORM_ARGS = ["--python-version", "3.12", "--implementation", "cp", "--only-b
 KEEP_CSRC = re.compile(r"^(batch_prefill|batch_decode(?!_mla)|sampling|renorm|"
                        r"flashinfer_sampling|topk|flashinfer_topk|cub_topk|"
                        # LoRA's segment GEMM: the sm80 module (with bmm_fp8) and the sm90 one
-                       r"group_gemm(\.cu|_sm90)|bmm_fp8\.cu|flashinfer_gemm_(sm90_)?binding)"
+                       r"group_gemm(\.cu|_sm90)|bmm_fp8\.cu|flashinfer_gemm_(sm90_)?binding|"
+                       # the fused layer ops (the activations' sources are generated)
+                       r"(flashinfer_)?(norm|rope)(\.cu|_binding))"
                        r"|\.(h|cuh)$")
 #: Paths (inside the wheel) dropped: vendored libraries' extras, experimental kernel sources.
 DROP = re.compile(r"^flashinfer/data/(cutlass/(examples|python|test|media|docs)/|"

@@ -214,4 +214,66 @@ def make_module() -> tuple[types.ModuleType, types.ModuleType]:
     sampling.top_k_sampling_from_probs = top_k_sampling_from_probs
     sampling.sampling_from_logits = sampling_from_logits
     fi.sampling = sampling
+    fi.norm, fi.activation, fi.rope = layer_op_modules()
     return fi, sampling
+
+
+def layer_op_modules(calls: list | None = None) -> tuple[types.ModuleType, ...]:
+    """``flashinfer.norm``, ``.activation`` and ``.rope`` stand-ins: FlashInfer's documented
+    semantics in float32 with one rounding; ``calls`` records each call's name."""
+    calls = [] if calls is None else calls
+    norm, act, rope = (types.ModuleType(f"flashinfer.{n}") for n in ("norm", "activation", "rope"))
+
+    def _rms(x, weight, eps, offset):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return (x32 * (weight.float() + offset)).to(x.dtype)
+
+    def _plain(name, offset):
+        def fn(input, weight, eps=1e-6, out=None, enable_pdl=None):
+            calls.append(name)
+            result = _rms(input, weight, eps, offset)
+            return result if out is None else out.copy_(result)
+        return fn
+
+    def _fused(name, offset):
+        def fn(input, residual, weight, eps=1e-6, enable_pdl=None):
+            calls.append(name)
+            residual.copy_((input.float() + residual.float()).to(residual.dtype))
+            input.copy_(_rms(residual, weight, eps, offset))
+        return fn
+
+    norm.rmsnorm, norm.gemma_rmsnorm = _plain("rmsnorm", 0.0), _plain("gemma_rmsnorm", 1.0)
+    norm.fused_add_rmsnorm = _fused("fused_add_rmsnorm", 0.0)
+    norm.gemma_fused_add_rmsnorm = _fused("gemma_fused_add_rmsnorm", 1.0)
+
+    def _act_mul(name, fn):
+        def run(input, out=None, enable_pdl=None):
+            calls.append(name)
+            gate, up = input.float().chunk(2, dim=-1)
+            return (fn(gate) * up).to(input.dtype)
+        return run
+
+    act.silu_and_mul = _act_mul("silu_and_mul", torch.nn.functional.silu)
+    act.gelu_tanh_and_mul = _act_mul(
+        "gelu_tanh_and_mul", lambda g: torch.nn.functional.gelu(g, approximate="tanh"))
+
+    def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache,
+                                              is_neox=True):
+        calls.append("rope")
+        if not is_neox or cos_sin_cache.dtype != torch.float32:
+            raise AssertionError("expected neox halves and a float32 table")
+        half = cos_sin_cache.shape[-1] // 2
+        cos, sin = cos_sin_cache[positions].split(half, dim=-1)  # [T, half] each
+        cos, sin = cos[:, None], sin[:, None]
+        for t in (query, key):
+            x = t.view(t.shape[0], -1, head_size)  # a view: strided rows allowed
+            x32 = x[..., :2 * half].float()
+            x1, x2 = x32[..., :half], x32[..., half:]
+            x[..., :2 * half] = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).to(
+                x.dtype)
+
+    rope.apply_rope_with_cos_sin_cache_inplace = apply_rope_with_cos_sin_cache_inplace
+    for m in (norm, act, rope):
+        m.calls = calls
+    return norm, act, rope

@@ -17,9 +17,9 @@ installed (93 MB: it does not travel to a GPU machine with ``make gpu-wheelhouse
 * float32 (torch_paged: FlashInfer has no float32 kernels): greedy tokens EQUAL transformers'
   (float32, same GPU), logprobs within 2e-3, under chunked prefill, preemption and prefix-cache
   hits.
-* bfloat16 (FlashInfer, CUDA graphs on and off): transformers in bfloat16 on the same GPU,
-  teacher-forced on asyncengine's own greedy output, picks the same top-1 token at >= 99% of
-  positions (BF16_TOP1), and the chosen tokens' logprobs differ by at most BF16_LP_MEAN on
+* bfloat16 (FlashInfer attention, sampling and fused layer ops; CUDA graphs on and off):
+  transformers in bfloat16 on the same GPU, teacher-forced on asyncengine's own greedy
+  output, picks the same top-1 token at >= 99% of positions (BF16_TOP1), and the chosen tokens' logprobs differ by at most BF16_LP_MEAN on
   average and BF16_LP_P99 at the 99th percentile. For the tiny RANDOM models the top-1
   agreement counts the positions where the reference's two best logits are further apart
   than bfloat16 can resolve (2**-7 of the top logit): random weights give near-ties that
@@ -44,6 +44,7 @@ import torch
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.executor.build import backend_names
+from asyncengine.executor.kernels import cuda_layer_ops
 from tests.utils import embedded_gguf_path, hf_reference_model, make_tiny_model
 
 # FlashInfer compiles each kernel on first use (minutes); `make gpu-check` prewarms its disk
@@ -211,6 +212,9 @@ def test_bfloat16_flashinfer_agrees_with_transformers(name, graphs, gpu_models):
               num_gpu_blocks_override=6 if name in ALL_WINDOW else 12, **STRESS)
     runner = llm.engine.runner
     assert_backends(llm, "flashinfer", "flashinfer")
+    # and FlashInfer's fused norm / RoPE / activation (kernels/cuda_layer_ops.py)
+    assert cuda_layer_ops.usable(torch.empty(0, dtype=torch.bfloat16, device="cuda"))
+    assert all(t.cos_sin is not None for t in runner.model.ropes.values())
     replays = []
     if graphs:
         assert runner.graphs is not None

@@ -233,7 +233,7 @@ def test_gpu_benchmark_says_it_needs_a_gpu():
 def test_prewarm_command_compiles_each_spec_then_sampling():
     """`python -m asyncengine.executor.prewarm` (what `make gpu-check` runs first): every
     spec's prefill, decode and graph-mode decode kernels, then sampling, then LoRA's segment
-    GEMM, driven through the stand-in module on the CPU."""
+    GEMM, then the fused layer ops, driven through the stand-in module on the CPU."""
     from asyncengine.executor import prewarm
     from tests.fake_flashinfer import make_module
 
@@ -245,7 +245,12 @@ def test_prewarm_command_compiles_each_spec_then_sampling():
     lines: list[str] = []
     took = prewarm.prewarm_specs(specs, dtype=torch.float32, device="cpu", module=fi,
                                  sampling_module=sampling, log=lines.append)
-    assert list(took) == [str(s) for s in specs] + ["sampling", "lora segment gemm"]
+    assert list(took) == [str(s) for s in specs] + [
+        "sampling", "lora segment gemm", "layer ops norm", "layer ops rope",
+        "layer ops activation"]
+    assert fi.norm.calls == ["rmsnorm", "fused_add_rmsnorm", "gemma_rmsnorm",
+                             "gemma_fused_add_rmsnorm", "rope", "silu_and_mul",
+                             "gelu_tanh_and_mul"]
     assert "head_dim 256, window, soft cap" in lines[1]
     assert [c[0] for c in sampling.calls] == ["plain", "top_p", "top_k", "top_k_top_p"]
     with pytest.raises(ValueError, match="--specs"):
@@ -270,6 +275,9 @@ def test_prewarm_command_dry_run_and_without_a_gpu(capsys):
     assert "sampling" in out
     assert prewarm.main(["--dry-run", "--parts", "lora"]) == 0
     assert capsys.readouterr().out == "would compile: LoRA segment GEMM (bfloat16)\n"
+    assert prewarm.main(["--dry-run", "--parts", "norm,rope"]) == 0
+    assert capsys.readouterr().out == ("would compile: layer ops, norm (bfloat16)\n"
+                                       "would compile: layer ops, rope (bfloat16)\n")
     with pytest.raises(SystemExit) as e:
         prewarm.main(["--parts", "attention,kv"])
     assert e.value.code == 2 and "--parts: kv" in capsys.readouterr().err

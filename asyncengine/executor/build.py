@@ -25,6 +25,7 @@ from asyncengine.executor.attention import AttentionShape, get_attention_backend
 from asyncengine.executor.attention.prewarm import one_line as _one_line
 from asyncengine.executor.attention.prewarm import prewarm_attention
 from asyncengine.executor.device import Device, make_device
+from asyncengine.executor.kernels import cuda_layer_ops
 from asyncengine.executor.kv_dtype import kv_cache_dtype
 from asyncengine.executor.kv_sizing import (
     auto_kv_size,
@@ -181,6 +182,8 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
         attn_backend = prewarm_attention(config, attn_backend, model)
     if hasattr(model, "configure_context"):
         model.configure_context(max_model_len)
+    if device.type == "cuda":  # FlashInfer's fused norm, RoPE and SiLU (bfloat16, float16)
+        cuda_layer_ops.setup(model, dtype, device.torch_device, max_model_len)
     lora = None  # before the KV cache's size: the memory profile counts its slot tables
     if config.lora.enable_lora:
         from asyncengine.executor.lora.manager import LoRAManager

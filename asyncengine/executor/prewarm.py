@@ -64,8 +64,10 @@ DEFAULT_SPECS = (
 
 
 #: What a prewarm compiles, in this order (``--parts``: separate processes can compile
-#: separate parts side by side; one module's nvcc jobs use only a few cores).
-PARTS = ("attention", "sampling", "lora")
+#: separate parts side by side; one module's nvcc jobs use only a few cores). norm, rope and
+#: activation are the decoder layer's fused ops (``kernels/cuda_layer_ops.py``).
+LAYER_PARTS = ("norm", "rope", "activation")
+PARTS = ("attention", "sampling", "lora", *LAYER_PARTS)
 
 
 def prewarm_specs(specs: tuple[KernelSpec, ...] | list[KernelSpec], *, dtype: torch.dtype,
@@ -74,8 +76,8 @@ def prewarm_specs(specs: tuple[KernelSpec, ...] | list[KernelSpec], *, dtype: to
                   parts: tuple[str, ...] | list[str] = PARTS,
                   log: Any = print) -> dict[str, float]:
     """Compile and load every spec's prefill and decode kernels, then the sampling kernels,
-    then LoRA's segment GEMM (those of ``parts``); the seconds each took, by name. Raises
-    what FlashInfer's JIT raises."""
+    LoRA's segment GEMM and the layer ops (those of ``parts``); the seconds each took, by
+    name. Raises what FlashInfer's JIT raises."""
     from asyncengine.executor.attention.flashinfer import FlashInferBackend
     from asyncengine.executor.sampler import flashinfer_sampling
 
@@ -93,14 +95,21 @@ def prewarm_specs(specs: tuple[KernelSpec, ...] | list[KernelSpec], *, dtype: to
         flashinfer_sampling.prewarm(device, vocab_size, module=sampling_module)
         took["sampling"] = time.perf_counter() - start
         log(f"prewarm: sampling: {took['sampling']:.1f} s")
-    if "lora" not in parts:
-        return took
-    from asyncengine.executor.lora import segment
+    if "lora" in parts:
+        from asyncengine.executor.lora import segment
 
-    start = time.perf_counter()
-    segment.prewarm(device, dtype, module=module)
-    took["lora segment gemm"] = time.perf_counter() - start
-    log(f"prewarm: LoRA segment GEMM ({dtype}): {took['lora segment gemm']:.1f} s")
+        start = time.perf_counter()
+        segment.prewarm(device, dtype, module=module)
+        took["lora segment gemm"] = time.perf_counter() - start
+        log(f"prewarm: LoRA segment GEMM ({dtype}): {took['lora segment gemm']:.1f} s")
+    for part in (p for p in LAYER_PARTS if p in parts):
+        from asyncengine.executor.kernels import cuda_layer_ops
+
+        which = tuple(cuda_layer_ops.ACTIVATIONS) if part == "activation" else (part,)
+        start = time.perf_counter()
+        cuda_layer_ops.compile_ops(device, dtype, which, module=module)
+        took[f"layer ops {part}"] = time.perf_counter() - start
+        log(f"prewarm: layer ops, {part} ({dtype}): {took[f'layer ops {part}']:.1f} s")
     return took
 
 
@@ -149,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             print("would compile: sampling")
         if "lora" in args.parts:
             print(f"would compile: LoRA segment GEMM ({args.dtype})")
+        for part in (p for p in LAYER_PARTS if p in args.parts):
+            print(f"would compile: layer ops, {part} ({args.dtype})")
         return 0
     if not torch.cuda.is_available():
         print("prewarm needs a CUDA GPU (FlashInfer compiles for the device it runs on)",

@@ -35,6 +35,7 @@ from asyncengine.executor.attention.base import (
     AttentionMetadata,
     AttentionOptions,
 )
+from asyncengine.executor.kernels.cuda_layer_ops import RopeTable
 from asyncengine.executor.models.decode_stack import DecodeStack
 from asyncengine.executor.models.family import LayerSpec, ModelSpec, describe, text_config
 from asyncengine.executor.models.int4 import step_requests
@@ -86,7 +87,14 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size:qk_size].view(T, self.num_kv_heads, self.head_dim))
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            if isinstance(cos, RopeTable):  # CUDA: FlashInfer's RoPE, in place
+                cos.apply_(q.view(T, -1), k.view(T, -1), self.head_dim)
+            else:
+                q, k = rope(q, cos, sin), rope(k, cos, sin)
+        elif isinstance(cos, RopeTable):  # CUDA: FlashInfer's RoPE, in place in qkv
+            cos.apply_(qkv[:, :self.q_size], qkv[:, self.q_size:qk_size], self.head_dim)
+            q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:qk_size].view(T, self.num_kv_heads, self.head_dim)
         else:  # q and k heads rotated together
             qk = rope(qkv[:, :qk_size].view(T, -1, self.head_dim), cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
@@ -193,6 +201,13 @@ class CausalLM(nn.Module):
             for name in list(self.ropes):
                 self.ropes[name] = self._rope_table(name, long_context=True)
             self.rotary = self.ropes[self.spec.layers[0].rope]
+
+    def use_cuda_rope_tables(self, max_model_len: int, device: torch.device) -> None:
+        """FlashInfer's RoPE (``cuda_layer_ops``): a float32 table of every position for each
+        RoPE table that turns whole heads (partial rotary keeps the PyTorch path)."""
+        for table in self.ropes.values():
+            if table.rotary_dim == self.head_dim:
+                table.use_table(max_model_len, device)
 
     def attention_options(self) -> list[AttentionOptions]:
         """Each layer's attention options, for ``AttentionBackend.configure_layers``."""

@@ -1,7 +1,8 @@
 """The decoder's building blocks: linear, RMSNorm, embedding, the gated MLP, RoPE on heads.
 
 On the CPU in eager mode the small ops (the norm with its fused residual add, RoPE, SiLU * up)
-are one own C++ call each (``executor/kernels/layer_ops.py``); elsewhere, and under
+are one own C++ call each (``executor/kernels/layer_ops.py``); on CUDA in bfloat16 or float16,
+one FlashInfer kernel each (``executor/kernels/cuda_layer_ops.py``); elsewhere, and under
 ``torch.compile``, the PyTorch code below them runs.
 """
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncengine.executor.kernels import layer_ops
+from asyncengine.executor.kernels import cuda_layer_ops, layer_ops
 from asyncengine.executor.models.rope import apply_rope
 
 # checkpoint projection -> (our fused projection, shard)
@@ -63,6 +64,9 @@ class RMSNorm(nn.Module):
         residual add fused; the given ``residual`` tensor may be updated in place)."""
         if not self.offset and x.dim() == 2 and layer_ops.usable(x):
             return layer_ops.rms_norm(x, self.weight, self.eps, residual)
+        if self.offset in (0.0, 1.0) and x.dim() == 2 and cuda_layer_ops.usable(x):
+            return cuda_layer_ops.rms_norm(x, self.weight, self.eps, residual,
+                                           gemma=self.offset == 1.0)
         if residual is not None:
             residual = x + residual
             return self._norm(residual), residual
@@ -106,6 +110,8 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         if self.activation == "silu" and layer_ops.usable(gate_up):
             return self.down_proj(layer_ops.silu_mul(gate_up))
+        if cuda_layer_ops.usable(gate_up) and cuda_layer_ops.has_activation(self.activation):
+            return self.down_proj(cuda_layer_ops.act_mul(gate_up, self.activation))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
         if self.activation == "gelu_tanh":
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)

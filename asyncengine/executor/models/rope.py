@@ -87,6 +87,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         # the CPU's cos / sin tables by dtype (forward), made from inv_freq
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        # CUDA with FlashInfer's layer ops: every position's float32 cos | sin (``use_table``)
+        self.cos_sin: torch.Tensor | None = None
+
+    def use_table(self, max_positions: int, device: torch.device | str) -> None:
+        """From now on, a step's tables on ``device`` are FlashInfer's: its positions and one
+        ``cos | sin`` table of every position, made here (``cuda_layer_ops.RopeTable``)."""
+        from asyncengine.executor.kernels.cuda_layer_ops import cos_sin_table
+
+        self.cos_sin = cos_sin_table(self.inv_freq, self.attention_scaling, max_positions,
+                                     device)
 
     @torch.no_grad()
     def apply_freq_factors(self, factors: torch.Tensor) -> None:
@@ -103,7 +113,13 @@ class RotaryEmbedding(nn.Module):
 
         On the CPU, rows of a table of every position so far (made by the same elementwise
         ops, so the same bits): two row gathers instead of ~10 small ops a step, whose cost
-        (~60-90 us inside a step) was a few % of a one-token step of a small model."""
+        (~60-90 us inside a step) was a few % of a one-token step of a small model. On CUDA
+        after ``use_table``: ``(RopeTable, None)``, for FlashInfer's RoPE kernel."""
+        if self.cos_sin is not None and positions.device == self.cos_sin.device \
+                and not torch.compiler.is_compiling():
+            from asyncengine.executor.kernels.cuda_layer_ops import RopeTable
+
+            return RopeTable(positions, self.cos_sin), None  # type: ignore[return-value]
         if positions.device.type == "cpu" and not torch.compiler.is_compiling():
             cos, sin = self._table(int(positions.max()) + 1 if positions.numel() else 0, dtype)
             return cos.index_select(0, positions), sin.index_select(0, positions)

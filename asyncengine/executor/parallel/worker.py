@@ -103,10 +103,14 @@ class Worker:
                                              self.device.type, shape)
         if hasattr(m, "attention_options"):  # the same layer variants as rank 0's backend
             self.backend.configure_layers(m.attention_options())
+        if hasattr(m, "configure_context"):  # LongRoPE's factors: as rank 0 chose them
+            m.configure_context(max_model_len)
         if self.device.type == "cuda":  # FlashInfer's JIT now, not at the first step
             from asyncengine.executor.attention.prewarm import prewarm_attention
+            from asyncengine.executor.kernels import cuda_layer_ops
 
             self.backend = prewarm_attention(config, self.backend, m, graphs=False)
+            cuda_layer_ops.setup(m, dtype, self.device, max_model_len)
         kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, dtype, self.device.type)
         self.kv_caches = self.backend.allocate_kv_cache(m.num_layers, num_blocks, bs,
                                                         m.num_kv_heads, m.head_dim, kv_dtype,
