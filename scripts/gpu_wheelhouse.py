@@ -11,8 +11,8 @@ by git) with:
   stops the script;
 * ``flashinfer-python==0.7.2.post1`` trimmed (62 MB as published): of its kernel sources
   (``data/csrc``) only those of the kernels asyncengine compiles (FA2 batch prefill, batch
-  decode, sampling, top-k, the segment GEMM of LoRA, norm and RoPE), and none of the vendored libraries'
-  examples, tests and Python bindings; the wheel's RECORD is rewritten to match;
+  decode, sampling, top-k, the segment GEMM of LoRA, norm and RoPE), and none of the
+  vendored libraries' examples, tests and Python bindings; the wheel's RECORD is rewritten to match;
 * ``tokenizer/``: the embedded model's tokenizer (the GPU tests' tiny models use it; the
   93 MB embedded model itself does not travel);
 * ``MANIFEST.txt``: every file and its size.

@@ -19,8 +19,9 @@ installed (93 MB: it does not travel to a GPU machine with ``make gpu-wheelhouse
   hits.
 * bfloat16 (FlashInfer attention, sampling and fused layer ops; CUDA graphs on and off):
   transformers in bfloat16 on the same GPU, teacher-forced on asyncengine's own greedy
-  output, picks the same top-1 token at >= 99% of positions (BF16_TOP1), and the chosen tokens' logprobs differ by at most BF16_LP_MEAN on
-  average and BF16_LP_P99 at the 99th percentile. For the tiny RANDOM models the top-1
+  output, picks the same top-1 token at >= 99% of positions (BF16_TOP1), and the chosen
+  tokens' logprobs differ by at most BF16_LP_MEAN on average and BF16_LP_P99 at the 99th
+  percentile. For the tiny RANDOM models the top-1
   agreement counts the positions where the reference's two best logits are further apart
   than bfloat16 can resolve (2**-7 of the top logit): random weights give near-ties that
   any two bfloat16 implementations break at random.

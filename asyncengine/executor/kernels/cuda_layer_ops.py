@@ -40,6 +40,7 @@ class _State:
     module: Any = None  # the flashinfer package (or a stand-in), once prewarmed
     device_type = "cuda"
     activations: frozenset[str] = frozenset()
+    failed: str | None = None  # why the JIT failed: tried once a process, not at every engine
 
 
 _state = _State()
@@ -172,13 +173,24 @@ def setup(model: Any, dtype: torch.dtype, device: torch.device | str,
         return False
     activations = (spec.activation,) if spec.activation in ACTIVATIONS else ()
     try:
+        if _state.failed is not None and module is None:
+            raise RuntimeError(_state.failed)
         seconds = prewarm(device, dtype, activations, module=module)
     except Exception as e:  # the JIT's failure: a compiler error, a missing source
         disable()
         text = f"{type(e).__name__}: {e}".strip().splitlines()[0][:300]
+        if module is None:
+            _state.failed = text
         logger.warning("decoder layer ops in PyTorch, not FlashInfer's fused kernels: %s", text)
         return False
     model.use_cuda_rope_tables(max_model_len, torch.device(device))
-    logger.info("FlashInfer's fused layer ops (norm, RoPE, %s) compiled and loaded in %.1f s",
-                "/".join(activations) or "no activation", seconds)
+    # once at the model's own sizes, outside any CUDA graph's capture (kernels that a backend
+    # specializes by size are built now)
+    x = torch.zeros(1, spec.hidden, dtype=dtype, device=device)
+    rms_norm(x, torch.ones(spec.hidden, dtype=dtype, device=device), 1e-6, x.clone())
+    for name in activations:
+        act_mul(torch.zeros(1, 2 * spec.intermediate, dtype=dtype, device=device), name)
+    path = "CUDA JIT" if getattr(_state.module.norm, "_USE_CUDA_NORM", True) else "CuTe DSL"
+    logger.info("FlashInfer's fused layer ops (norm: %s; RoPE; %s) compiled and loaded in "
+                "%.1f s", path, "/".join(activations) or "no activation", seconds)
     return True
