@@ -299,6 +299,12 @@ def batch1_decode(args: argparse.Namespace, key: str, bandwidth: float) -> dict[
     engine = make_engine(args, model_dir(shape, name), max_num_seqs=1)
     timer = marks = None
     profile = HostProfile(args.host_profile)
+    kernels = None
+    if args.profiler:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        kernels = torch_profile(activities=[ProfilerActivity.CUDA])
 
     async def main():
         nonlocal timer, marks
@@ -310,6 +316,9 @@ def batch1_decode(args: argparse.Namespace, key: str, bandwidth: float) -> dict[
             marks.restore()
             if args.host_profile:  # a pass of its own: the timed figures stay unprofiled
                 with profile:
+                    await decode_times(engine, 1, args.tokens)
+            if kernels is not None:  # and one more for the kernel timeline
+                with kernels:
                     await decode_times(engine, 1, args.tokens)
             return times
 
@@ -340,6 +349,8 @@ def batch1_decode(args: argparse.Namespace, key: str, bandwidth: float) -> dict[
           f"launch) {enq * 1e3:.3f} ms = {host * 1e3:.3f} ms: the host's work per step "
           f"{host_verdict(idle)} batch-1 decode")
     print("\n".join(profile.report(args.tokens)))
+    if kernels is not None:
+        print("\n".join(kernel_table(kernels, args.tokens)))
     engine.shutdown()
     return {"shape": name, "layer_ops": ops, "ms_per_token": per_token * 1e3,
             "bound_ms": bound * 1e3,
@@ -479,6 +490,25 @@ def _busy_ms(profiler) -> tuple[float, float]:
     return busy / 1e3, (max(e for _, e in intervals) - intervals[0][0]) / 1e3
 
 
+def kernel_table(profiler, steps: int, top: int = 12) -> list[str]:
+    """Per decode step: how many kernels the GPU ran and for how long, and the ``top`` kernels
+    by device time (count and microseconds per step), from torch.profiler's CUDA events
+    (graph replays included)."""
+    by_name: dict[str, list[float]] = {}
+    for e in profiler.events():
+        if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA"):
+            entry = by_name.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.time_range.end - e.time_range.start
+    count = sum(c for c, _ in by_name.values())
+    total = sum(t for _, t in by_name.values())
+    lines = [f"  kernels per step: {count / steps:.1f}, {total / steps:.1f} us of device time; "
+             "the costliest (calls and us per step):"]
+    for name, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"    {c / steps:6.1f} {t / steps:9.1f}  {name[:110]}")
+    return lines
+
+
 def _choices(allowed: tuple[str, ...], flag: str):
     def parse(text: str) -> list[str]:
         items = [x.strip() for x in text.split(",") if x.strip()]
@@ -521,7 +551,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--profiler", action="store_true",
-                        help="also measure idle time from torch.profiler's kernel timeline")
+                        help="also measure idle time from torch.profiler's kernel timeline, "
+                        "and list batch-1 decode's kernels per step")
     parser.add_argument("--host-profile", action="store_true",
                         help="after each timed run, a profiled one (cProfile, the loop's "
                         "thread): its costliest functions per step")

@@ -54,7 +54,8 @@ PREWARMS = {"attention-64-128": ["--parts", "attention", "--specs", "64,128,128+
 #: A phase starts only with at least this many seconds left before the deadline.
 MIN_LEFT = 10
 BENCH_ARGS = ["--only", "decode,idle,throughput", "--shapes", "1b,8b", "--tokens", "64",
-              "--await-mechanisms", "thread", "--layer-ops", "fused,pytorch", "--host-profile"]
+              "--await-mechanisms", "thread", "--layer-ops", "fused,pytorch", "--host-profile",
+              "--profiler"]
 
 
 def phases(args: argparse.Namespace, work: Path) -> list[list[gpu_check.Step]]:
