@@ -1,6 +1,8 @@
 """AWQ checkpoints (AutoAWQ's 4-bit GEMM format, what vLLM serves as ``awq``): ``qweight``,
-``qzeros`` and ``scales`` are dequantized at load, and the greedy tokens equal transformers'
-on the dequantized model. Before, such a checkpoint was refused."""
+``qzeros`` and ``scales``. On the CPU it runs as int4 on its own grid by default (the
+weights as stored, within float16's rounding of a block's minimum; logprobs close to
+transformers' on the dequantized model); ``--quantization none`` dequantizes it at load, and
+the greedy tokens equal transformers' on the dequantized model."""
 
 from __future__ import annotations
 
@@ -13,13 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncengine.executor.models.checkpoint_quant import (
+from asyncengine.executor.models.checkpoint_packed import (
     AWQScheme,
     dequantize_awq_matrix,
-    dequantize_checkpoint,
     unpack_awq,
 )
-from tests.test_fp8_checkpoint import check_against_dequantized
+from asyncengine.executor.models.checkpoint_quant import dequantize_checkpoint
+from tests.test_fp8_checkpoint import check_against_dequantized, check_on_int4_grid
 from tests.utils import make_tiny_model
 
 GROUP = 32
@@ -92,8 +94,9 @@ def test_awq_checkpoint_gives_transformers_tokens_on_the_dequantized_model(tmp_p
                            intermediate_size=128, num_attention_heads=4,
                            num_key_value_heads=2, num_hidden_layers=2)
     path, ref = make_awq(base, tmp_path / "awq")
-    llm = check_against_dequantized(path, ref)
+    llm = check_against_dequantized(path, ref, quantization="none")
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+    check_on_int4_grid(path, ref)  # the default on the CPU
 
 
 def test_an_awq_matrix_missing_a_part_is_an_error():

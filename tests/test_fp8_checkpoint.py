@@ -93,10 +93,11 @@ def make_fp8(base: str, out: Path, method: str, how: str) -> tuple[str, str]:
     return str(out), str(ref)
 
 
-def check_against_dequantized(path: str, ref: str) -> LLM:
+def check_against_dequantized(path: str, ref: str, **kw) -> LLM:
     """A quantized checkpoint at ``path`` gives the greedy tokens transformers gives on
-    ``ref`` (what it dequantizes to), and loads exactly ``ref``'s matrices."""
-    llm = LLM(path, dtype="float32", max_model_len=128)
+    ``ref`` (what it dequantizes to), and loads exactly ``ref``'s matrices. ``kw``: more
+    ``LLM`` arguments (``quantization="none"``: a 4-bit checkpoint dequantized)."""
+    llm = LLM(path, dtype="float32", max_model_len=128, **kw)
     prompts = [[5, 17, 300, 42, 7], list(range(100, 130))]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16,
                                                 ignore_eos=True))
@@ -184,3 +185,33 @@ def test_an_fp8_checkpoint_on_two_tensor_parallel_ranks(base, tmp_path):
         assert out[0].outputs[0].token_ids == hf_greedy(hf_reference_model(ref), prompt, 12)[0]
     finally:
         stop_workers(tp2)
+
+
+def check_on_int4_grid(path: str, ref: str) -> None:
+    """A 4-bit AWQ / GPTQ checkpoint on the CPU runs packed by default (``--quantization
+    auto``): every decoder linear int4 on the checkpoint's own grid (the weights its own
+    within float16's rounding of a block's minimum, 2**-11 of it), and logprobs close to
+    transformers' on the dequantized model (test_int4.py's tolerances for int4 with the int8
+    head: the kernel rounds activations to int8 per block, as llama.cpp does)."""
+    from asyncengine.executor.kernels import packed as packed_kernels
+    from asyncengine.executor.models.int4 import GROUP, Int4Linear
+    from asyncengine.executor.models.loader import load_model, resolve_model
+    from tests.test_models import PagedRunner, reference_logits
+
+    if not (packed_kernels.available("int4") and packed_kernels.available("int8")):
+        pytest.skip("the packed CPU kernels do not build here")
+    model = load_model(resolve_model(path), "auto", torch.float32, "cpu", quantization="auto")
+    linears = [m for layer in model.model.layers for m in layer.modules()
+               if isinstance(m, Int4Linear)]
+    assert len(linears) == 4 * model.num_layers
+    want = load_file(next(Path(ref).glob("*.safetensors")))
+    for name in ("model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj"):
+        layer = model.get_submodule(name)
+        low = layer.scale_min[..., 1].float().abs().repeat_interleave(GROUP, 1)
+        diff = (layer.dequantized() - want[f"{name}.weight"]).abs()
+        assert (diff <= low * 2**-11 + 1e-7).all(), float((diff / (low + 1e-9)).max())
+    tokens = torch.randint(0, 49152, (24,), generator=torch.Generator().manual_seed(2))
+    expected = reference_logits(hf_reference_model(ref), tokens).log_softmax(-1)
+    got = torch.cat([PagedRunner(model).step({"r": tokens})["r"]]).log_softmax(-1)
+    assert (got - expected).abs().max().item() < 0.25
+    assert (expected.exp() * (expected - got)).sum(-1).mean().item() < 2e-3

@@ -1,6 +1,8 @@
 """GPTQ checkpoints (AutoGPTQ / GPTQModel, vLLM's ``gptq``): 4 and 8 bits, the original format
 (zeros stored minus one) and ``gptq_v2``, with and without act-order (``g_idx``): dequantized at
-load, the greedy tokens equal transformers' on the dequantized model. Before, refused."""
+load (``--quantization none``, and by default for act-order and 8 bits), the greedy tokens
+equal transformers' on the dequantized model; 4 bits in input order run as int4 on their own
+grid by default on the CPU. Before, refused."""
 
 from __future__ import annotations
 
@@ -13,13 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncengine.executor.models.checkpoint_quant import (
+from asyncengine.executor.models.checkpoint_packed import (
     GPTQScheme,
-    dequantize_checkpoint,
     dequantize_gptq_matrix,
     unpack_words,
 )
-from tests.test_fp8_checkpoint import check_against_dequantized
+from asyncengine.executor.models.checkpoint_quant import dequantize_checkpoint
+from tests.test_fp8_checkpoint import check_against_dequantized, check_on_int4_grid
 from tests.utils import make_tiny_model
 
 GROUP = 32
@@ -109,8 +111,13 @@ def test_unpacking_along_rows_and_columns():
 def test_gptq_checkpoint_gives_transformers_tokens_on_the_dequantized_model(
         base, tmp_path, bits, fmt, act_order):
     path, ref = make_gptq(base, tmp_path / "q", bits, fmt, act_order)
-    llm = check_against_dequantized(path, ref)
+    # 4 bits in input order run as int4 on their own grid by default on the CPU; act-order
+    # (groups scattered across int4's blocks) and 8 bits are dequantized
+    packed = bits == 4 and not act_order
+    llm = check_against_dequantized(path, ref, quantization="none" if packed else "auto")
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+    if packed:
+        check_on_int4_grid(path, ref)
 
 
 def test_act_order_needs_g_idx_and_the_zeros_offset_matters():
@@ -127,3 +134,35 @@ def test_act_order_needs_g_idx_and_the_zeros_offset_matters():
     step = sc.float().repeat_interleave(GROUP, 0).t()
     assert ((v1 - w).abs() <= step * 0.5 + 1e-3).all()  # the original format: zero - 1
     assert torch.allclose(v2 - v1, step)  # read as gptq_v2, every value one step off
+
+
+def test_int4_grid_takes_groups_that_tile_blocks_of_32():
+    from asyncengine.executor.models.checkpoint_packed import int4_grid
+
+    zeros = torch.tensor([[1.0, 2.0], [3.0, 4.0]])  # [groups, out]
+    scales = torch.tensor([[0.5, 0.25], [1.0, 2.0]])
+    g_idx = torch.tensor([1] * 32 + [0] * 32)  # whole blocks of 32, in any order
+    grid = int4_grid(zeros, scales, g_idx)
+    assert grid.kind == "q4"
+    assert grid.scale.tolist() == [[1.0, 0.5], [2.0, 0.25]]  # [out, blocks]
+    assert grid.other.tolist() == [[-3.0, -0.5], [-8.0, -0.5]]  # -zero * scale
+    assert int4_grid(zeros, scales, torch.arange(64) % 2) is None  # scattered (act-order)
+    assert int4_grid(zeros, scales, torch.zeros(48, dtype=torch.int64)) is None  # 48 inputs
+
+
+def test_auto_packs_4_bit_checkpoints_whose_groups_tile_int4_blocks():
+    from asyncengine.executor.kernels import packed as packed_kernels
+    from asyncengine.executor.models.checkpoint_quant import AWQScheme, FP8Scheme
+    from asyncengine.executor.models.quantization import resolve_auto
+
+    cpu = torch.device("cpu")
+    kernels = packed_kernels.available("int4") and packed_kernels.available("int8")
+    for scheme in (AWQScheme(128), AWQScheme(32), GPTQScheme(4, 128, 1), GPTQScheme(4, -1, 0)):
+        assert resolve_auto("auto", "safetensors", cpu, set(), scheme) == (
+            "int4" if kernels else "none")
+    for scheme in (AWQScheme(16), GPTQScheme(4, 128, 1, act_order=True), GPTQScheme(8, 128, 1),
+                   FP8Scheme("fp8", (128, 128)), None):
+        assert resolve_auto("auto", "safetensors", cpu, set(), scheme) == "none"
+    assert resolve_auto("auto", "safetensors", torch.device("cuda"), set(),
+                        AWQScheme(128)) == "none"  # no int4 kernels on CUDA: dequantized
+    assert resolve_auto("none", "safetensors", cpu, set(), AWQScheme(128)) == "none"

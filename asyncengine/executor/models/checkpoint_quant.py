@@ -1,16 +1,18 @@
 """Quantized safetensors checkpoints: the ``quantization_config`` of a model's config.json.
 
-The FP8 and AWQ checkpoints vLLM serves are read here. Their matrices are dequantized once, as
-they are loaded, to the model's dtype; ``--quantization int8`` / ``int4`` can then pack them as
-they would any float weights. AWQ (``quant_method: awq``, ``version: gemm``, 4 bits, zero
-points: AutoAWQ's format) stores ``qweight`` (int32, ``[in, out / 8]``, eight 4-bit values a
-word in AWQ's column order), ``qzeros`` (the same packing, a row per group of ``group_size``
-inputs) and ``scales`` (``[in / group_size, out]``); ``W = (q - zero) * scale``. GPTQ
-(``quant_method: gptq``, 4 or 8 bits: AutoGPTQ / GPTQModel) packs ``qweight`` along the inputs
-(``[in / per_word, out]``, plain order) and ``qzeros`` along the outputs, stores ``zero - 1``
-unless ``checkpoint_format`` is ``gptq_v2``, and under act-order (``desc_act``) ``g_idx``
-gives each input row's group (without it, row ``k``'s group is ``k // group_size``);
-``W = (q - zero[g_idx]) * scale[g_idx]``. Three FP8 formats are read:
+The FP8, AWQ and GPTQ checkpoints vLLM serves are read here. Their matrices are dequantized
+once, as they are loaded, to the model's dtype; ``--quantization int8`` / ``int4`` can then
+pack them as they would any float weights, and ``int4`` (the CPU's default for 4-bit AWQ and
+GPTQ in input order) keeps a 4-bit matrix on its own grid (``checkpoint_packed.py``). AWQ
+(``quant_method: awq``, ``version: gemm``, 4 bits, zero points: AutoAWQ's format) stores
+``qweight`` (int32, ``[in, out / 8]``, eight 4-bit values a word in AWQ's column order),
+``qzeros`` (the same packing, a row per group of ``group_size`` inputs) and ``scales`` (``[in /
+group_size, out]``); ``W = (q - zero) * scale``. GPTQ (``quant_method: gptq``, 4 or 8 bits:
+AutoGPTQ / GPTQModel) packs ``qweight`` along the inputs (``[in / per_word, out]``, plain
+order) and ``qzeros`` along the outputs, stores ``zero - 1`` unless ``checkpoint_format`` is
+``gptq_v2``, and under act-order (``desc_act``) ``g_idx`` gives each input row's group (without
+it, row ``k``'s group is ``k // group_size``); ``W = (q - zero[g_idx]) * scale[g_idx]``. Three
+FP8 formats are read:
 
 * ``compressed-tensors`` with float 8-bit weights (``format: float-quantized``, the
   llm-compressor / RedHatAI FP8 models): ``W = weight * weight_scale``, where the scale is per
@@ -36,12 +38,18 @@ from typing import Any
 
 import torch
 
+from asyncengine.executor.models.checkpoint_packed import (
+    AWQScheme,
+    GPTQScheme,
+    record,
+    unpack_awq_matrix,
+    unpack_gptq_matrix,
+)
+
 logger = logging.getLogger("asyncengine")
 
 FP8_METHODS = ("compressed-tensors", "fp8", "fbgemm_fp8")
 METHODS = (*FP8_METHODS, "awq", "gptq")
-#: Where AWQ's packing puts output column k of a group of eight: nibble AWQ_REVERSE_ORDER[k].
-AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 _AWQ_PARTS = ("qweight", "qzeros", "scales")  # GPTQ's too, and g_idx under act-order
 _DROPPED = ("input_scale", "input_scale_ub", "k_scale", "v_scale", "kv_scale")
 
@@ -55,21 +63,6 @@ class FP8Scheme:
     @property
     def scale_suffix(self) -> str:
         return "weight_scale_inv" if self.method == "fp8" else "weight_scale"
-
-
-@dataclass(frozen=True)
-class AWQScheme:
-    group_size: int
-    method: str = "awq"
-
-
-@dataclass(frozen=True)
-class GPTQScheme:
-    bits: int
-    group_size: int  # -1: one group of all the inputs
-    zero_offset: int  # 1 for the original format (zeros stored minus one), 0 for gptq_v2
-    act_order: bool = False  # desc_act: g_idx maps each input row to its group
-    method: str = "gptq"
 
 
 def checkpoint_quantization(config: Any,
@@ -144,79 +137,52 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor,
 
 def dequantize_checkpoint(weights: Iterator[tuple[str, torch.Tensor]],
                           scheme: FP8Scheme | AWQScheme | GPTQScheme,
+                          grids: dict[str, Any] | None = None,
                           ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors with its quantized matrices dequantized (float32)."""
-    logger.info("quantized checkpoint (%s): its matrices are dequantized as they are read",
-                scheme.method)
+    """The checkpoint's tensors with its quantized matrices dequantized (float32).
+
+    ``grids``: filled with each 4-bit AWQ / GPTQ matrix's own grid in int4's blocks of 32
+    inputs (``int4_grid``), by weight name, for ``--quantization int4`` to pack the matrix as
+    stored rather than quantize it again."""
     if isinstance(scheme, AWQScheme):
-        return _gather(weights, _AWQ_PARTS, (), "AWQ", lambda p: dequantize_awq_matrix(
-            p["qweight"], p["qzeros"], p["scales"], scheme.group_size))
+        def awq(name: str, p: dict[str, torch.Tensor]) -> torch.Tensor:
+            q, zeros, s = unpack_awq_matrix(p["qweight"], p["qzeros"], p["scales"],
+                                            scheme.group_size)
+            g_idx = torch.arange(q.shape[0]) // scheme.group_size
+            return record(name, q, zeros, s, g_idx, grids)
+
+        return _announce(_gather(weights, _AWQ_PARTS, (), "AWQ", awq), scheme, grids)
     if isinstance(scheme, GPTQScheme):  # g_idx: each input row's group, under act-order only
         parts, dropped = (_AWQ_PARTS + ("g_idx",), ()) if scheme.act_order else \
             (_AWQ_PARTS, ("g_idx",))
-        return _gather(weights, parts, dropped, "GPTQ",
-                       lambda p: dequantize_gptq_matrix(p, scheme))
+
+        def gptq(name: str, p: dict[str, torch.Tensor]) -> torch.Tensor:
+            q, zeros, s, g_idx = unpack_gptq_matrix(p, scheme)
+            return record(name, q, zeros, s, g_idx, grids if scheme.bits == 4 else None)
+
+        return _announce(_gather(weights, parts, dropped, "GPTQ", gptq), scheme, grids)
+    logger.info("quantized checkpoint (%s): its matrices are dequantized as they are read",
+                scheme.method)
     return dequantize_fp8(weights, scheme)
 
 
-def unpack_words(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Integers packed ``32 / bits`` to an int32 word, value i at bits ``i * bits`` on,
-    along ``dim`` (0: rows, 1: columns) -> the values, ``32 / bits`` times as many there."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    values = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [rows, cols, per_word]
-    if dim == 1:
-        return values.reshape(packed.shape[0], -1)
-    return values.permute(0, 2, 1).reshape(-1, packed.shape[1])
-
-
-def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
-    """AWQ's int32 words ``[rows, cols]`` -> the 4-bit values ``[rows, 8 * cols]``, in column
-    order (within each word's eight, column k is nibble ``AWQ_REVERSE_ORDER[k]``)."""
-    nibbles = unpack_words(packed, 4, 1).reshape(packed.shape[0], -1, 8)
-    return nibbles[..., list(AWQ_REVERSE_ORDER)].reshape(packed.shape[0], -1)
-
-
-def dequantize_awq_matrix(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                          group_size: int) -> torch.Tensor:
-    """One AWQ matrix as a float32 ``[out, in]`` weight (nn.Linear's layout)."""
-    q = unpack_awq(qweight).to(torch.float32)  # [in, out]
-    zeros = unpack_awq(qzeros).to(torch.float32)  # [in / group, out]
-    s = scales.to(torch.float32)
-    if zeros.shape != s.shape or q.shape[0] != s.shape[0] * group_size or \
-            q.shape[1] != s.shape[1]:
-        raise ValueError(f"an AWQ matrix of {tuple(q.shape)} values with zeros "
-                         f"{tuple(zeros.shape)} and scales {tuple(s.shape)} in groups of "
-                         f"{group_size}")
-    w = (q - zeros.repeat_interleave(group_size, 0)) * s.repeat_interleave(group_size, 0)
-    return w.t().contiguous()
-
-
-def dequantize_gptq_matrix(parts: dict[str, torch.Tensor], scheme: GPTQScheme) -> torch.Tensor:
-    """One GPTQ matrix as a float32 ``[out, in]`` weight (nn.Linear's layout)."""
-    q = unpack_words(parts["qweight"], scheme.bits, 0).to(torch.float32)  # [in, out]
-    zeros = unpack_words(parts["qzeros"], scheme.bits, 1).to(torch.float32)  # [groups, out]
-    s = parts["scales"].to(torch.float32)
-    zeros = zeros + scheme.zero_offset
-    rows = q.shape[0]
-    g_idx = parts.get("g_idx")
-    if g_idx is None:
-        size = rows if scheme.group_size == -1 else scheme.group_size
-        g_idx = torch.arange(rows) // size
-    g_idx = g_idx.to(torch.int64)
-    if zeros.shape != s.shape or s.shape[1] != q.shape[1] or g_idx.shape != (rows,) or \
-            int(g_idx.max()) >= s.shape[0] or int(g_idx.min()) < 0:
-        raise ValueError(f"a GPTQ matrix of {tuple(q.shape)} values with zeros "
-                         f"{tuple(zeros.shape)}, scales {tuple(s.shape)} and g_idx "
-                         f"{tuple(g_idx.shape)}")
-    return ((q - zeros[g_idx]) * s[g_idx]).t().contiguous()
+def _announce(weights: Iterator[tuple[str, torch.Tensor]], scheme: AWQScheme | GPTQScheme,
+              grids: dict[str, Any] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    if grids is None:
+        logger.info("quantized checkpoint (%s): its matrices are dequantized as they are read",
+                    scheme.method)
+    else:
+        logger.info("quantized checkpoint (%s): its matrices are read onto int4's grid",
+                    scheme.method)
+    yield from weights
 
 
 def _gather(weights: Iterator[tuple[str, torch.Tensor]], parts: tuple[str, ...],
             dropped: tuple[str, ...], what: str,
             build: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Every matrix stored as the tensors ``X.<part>`` (any order, any shard) as one
-    ``X.weight``, built by ``build(parts)`` once all have come; tensors named ``X.<dropped>``
-    left out; the other tensors as they are."""
+    ``X.weight``, built by ``build("X.weight", parts)`` once all have come; tensors named
+    ``X.<dropped>`` left out; the other tensors as they are."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         prefix, _, kind = name.rpartition(".")
@@ -228,7 +194,7 @@ def _gather(weights: Iterator[tuple[str, torch.Tensor]], parts: tuple[str, ...],
         have = pending.setdefault(prefix, {})
         have[kind] = tensor
         if len(have) == len(parts):
-            yield prefix + ".weight", build(pending.pop(prefix))
+            yield prefix + ".weight", build(prefix + ".weight", pending.pop(prefix))
     if pending:
         prefix, have = next(iter(pending.items()))
         missing = [k for k in parts if k not in have]

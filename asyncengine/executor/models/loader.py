@@ -214,7 +214,8 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
         model = model_cls(config)
     from asyncengine.executor.models.quantization import resolve_auto
 
-    quantization = resolve_auto(quantization, fmt, device, _gguf_matrix_types(source, fmt))
+    quantization = resolve_auto(quantization, fmt, device, _gguf_matrix_types(source, fmt),
+                                quantized)
     grids: dict[str, Any] | None = None
     if fmt == "dummy":
         _fill_dummy(model, seed, getattr(config, "initializer_range", 0.02))
@@ -233,7 +234,8 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
         files = safetensors_files(source.path)
         weights = _iter_safetensors(files)
         if quantized is not None:  # FP8 / AWQ / GPTQ matrices dequantized as they are read
-            weights = dequantize_checkpoint(weights, quantized)
+            grids = {} if quantization == "int4" else None  # AWQ / GPTQ: int4 on their grid
+            weights = dequantize_checkpoint(weights, quantized, grids)
         model.load_weights(_progress(weights, _count_tensors(files), source.name))
     if quantization not in ("none", "gguf"):
         from asyncengine.executor.models.quantization import quantize_model

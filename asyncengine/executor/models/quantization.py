@@ -11,7 +11,8 @@
   in place; the token embedding too (a lookup dequantizes the rows looked up).
 - **auto** (the default): a GGUF file on the CPU runs packed as it is stored: only Q4_0 /
   Q4_1 / Q8_0 matrices as int4 / int8 where the packed kernels build, any other quantized
-  type (a Q4_K_M file) as ``gguf``; anything else as ``none``.
+  type (a Q4_K_M file) as ``gguf``; a 4-bit AWQ or GPTQ checkpoint on the CPU as int4 on its
+  own grid (``checkpoint_packed.int4_grid``); anything else as ``none``.
 
 Decoding a few requests streams all weights once per token, so a step costs what reading the
 weights costs: int8 is a quarter of float32's bytes, int4 an eighth. The matmuls read the
@@ -114,15 +115,21 @@ class Int8Linear(nn.Module):
                 f"group={self.in_features // self.scales.shape[1]}, kernel={self.use_kernel}")
 
 
-def resolve_auto(quantization: str, fmt: str, device: torch.device, qtypes: set[str]) -> str:
+def resolve_auto(quantization: str, fmt: str, device: torch.device, qtypes: set[str],
+                 checkpoint: Any = None) -> str:
     """What ``--quantization auto`` means for this model: ``int4`` for a GGUF file on the CPU
     whose linears are Q4_0 / Q4_1 (``qtypes``: the file's matrix types by name) when the
-    packed kernels build, ``int8`` for one whose matrices are Q8_0; else ``none``."""
+    packed kernels build, ``int8`` for one whose matrices are Q8_0; ``int4`` for a 4-bit AWQ
+    or GPTQ checkpoint (``checkpoint``: its scheme) whose groups int4's blocks of 32 inputs
+    tile; else ``none``."""
     if quantization == "gguf" and (fmt != "gguf" or device.type != "cpu"):
         raise ValueError("--quantization gguf: keeps a GGUF file's blocks as stored, for a "
                          ".gguf model on the CPU")
     if quantization != "auto":
         return quantization
+    if device.type == "cpu" and fmt == "safetensors" and _int4_checkpoint(checkpoint) \
+            and packed_kernels.available("int4") and packed_kernels.available("int8"):
+        return "int4"
     if fmt != "gguf" or device.type != "cpu":
         return "none"
     if qtypes - {"Q4_0", "Q4_1", "Q8_0", "F32", "F16", "BF16"}:
@@ -134,6 +141,18 @@ def resolve_auto(quantization: str, fmt: str, device: torch.device, qtypes: set[
     if qtypes == {"Q8_0"} and packed_kernels.available("int8"):
         return "int8"
     return "none"
+
+
+def _int4_checkpoint(scheme: Any) -> bool:
+    """A 4-bit AWQ / GPTQ checkpoint whose every matrix fits int4's blocks: groups of a
+    multiple of 32 inputs, in input order (GPTQ's act-order scatters them: dequantized)."""
+    method = getattr(scheme, "method", None)
+    if method == "awq":
+        return scheme.group_size % 32 == 0
+    if method == "gptq":
+        return scheme.bits == 4 and not scheme.act_order and (
+            scheme.group_size == -1 or scheme.group_size % 32 == 0)
+    return False
 
 
 def quantize_model(model: nn.Module, method: str, grids: dict[str, Any] | None = None
