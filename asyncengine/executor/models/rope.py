@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncengine.executor.kernels.cuda_layer_ops import RopeTable, cos_sin_table
+
 _OWN_TYPES = ("default", "linear", "llama3")
 _BORROWED_TYPES = ("yarn", "longrope")
 
@@ -93,8 +95,6 @@ class RotaryEmbedding(nn.Module):
     def use_table(self, max_positions: int, device: torch.device | str) -> None:
         """From now on, a step's tables on ``device`` are FlashInfer's: its positions and one
         ``cos | sin`` table of every position, made here (``cuda_layer_ops.RopeTable``)."""
-        from asyncengine.executor.kernels.cuda_layer_ops import cos_sin_table
-
         self.cos_sin = cos_sin_table(self.inv_freq, self.attention_scaling, max_positions,
                                      device)
 
@@ -117,8 +117,6 @@ class RotaryEmbedding(nn.Module):
         after ``use_table``: ``(RopeTable, None)``, for FlashInfer's RoPE kernel."""
         if self.cos_sin is not None and positions.device == self.cos_sin.device \
                 and not torch.compiler.is_compiling():
-            from asyncengine.executor.kernels.cuda_layer_ops import RopeTable
-
             return RopeTable(positions, self.cos_sin), None  # type: ignore[return-value]
         if positions.device.type == "cpu" and not torch.compiler.is_compiling():
             cos, sin = self._table(int(positions.max()) + 1 if positions.numel() else 0, dtype)
