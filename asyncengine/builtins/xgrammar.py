@@ -94,7 +94,8 @@ class XGrammarBackend(StructuredOutputBackend):
     def compile_grammar(self, kind: str, spec: Any) -> XGrammarGrammar:
         try:
             compiled = self._compile(kind, spec)
-        except (RuntimeError, TypeError) as e:
+        except (RuntimeError, TypeError, UnicodeError) as e:  # (xgrammar reads text as UTF-8
+            # bytes: a grammar that splits a character fails to decode)
             raise ValueError(f"invalid {_NAMES.get(kind, kind)}: {_clean(str(e))}") from None
         return XGrammarGrammar(compiled)
 
