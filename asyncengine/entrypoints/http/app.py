@@ -9,7 +9,7 @@ import aiohttp_cors
 from aiohttp import web
 
 from asyncengine.engine.errors import EngineOverloaded
-from asyncengine.entrypoints.http import lora, routes
+from asyncengine.entrypoints.http import llama_native, lora, routes
 from asyncengine.entrypoints.http.auth import auth_middleware
 from asyncengine.entrypoints.http.chat import create_chat_completion
 from asyncengine.entrypoints.http.completions import create_completion
@@ -104,6 +104,15 @@ BUILTIN_ROUTES = [
           DetokenizeRequest, DetokenizeResponse),
     Route("GET", "/version", routes.get_version, "The server's version",
           response=VersionResponse),
+    Route("POST", "/completion", llama_native.llama_completion,
+          "Create a completion (llama-server's own route)", llama_native.LlamaCompletionRequest,
+          llama_native.LlamaCompletion, stream=llama_native.LlamaCompletion),
+    Route("POST", "/completions", llama_native.llama_completion,
+          "Create a completion (llama-server's own route; as /completion)",
+          llama_native.LlamaCompletionRequest, llama_native.LlamaCompletion,
+          stream=llama_native.LlamaCompletion),
+    Route("GET", "/props", llama_native.props, "The server's properties (llama-server's)",
+          response=llama_native.LlamaProps),
     Route("GET", "/openapi.json", openapi_json, "This document"),
 ]
 
@@ -120,7 +129,7 @@ async def draining_middleware(request: web.Request, handler) -> web.StreamRespon
 
 #: Handlers that queue engine requests.
 _QUEUEING = frozenset({create_completion, create_chat_completion, create_response,
-                       create_message})
+                       create_message, llama_native.llama_completion})
 
 
 @web.middleware

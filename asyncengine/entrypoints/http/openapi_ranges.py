@@ -29,6 +29,7 @@ def parameter_bounds(limits: SamplingLimits) -> dict[str, dict[str, Any]]:
         "top_k": {"minimum": -1, "description": "-1 or 0: disabled; values past the "
                   "vocabulary size mean all tokens"},
         "max_tokens": {"minimum": 1, "maximum": INT64_MAX},
+        "repeat_penalty": FLOAT_RANGES["repetition_penalty"].json_schema(),  # llama-server's
         "max_completion_tokens": {"minimum": 1, "maximum": INT64_MAX},
         "max_output_tokens": {"minimum": 1, "maximum": INT64_MAX},
         "min_tokens": {"minimum": 0, "maximum": INT64_MAX},
@@ -74,7 +75,8 @@ class Served:
 
 
 #: The fields that count generated tokens: at most the context less one prompt token.
-_OUTPUT_LENGTHS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens")
+_OUTPUT_LENGTHS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens",
+                   "n_predict")
 #: Fields that hold lists of token ids.
 _TOKEN_LISTS = ("stop_token_ids", "tokens")
 #: Fields that hold a prompt in the four forms of ``protocol.Prompt``.
@@ -104,6 +106,10 @@ def publish_served(body: type, schema: dict[str, Any], limits: SamplingLimits,
             for option in _options(props[field]):
                 if option.get("type") == "array":
                     option["items"] = dict(token)
+    if name == "LlamaCompletionRequest" and "prompt" in props:  # text, or token ids
+        for option in _options(props["prompt"]):
+            if option.get("type") == "array":
+                option["items"] = dict(token)
     if name in _PROMPTS and _PROMPTS[name] in props:
         props[_PROMPTS[name]] = prompt_schema(limits)
     if "logit_bias" in props and limits.vocab_size:
