@@ -9,7 +9,7 @@ import aiohttp_cors
 from aiohttp import web
 
 from asyncengine.engine.errors import EngineOverloaded
-from asyncengine.entrypoints.http import llama_native, lora, routes
+from asyncengine.entrypoints.http import llama_infill, llama_native, lora, routes
 from asyncengine.entrypoints.http.auth import auth_middleware
 from asyncengine.entrypoints.http.chat import create_chat_completion
 from asyncengine.entrypoints.http.completions import create_completion
@@ -111,6 +111,10 @@ BUILTIN_ROUTES = [
           "Create a completion (llama-server's own route; as /completion)",
           llama_native.LlamaCompletionRequest, llama_native.LlamaCompletion,
           stream=llama_native.LlamaCompletion),
+    Route("POST", "/infill", llama_infill.llama_infill,
+          "Fill in the middle of code (llama-server's route; a model with the tokens)",
+          llama_infill.LlamaInfillRequest, llama_native.LlamaCompletion,
+          stream=llama_native.LlamaCompletion, enabled=llama_infill.infill_enabled),
     Route("GET", "/props", llama_native.props, "The server's properties (llama-server's)",
           response=llama_native.LlamaProps),
     Route("GET", "/openapi.json", openapi_json, "This document"),
@@ -129,7 +133,8 @@ async def draining_middleware(request: web.Request, handler) -> web.StreamRespon
 
 #: Handlers that queue engine requests.
 _QUEUEING = frozenset({create_completion, create_chat_completion, create_response,
-                       create_message, llama_native.llama_completion})
+                       create_message, llama_native.llama_completion,
+                       llama_infill.llama_infill})
 
 
 @web.middleware

@@ -1,4 +1,5 @@
-"""llama-server's own routes, for its clients: ``POST /completion`` and ``GET /props``.
+"""llama-server's own routes, for its clients: ``POST /completion`` and ``GET /props``
+(``POST /infill``, for code models, is ``llama_infill.py``).
 
 ``/completion`` (also ``/completions``) takes llama.cpp's body: ``prompt`` (a string or token
 ids), ``n_predict`` (-1: up to the context), ``temperature``, ``top_k``, ``top_p``, ``min_p``,
@@ -48,11 +49,11 @@ NonEmptyText = Annotated[str, Meta(min_length=1)]
 TokenIds = Annotated[list[TokenId], Meta(min_length=1)]
 
 
-class LlamaCompletionRequest(Body, kw_only=True):
-    """POST /completion: llama-server's body. Unset sampling fields take the server's
-    defaults; ``n_predict`` -1 (or unset) generates up to the context, 0 nothing."""
+class LlamaSampling(Body, kw_only=True):
+    """The generation fields of llama-server's /completion and /infill bodies. Unset
+    sampling fields take the server's defaults; ``n_predict`` -1 (or unset) generates up to
+    the context, 0 nothing."""
 
-    prompt: NonEmptyText | TokenIds
     model: str | None = None
     n_predict: Annotated[int, Meta(ge=-1, le=INT64_MAX)] | None = None
     temperature: float | None = None
@@ -81,6 +82,12 @@ class LlamaCompletionRequest(Body, kw_only=True):
     xtc_probability: Annotated[float, Meta(ge=0.0, le=0.0)] = 0.0
     n_probs: Annotated[int, Meta(ge=0, le=0)] = 0
     logit_bias: Annotated[list[Any], Meta(max_length=0)] | None = None
+
+
+class LlamaCompletionRequest(LlamaSampling, kw_only=True):
+    """POST /completion: a prompt as text or token ids."""
+
+    prompt: NonEmptyText | TokenIds
 
 
 class LlamaTimings(Struct, kw_only=True):
@@ -128,7 +135,7 @@ class LlamaProps(Struct, kw_only=True):
     is_sleeping: bool
 
 
-def _sampling(body: LlamaCompletionRequest, state: ServerState) -> SamplingParams:
+def _sampling(body: LlamaSampling, state: ServerState) -> SamplingParams:
     if body.json_schema is not None and body.grammar is not None:
         raise bad_request("give json_schema or grammar (one structured_outputs constraint), "
                           "not both", "grammar")
@@ -161,14 +168,20 @@ def _sampling(body: LlamaCompletionRequest, state: ServerState) -> SamplingParam
 
 async def llama_completion(request: web.Request) -> web.StreamResponse:
     """POST /completion, /completions: llama-server's completion route."""
-    state = state_of(request)
     body = await read_body(request, LlamaCompletionRequest)
+    return await complete(request, body, body.prompt)
+
+
+async def complete(request: web.Request, body: LlamaSampling,
+                   prompt: str | list[int]) -> web.StreamResponse:
+    """Run ``prompt`` with ``body``'s sampling; answer as llama-server (streamed or not)."""
+    state = state_of(request)
     lora = check_model(state.engine, body.model)
     params = _sampling(body, state)
-    call = _Call(state, body, lora)
+    call = _Call(state, body, prompt, lora)
     if body.n_predict == 0:  # llama-server: the prompt read, nothing generated
         return json_response(call.nothing())
-    streams = await open_streams(state.engine, [body.prompt], params,
+    streams = await open_streams(state.engine, [prompt], params,
                                  request_id(request, "cmpl"), 0, deltas_only=body.stream,
                                  lora_name=lora)
     if body.stream:
@@ -183,10 +196,11 @@ async def llama_completion(request: web.Request) -> web.StreamResponse:
 class _Call:
     """One /completion call: its stream's events, and its final object."""
 
-    def __init__(self, state: ServerState, body: LlamaCompletionRequest,
+    def __init__(self, state: ServerState, body: LlamaSampling, prompt: str | list[int],
                  lora: str | None) -> None:
         self.state = state
         self.body = body
+        self.prompt = prompt
         self.model = lora or state.served_model_names[0]
 
     def render(self, _i: int, out: RequestOutput) -> bytes:
@@ -223,7 +237,7 @@ class _Call:
 
     def nothing(self) -> LlamaCompletion:
         """``n_predict`` 0: the prompt's tokens counted, no output."""
-        prompt = self.body.prompt
+        prompt = self.prompt
         tokenizer = self.state.engine.tokenizer
         ids = prompt if isinstance(prompt, list) else tokenizer.encode(prompt)
         text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)

@@ -1,0 +1,72 @@
+"""Fill-in-the-middle prompts, for llama-server's ``/infill`` (code completion in editors).
+
+A code model trained for it marks the code before the cursor, the code after it and where to
+write with special tokens, in prefix-suffix-middle order: ``PRE prefix SUF suffix MID``, the
+model then writing the middle. Models name those tokens in one of a few ways, found in the
+tokenizer's vocabulary by their text:
+
+- Qwen2.5/3-Coder, CodeGemma: ``<|fim_prefix|>``, ``<|fim_suffix|>``, ``<|fim_middle|>``,
+  and for other files of the project ``<|repo_name|>``, ``<|file_sep|>``;
+- StarCoder 1 and 2: ``<fim_prefix>``, ``<fim_suffix>``, ``<fim_middle>``, ``<repo_name>``,
+  ``<file_sep>``;
+- DeepSeek-Coder: ``<｜fim▁begin｜>``, ``<｜fim▁hole｜>``, ``<｜fim▁end｜>``;
+- CodeLlama: ``<PRE>``, ``<SUF>``, ``<MID>``.
+
+Other files' text (``input_extra``) goes first: with the repository tokens as the models were
+trained (``REPO project SEP name text SEP name text ...``), else as plain text before the
+prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: (prefix, suffix, middle, repository, file separator) token texts, by model family.
+STYLES: tuple[tuple[str, str, str, str | None, str | None], ...] = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|repo_name|>", "<|file_sep|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<repo_name>", "<file_sep>"),
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", None, None),
+    ("<PRE>", "<SUF>", "<MID>", None, None),
+)
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    prefix: int
+    suffix: int
+    middle: int
+    repo: int | None = None
+    file_sep: int | None = None
+
+
+def fim_tokens(vocab: dict[str, int]) -> FimTokens | None:
+    """The model's fill-in-the-middle tokens (``vocab``: token text -> id), None without."""
+    for pre, suf, mid, repo, sep in STYLES:
+        if pre in vocab and suf in vocab and mid in vocab:
+            repo_id = vocab.get(repo) if repo else None
+            sep_id = vocab.get(sep) if sep else None
+            if repo_id is None or sep_id is None:
+                repo_id = sep_id = None
+            return FimTokens(vocab[pre], vocab[suf], vocab[mid], repo_id, sep_id)
+    return None
+
+
+def fim_prompt(tokens: FimTokens, encode: Any, prefix: str, suffix: str, middle: str = "",
+               extra: Sequence[tuple[str, str]] = (), bos: Sequence[int] = (),
+               project: str = "myproject") -> list[int]:
+    """The token ids of a fill-in-the-middle prompt. ``encode(text)``: ids without special
+    tokens; ``middle``: the start of the middle, already written; ``extra``: other files'
+    ``(name, text)``; ``bos``: what the tokenizer puts first."""
+    ids = list(bos)
+    if extra and tokens.repo is not None and tokens.file_sep is not None:
+        ids += [tokens.repo, *encode(project + "\n")]
+        for name, text in extra:
+            ids += [tokens.file_sep, *encode(f"{name}\n{text}")]
+        ids.append(tokens.file_sep)
+    else:
+        for _, text in extra:
+            ids += encode(text)
+    ids += [tokens.prefix, *encode(prefix), tokens.suffix, *encode(suffix), tokens.middle]
+    return ids + encode(middle) if middle else ids
