@@ -81,3 +81,13 @@ def test_props(server):
     health = server.get_json("/v1/models")["data"][0]
     assert props["default_generation_settings"]["n_ctx"] == health["max_model_len"]
     assert props["total_slots"] == 16 and props["model_alias"] == health["id"]
+
+
+def test_tokenize_and_detokenize_in_llama_servers_form(server):
+    _, _, vllm = post(server, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False})
+    status, _, llama = post(server, "/tokenize", {"content": PROMPT})
+    assert status == 200 and llama["tokens"] == vllm["tokens"]
+    status, _, err = post(server, "/tokenize", {"content": PROMPT, "prompt": PROMPT})
+    assert status == 400 and "exactly one of prompt, messages and content" in json.dumps(err)
+    _, _, text = post(server, "/detokenize", {"tokens": llama["tokens"]})
+    assert text["content"] == text["prompt"] == PROMPT

@@ -181,12 +181,12 @@ def publish_served(body: type, schema: dict[str, Any], limits: SamplingLimits,
         components["ChatMessage"]["then"] = {"properties": {"tool_calls": {"type": "null"}}}
     if name == "MessagesRequest" and "max_tokens" in props:  # 0: Anthropic's cache warm-up
         _bound(props["max_tokens"], ("integer",), {"minimum": 0})
-    if name == "TokenizeRequest":  # exactly one of prompt and messages
+    if name == "TokenizeRequest":  # exactly one of prompt, messages and (llama's) content
+        forms = {"prompt": "string", "messages": "array", "content": "string"}
         schema["oneOf"] = [
-            {"required": ["prompt"], "properties": {"prompt": {"type": "string"},
-                                                    "messages": {"type": "null"}}},
-            {"required": ["messages"], "properties": {"messages": {"type": "array"},
-                                                      "prompt": {"type": "null"}}}]
+            {"required": [given], "properties": {
+                f: {"type": kind} if f == given else {"type": "null"} for f, kind in
+                forms.items()}} for given in forms]
 
 
 def _drop_auto(prop: dict[str, Any], components: dict[str, Any]) -> None:

@@ -207,11 +207,14 @@ class ChatCompletionRequest(GenerationBody, kw_only=True):
 
 # -- tokenizer routes --------------------------------------------------------------------------
 class TokenizeRequest(Body, kw_only=True):
-    """POST /tokenize: either ``prompt`` or ``messages`` (rendered with the chat template,
-    with ``tools`` and ``chat_template_kwargs`` when given)."""
+    """POST /tokenize: one of ``prompt``, ``messages`` (rendered with the chat template,
+    with ``tools`` and ``chat_template_kwargs`` when given) and ``content`` (llama-server's
+    name for ``prompt``, with its ``add_special``)."""
 
     model: str | None = None
     prompt: str | None = None
+    content: str | None = None
+    add_special: bool | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
     tools: list[ChatTool] | None = None
     add_special_tokens: bool | None = None

@@ -179,6 +179,7 @@ class TokenizeResponse(Struct):
 
 class DetokenizeResponse(Struct):
     prompt: str
+    content: str  # llama-server's name for it
 
 
 class VersionResponse(Struct):

@@ -116,9 +116,12 @@ async def tokenize(request: web.Request) -> web.Response:
     engine = state.engine
     body = await read_body(request, TokenizeRequest)
     check_model(engine, body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise bad_request("give exactly one of prompt and messages", "prompt")
-    if body.messages is not None:
+    given = [f for f in ("prompt", "messages", "content") if getattr(body, f) is not None]
+    if len(given) != 1:
+        raise bad_request("give exactly one of prompt, messages and content", "prompt")
+    if body.content is not None:  # llama-server's form
+        ids = engine.tokenizer.encode(body.content, add_special_tokens=bool(body.add_special))
+    elif body.messages is not None:
         text = render_chat(engine, body.messages, body.add_generation_prompt is not False,
                            tools=template_tools(body.tools),
                            template_kwargs=chat_template_kwargs(state, body.chat_template_kwargs))
@@ -140,4 +143,5 @@ async def detokenize(request: web.Request) -> web.Response:
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
         raise bad_request(f"token id {bad[0]} is out of vocabulary (0..{vocab - 1})", "tokens")
-    return json_response(DetokenizeResponse(engine.tokenizer.decode(body.tokens)))
+    text = engine.tokenizer.decode(body.tokens)
+    return json_response(DetokenizeResponse(text, text))
