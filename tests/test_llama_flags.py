@@ -42,10 +42,14 @@ def test_a_llama_server_command_line_reads_as_asyncengines():
     assert "llama-server flag -c 4096: read as --max-model-len 4096" in said
     # the flags asyncengine has itself (--model, --port, --seed...) are its own, untouched;
     # llama-server's 0 = "the model's own" for the context and "auto" for slots and threads
-    assert _translate("--model", "m", "-c", "0", "-np", "-1", "-t", "-1")[0] == ["--model", "m"]
+    assert _translate("--model", "m", "-c", "0", "-np", "-1", "-t", "-1")[0] == [
+        "--model", "m", "--port", "8080"]  # llama-server's port, as no --port was given
+    assert _translate("--model", "m", "--max-model-len", "64")[0] == [
+        "--model", "m", "--max-model-len", "64"]  # no llama-server flag: asyncengine's port
     # a draft model
-    out, _ = _translate("-md", "small.gguf", "--draft-max", "4")
-    assert json.loads(out[1]) == {"model": "small.gguf", "method": "draft_model",
+    out, _ = _translate("-md", "small.gguf", "--draft-max", "4", "--port=9000")
+    assert out[0] == "--port=9000"
+    assert json.loads(out[2]) == {"model": "small.gguf", "method": "draft_model",
                                   "num_speculative_tokens": 4}
 
 

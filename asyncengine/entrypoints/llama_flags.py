@@ -6,8 +6,9 @@ asyncengine does not define itself is rewritten to the asyncengine flag that mea
 and one line on stderr says so. Flags with no meaning here (layer offload, mmap, warm-up,
 slot and HTTP-thread settings) are accepted and named as ignored. A flag whose value cannot
 be honoured (a q4_0 KV cache) is an error that names it. Flags both servers share (``--host``,
-``--port``, ``--api-key``, ``--seed``...) mean the same and pass through. What is not listed
-here stays unknown to argparse, which names it.
+``--port``, ``--api-key``, ``--seed``...) mean the same and pass through; a llama-server
+command line without ``--port`` listens on llama-server's 8080 (asyncengine's own default is
+vLLM's 8000). What is not listed here stays unknown to argparse, which names it.
 """
 
 from __future__ import annotations
@@ -174,6 +175,7 @@ def translate(argv: Sequence[str], own: set[str],
     cannot be honoured."""
     out: list[str] = []
     state: dict = {}
+    llama = False  # whether a llama-server flag was read
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -184,6 +186,7 @@ def translate(argv: Sequence[str], own: set[str],
             i += 1
             continue
         value: str | None = inline if eq else None
+        llama = True
         i += 1
         if not eq and flag.arity == "value":
             if i >= len(argv):
@@ -199,7 +202,11 @@ def translate(argv: Sequence[str], own: set[str],
         if new:
             say(f"llama-server flag {shown}: read as {' '.join(new)}")
         out += new
-    return out + _gathered(state, own, argv, say)
+    out += _gathered(state, own, argv, say)
+    if llama and not any(a.partition("=")[0] == "--port" for a in argv):
+        say("llama-server's default port: --port 8080")
+        out += ["--port", "8080"]
+    return out
 
 
 def _gathered(state: dict, own: set[str], argv: Sequence[str],
