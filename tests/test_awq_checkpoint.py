@@ -106,3 +106,30 @@ def test_an_awq_matrix_missing_a_part_is_an_error():
                                    AWQScheme(GROUP)))
     with pytest.raises(ValueError, match="groups of 16"):
         dequantize_awq_matrix(qw, qz, sc, 16)
+
+
+def test_vllm_quantization_names_run_a_checkpoint_of_their_format(tmp_path):
+    """``vllm serve M --quantization awq`` (or awq_marlin) runs unchanged: the checkpoint's
+    own format; another format's name, or fp8 on float weights, names the flag."""
+    from asyncengine import LLM, SamplingParams
+    from asyncengine.executor.models.checkpoint_quant import FP8Scheme
+    from asyncengine.executor.models.quantization import from_vllm_method
+
+    assert from_vllm_method("awq_marlin", AWQScheme(128)) == "auto"
+    assert from_vllm_method("fp8", FP8Scheme("compressed-tensors")) == "auto"
+    assert from_vllm_method("int4", None) == "int4"
+    with pytest.raises(ValueError, match="--quantization gptq: .* says 'awq'"):
+        from_vllm_method("gptq", AWQScheme(128))
+    with pytest.raises(ValueError, match="--quantization fp8: for checkpoints .* at load"):
+        from_vllm_method("fp8", None)
+    base = make_tiny_model(tmp_path / "base", "llama", initializer_range=0.1, hidden_size=64,
+                           intermediate_size=128, num_attention_heads=4,
+                           num_key_value_heads=2, num_hidden_layers=2)
+    path, _ = make_awq(base, tmp_path / "awq")
+    auto = LLM(path, dtype="float32", max_model_len=128)
+    named = LLM(path, dtype="float32", max_model_len=128, quantization="awq")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in named.generate([[5, 17, 300]], params)] == [
+        o.outputs[0].token_ids for o in auto.generate([[5, 17, 300]], params)]
+    with pytest.raises(ValueError, match="--quantization gptq_marlin"):
+        LLM(path, dtype="float32", max_model_len=128, quantization="gptq_marlin")

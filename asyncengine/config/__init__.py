@@ -24,6 +24,7 @@ from asyncengine.config.sections import (
     QUANTIZATIONS,
     SECTION_TITLES,
     SECTIONS,
+    VLLM_QUANTIZATIONS,
     CacheConfig,
     DeviceConfig,
     LoadConfig,
@@ -47,9 +48,9 @@ from asyncengine.config.values import flag, flatten, json_object, parse_size
 __all__ = [
     "ALIASES", "DEVICES", "DTYPES", "GENERATION_CONFIG_HELP", "LOAD_FORMATS", "POOLING_TYPES",
     "QUANTIZATIONS", "SECTIONS", "SECTION_TITLES", "CacheConfig", "DeviceConfig", "EngineConfig",
-    "LoRAConfig", "LoadConfig", "ModelConfig", "ParallelConfig", "PluginConfig",
-    "SchedulerConfig", "SpeculativeConfig", "SpeculativeSettings", "kv_connector_extra_config",
-    "parse_size",
+    "VLLM_QUANTIZATIONS", "LoRAConfig", "LoadConfig", "ModelConfig", "ParallelConfig",
+    "PluginConfig", "SchedulerConfig", "SpeculativeConfig", "SpeculativeSettings",
+    "kv_connector_extra_config", "parse_size",
 ]
 
 
@@ -134,7 +135,7 @@ class EngineConfig:
 
         mc, cc = self.model, self.cache
         check_choice("dtype", mc.dtype, DTYPES)
-        check_choice("quantization", mc.quantization, QUANTIZATIONS)
+        check_choice("quantization", mc.quantization, QUANTIZATIONS + VLLM_QUANTIZATIONS)
         check_choice("pooling_type", mc.pooling_type, POOLING_TYPES)
         check_choice("load_format", self.load.load_format, LOAD_FORMATS)
         check_choice("device", self.device.device, DEVICES)

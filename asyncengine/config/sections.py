@@ -18,6 +18,10 @@ DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3",
                    "fp8_e5m2")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
+#: vLLM's names for the checkpoint formats asyncengine reads: accepted for a checkpoint of
+#: that format (then as ``auto``), so that a ``vllm serve`` command line runs unchanged.
+VLLM_QUANTIZATIONS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "fp8",
+                      "compressed-tensors", "fbgemm_fp8")
 POOLING_TYPES = ("last", "mean")
 GENERATION_CONFIG_HELP = (
     "server-side sampling defaults: auto (the model's generation_config.json: temperature, "
@@ -42,7 +46,9 @@ class ModelConfig:
                 "gguf (a GGUF file's blocks kept as stored, every type); none (dequantized "
                 "to --dtype); int8 (linears and the logits head, per output channel or a "
                 "GGUF's Q8_0 blocks); int4 (decoder linears, blocks of 32, a GGUF's Q4_0/Q4_1 "
-                "kept as stored; the logits head int8)", "choices": QUANTIZATIONS})
+                "kept as stored; the logits head int8); vLLM's awq, gptq, fp8, "
+                "compressed-tensors... for a checkpoint of that format (as auto)",
+        "choices": QUANTIZATIONS + VLLM_QUANTIZATIONS})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context length (default: the model's, capped at 8192)"})
     served_model_name: list[str] | None = field(default=None, metadata={

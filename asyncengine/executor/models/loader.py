@@ -212,10 +212,10 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
     device = torch.device(device)
     with _default_dtype(dtype), device:
         model = model_cls(config)
-    from asyncengine.executor.models.quantization import resolve_auto
+    from asyncengine.executor.models.quantization import from_vllm_method, resolve_auto
 
-    quantization = resolve_auto(quantization, fmt, device, _gguf_matrix_types(source, fmt),
-                                quantized)
+    quantization = resolve_auto(from_vllm_method(quantization, quantized), fmt, device,
+                                _gguf_matrix_types(source, fmt), quantized)
     grids: dict[str, Any] | None = None
     if fmt == "dummy":
         _fill_dummy(model, seed, getattr(config, "initializer_range", 0.02))

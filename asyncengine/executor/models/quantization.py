@@ -143,6 +143,33 @@ def resolve_auto(quantization: str, fmt: str, device: torch.device, qtypes: set[
     return "none"
 
 
+#: vLLM's ``--quantization`` names -> the checkpoint formats (``quant_method``) each means.
+_VLLM_METHODS = {"awq": ("awq",), "awq_marlin": ("awq",), "gptq": ("gptq",),
+                 "gptq_marlin": ("gptq",), "marlin": ("gptq",),
+                 "fp8": ("fp8", "compressed-tensors", "fbgemm_fp8"),
+                 "compressed-tensors": ("compressed-tensors",), "fbgemm_fp8": ("fbgemm_fp8",)}
+
+
+def from_vllm_method(quantization: str, checkpoint: Any) -> str:
+    """vLLM's name for a checkpoint's format (``--quantization awq`` for an AWQ checkpoint)
+    read as ``auto``; a ValueError naming the flag when the checkpoint is not of that format
+    (vLLM refuses the mismatch too; its ``fp8`` on float weights quantizes them at load,
+    which asyncengine does not). Any other value as it is."""
+    methods = _VLLM_METHODS.get(quantization)
+    if methods is None:
+        return quantization
+    method = getattr(checkpoint, "method", None)
+    if method in methods:
+        return "auto"
+    if method is None:
+        extra = (" (quantizing float weights to FP8 at load is not supported; --quantization "
+                 "int8 or int4 packs them on the CPU)") if quantization == "fp8" else ""
+        raise ValueError(f"--quantization {quantization}: for checkpoints of that format, and "
+                         f"the model's config has no quantization_config{extra}")
+    raise ValueError(f"--quantization {quantization}: the model's quantization_config says "
+                     f"{method!r}; pass --quantization auto (or {method})")
+
+
 def _int4_checkpoint(scheme: Any) -> bool:
     """A 4-bit AWQ / GPTQ checkpoint whose every matrix fits int4's blocks: groups of a
     multiple of 32 inputs, in input order (GPTQ's act-order scatters them: dequantized)."""

@@ -36,6 +36,12 @@ def load_tp_model(source: base.ModelSource, load_format: str, dtype: torch.dtype
     if model_cls is not None and not issubclass(model_cls, LlamaForCausalLM):
         raise ValueError(f"{FLAG} {tp.world_size}: only the built-in Llama family can be "
                          f"sharded, not {model_cls.__name__}")
+    from asyncengine.executor.models.checkpoint_quant import checkpoint_quantization
+    from asyncengine.executor.models.quantization import from_vllm_method
+
+    if base._load_format(source, load_format) == "safetensors":  # vLLM's names: auto
+        quantization = from_vllm_method(quantization,
+                                        checkpoint_quantization(source.hf_config, source.name))
     if quantization not in ("none", "auto"):  # auto: the shards are dequantized
         raise ValueError(f"--quantization {quantization} cannot be combined with {FLAG} > 1 "
                          "(yet)")
