@@ -101,6 +101,9 @@ def vllm_style(tiny_llama, tmp_path_factory):
         "--tensor-parallel-size", "1", "--trust-remote-code", "--disable-log-requests",
         "--enforce-eager", "--max-logprobs", "20", "--generation-config", "auto",
         "--ssl-keyfile", key_file, "--ssl-certfile", cert, "--num-gpu-blocks-override", "64",
+        # vLLM's tuning knobs, accepted and named as ignored (vllm_flags.py)
+        "--swap-space", "4", "--disable-custom-all-reduce", "-O3", "--cuda-graph-sizes", "1",
+        "2", "4", "--async-scheduling", "--tokenizer-mode", "auto",
         cert=cert, env={"VLLM_API_KEY": "vllm-key"})
     yield server
     assert server.stop() == 0
@@ -133,6 +136,8 @@ def test_a_vllm_command_line_serves_over_tls(vllm_style):
                       http_client=http_client).models.list()
     with pytest.raises(urllib.error.URLError):  # a client that does not trust it
         urllib.request.urlopen(vllm_style.url("/health"), timeout=5)
+    assert "vLLM flag --swap-space 4: ignored (preempted requests are recomputed" in \
+        vllm_style.log()
     log = vllm_style.log()
     assert "--trust-remote-code" in log and "https://127.0.0.1" in log
 

@@ -116,14 +116,18 @@ def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argume
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:  # llama-server's flags, read as asyncengine's (llama_flags.py)
-        from asyncengine.entrypoints.llama_flags import translate
+    if argv[:1] == ["serve"]:  # vLLM's and llama-server's flags, read as asyncengine's
+        from asyncengine.entrypoints import llama_flags, vllm_flags
 
         serve = _subparser(parser, "serve")
         own = {s for a in serve._actions for s in a.option_strings}
+
+        def say(line: str) -> None:
+            print(f"asyncengine serve: {line}", file=sys.stderr)
+
         try:
-            argv = ["serve", *translate(argv[1:], own, lambda line: print(
-                f"asyncengine serve: {line}", file=sys.stderr))]
+            rest = vllm_flags.translate(argv[1:], own, say)
+            argv = ["serve", *llama_flags.translate(rest, own, say)]
         except ValueError as e:
             parser.exit(2, f"asyncengine serve: error: {e}\n")
     args = parser.parse_args(argv)

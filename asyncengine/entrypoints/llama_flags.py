@@ -16,22 +16,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class _Flag:
-    names: tuple[str, ...]
-    #: "value": takes one; "optional": takes one of ``choices`` if it follows; "none": a switch
-    arity: str
-    #: (flag as typed, value) -> the asyncengine arguments; None: accepted and ignored
-    to: Callable[[str, str | None, dict], list[str]] | None = None
-    why: str = ""  # for an ignored flag, why it has no meaning here
-    choices: tuple[str, ...] = ()
-
-
-def _simple(flag: str) -> Callable[[str, str | None, dict], list[str]]:
-    return lambda _name, value, _state: [flag, str(value)]
+from asyncengine.entrypoints.foreign_flags import Flag as _Flag
+from asyncengine.entrypoints.foreign_flags import rewrite
+from asyncengine.entrypoints.foreign_flags import to as _simple
 
 
 def _hub(name: str, value: str | None, _state: dict) -> list[str]:
@@ -164,44 +152,14 @@ FLAGS: tuple[_Flag, ...] = (
     _Flag(("-to", "--timeout", "--threads-http", "--cache-reuse"), "value", None, _IGNORED),
     _Flag(("--log-disable",), "none", None, "use --log-level"),
 )
-_BY_NAME = {name: flag for flag in FLAGS for name in flag.names}
-
-
 def translate(argv: Sequence[str], own: set[str],
               say: Callable[[str], None]) -> list[str]:
     """``serve``'s arguments with llama-server's flags rewritten (``own``: the flags
     asyncengine defines itself, which win over a llama-server flag of the same name); each
     rewrite or ignored flag reported through ``say``. ValueError naming a flag whose value
     cannot be honoured."""
-    out: list[str] = []
     state: dict = {}
-    llama = False  # whether a llama-server flag was read
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        name, eq, inline = arg.partition("=")
-        flag = _BY_NAME.get(name) if arg.startswith("-") and name not in own else None
-        if flag is None:
-            out.append(arg)
-            i += 1
-            continue
-        value: str | None = inline if eq else None
-        llama = True
-        i += 1
-        if not eq and flag.arity == "value":
-            if i >= len(argv):
-                raise ValueError(f"{name}: expects a value")
-            value, i = argv[i], i + 1
-        elif not eq and flag.arity == "optional" and i < len(argv) and argv[i] in flag.choices:
-            value, i = argv[i], i + 1
-        shown = name if value is None else f"{name} {value}"
-        if flag.to is None:
-            say(f"llama-server flag {shown}: ignored ({flag.why})")
-            continue
-        new = flag.to(name, value, state)
-        if new:
-            say(f"llama-server flag {shown}: read as {' '.join(new)}")
-        out += new
+    out, llama = rewrite(argv, own, FLAGS, "llama-server", say, state)
     out += _gathered(state, own, argv, say)
     if llama and not any(a.partition("=")[0] == "--port" for a in argv):
         say("llama-server's default port: --port 8080")
