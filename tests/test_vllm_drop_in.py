@@ -104,6 +104,7 @@ def vllm_style(tiny_llama, tmp_path_factory):
         # vLLM's tuning knobs, accepted and named as ignored (vllm_flags.py)
         "--swap-space", "4", "--disable-custom-all-reduce", "-O3", "--cuda-graph-sizes", "1",
         "2", "4", "--async-scheduling", "--tokenizer-mode", "auto",
+        "--enable-prompt-tokens-details", "--enable-force-include-usage",
         cert=cert, env={"VLLM_API_KEY": "vllm-key"})
     yield server
     assert server.stop() == 0
@@ -121,6 +122,8 @@ def test_a_vllm_command_line_serves_over_tls(vllm_style):
             for name in ("m1", "m2")]
     assert outs[0].choices[0].message.content == outs[1].choices[0].message.content
     assert outs[0].usage.completion_tokens == 5 and outs[0].model == "m1"
+    # --enable-prompt-tokens-details: the second asks with the same prompt, found cached
+    assert outs[1].usage.prompt_tokens_details.cached_tokens > 0
     greedy = client.chat.completions.create(model="m1", max_tokens=5, temperature=0,
                                             messages=[{"role": "user", "content": "Hello"}])
     assert greedy.choices[0].message.content == outs[0].choices[0].message.content
@@ -129,8 +132,11 @@ def test_a_vllm_command_line_serves_over_tls(vllm_style):
     streamed = client.chat.completions.create(model="m1", max_tokens=5, temperature=0,
                                               stream=True,
                                               messages=[{"role": "user", "content": "Hello"}])
-    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    chunks = list(streamed)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == greedy.choices[0].message.content
+    # --enable-force-include-usage: usage ends the stream without stream_options asking
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=vllm_style.url("/v1"), api_key="wrong", max_retries=0,
                       http_client=http_client).models.list()

@@ -78,8 +78,6 @@ FLAGS: tuple[Flag, ...] = (
          "the loop always prepares a step while the one before runs"),
     Flag(("--calculate-kv-scales",), "none", None,
          "the float8 KV cache is unscaled (--kv-cache-dtype)"),
-    Flag(("--enable-prompt-tokens-details",), "none", None,
-         "usage carries no prompt_tokens_details"),
     Flag(("--trust-request-chat-template",), "none", None,
          "requests cannot carry a chat template here"),
     Flag(("--chat-template-content-format",), "value", None,
@@ -105,8 +103,6 @@ FLAGS: tuple[Flag, ...] = (
         "vLLM's Python plugins do not load here; asyncengine's plugins are entry points "
         "(docs/plugins.md)")),
     Flag(("--return-tokens-as-token-ids",), "none", refuse("not supported")),
-    Flag(("--enable-force-include-usage",), "none", refuse(
-        "not supported: ask for usage with stream_options.include_usage")),
     Flag(("--headless",), "none", refuse("data parallelism over processes is not supported")),
     Flag(("--data-parallel-address",), "value", refuse(
         "data parallelism over processes is not supported")),

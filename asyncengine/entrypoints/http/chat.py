@@ -33,6 +33,7 @@ from asyncengine.entrypoints.http.responses import (
     DeltaFunction,
     DeltaToolCall,
     FunctionCallOut,
+    PromptTokensDetails,
     ToolCallOut,
     Usage,
 )
@@ -160,11 +161,13 @@ class _Chat:
         self.want_logprobs = bool(body.logprobs)
         self.num_top = body.top_logprobs or 0
         opts = body.stream_options
-        self.include_usage = bool(opts and opts.include_usage)
+        settings = state.settings
+        self.include_usage = bool(opts and opts.include_usage) or settings.force_include_usage
         self.continuous_usage = bool(opts and opts.continuous_usage_stats)
+        self.cache_details = settings.prompt_tokens_details
         self.started: set[int] = set()
         self.finished: set[int] = set()
-        self.prompt_tokens = 0
+        self.prompt_tokens = self.cached_tokens = 0
         self.completion_tokens: dict[int, int] = {}
         self.reasoning_tokens: dict[int, int] = {}
 
@@ -173,7 +176,8 @@ class _Chat:
         details = None
         if self.reasoning.configured:
             details = CompletionTokensDetails(sum(self.reasoning_tokens.values()))
-        return Usage(self.prompt_tokens, c, self.prompt_tokens + c, details)
+        cached = PromptTokensDetails(self.cached_tokens) if self.cache_details else None
+        return Usage(self.prompt_tokens, c, self.prompt_tokens + c, details, cached)
 
     def _logprobs(self, c: CompletionOutput, token_ids: list[int]) -> ChatLogprobs | None:
         if not self.want_logprobs or not token_ids or not c.logprobs:
@@ -185,6 +189,7 @@ class _Chat:
     # -- non-streaming ----------------------------------------------------------------------
     def response(self, out: RequestOutput) -> ChatCompletion:
         self.prompt_tokens = len(out.prompt_token_ids)
+        self.cached_tokens = out.num_cached_tokens or 0
         choices = []
         for c in out.outputs:
             if c.finish_reason == "abort":
@@ -231,6 +236,7 @@ class _Chat:
     def render(self, i: int, out: RequestOutput) -> bytes:
         """The events for one streamed output (deltas only)."""
         self.prompt_tokens = len(out.prompt_token_ids)
+        self.cached_tokens = out.num_cached_tokens or 0
         data = b""
         for c in out.outputs:
             idx = c.index

@@ -16,6 +16,7 @@ from asyncengine.entrypoints.http.responses import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    PromptTokensDetails,
     Usage,
 )
 from asyncengine.entrypoints.http.serving import (
@@ -82,7 +83,10 @@ class _Completion:
         self.echo = bool(body.echo)
         self.want_logprobs = body.logprobs is not None
         opts = body.stream_options
-        self.include_usage = bool(opts and opts.include_usage)
+        self.include_usage = bool(opts and opts.include_usage) or \
+            state.settings.force_include_usage
+        self.cache_details = state.settings.prompt_tokens_details
+        self.cached_tokens: dict[int, int] = {}
         self.continuous_usage = bool(opts and opts.continuous_usage_stats)
         # Streaming state, per choice index.
         self.builders: dict[int, CompletionLogprobsBuilder] = {}
@@ -99,13 +103,16 @@ class _Completion:
     def _usage(self) -> Usage:
         p = sum(self.prompt_tokens.values())
         c = sum(self.completion_tokens.values())
-        return Usage(p, c, p + c)
+        cached = PromptTokensDetails(sum(self.cached_tokens.values())) if self.cache_details \
+            else None
+        return Usage(p, c, p + c, prompt_tokens_details=cached)
 
     # -- non-streaming ----------------------------------------------------------------------
     def response(self, finals: list[RequestOutput]) -> Completion:
         choices = []
         for i, out in enumerate(finals):
             self.prompt_tokens[i] = len(out.prompt_token_ids)
+            self.cached_tokens[i] = out.num_cached_tokens or 0
             prefix = self._prompt_text(out) if self.echo else ""
             for c in out.outputs:
                 if c.finish_reason == "abort":
@@ -127,6 +134,7 @@ class _Completion:
     def render(self, i: int, out: RequestOutput) -> bytes:
         """The events for one streamed output (deltas only)."""
         self.prompt_tokens[i] = len(out.prompt_token_ids)
+        self.cached_tokens[i] = out.num_cached_tokens or 0
         data = b""
         for c in out.outputs:
             idx = i * self.n + c.index

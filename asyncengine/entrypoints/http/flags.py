@@ -88,6 +88,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM compatibility (no periodic stats log here)")
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="accepted for vLLM compatibility: X-Request-Id is always echoed")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens: the prompt's tokens "
+                        "found in the prefix cache (chat and completions)")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every chat and completions stream ends with a usage chunk, as if "
+                        "it asked with stream_options.include_usage")
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -142,6 +148,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         web_ui=getattr(args, "web_ui", True),
         reasoning_parser=reasoning_parser or None,
         default_chat_template_kwargs=template_kwargs,
+        prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
+        force_include_usage=getattr(args, "enable_force_include_usage", False),
     )
 
 

@@ -9,12 +9,18 @@ class CompletionTokensDetails(Struct):
     reasoning_tokens: int = 0
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int  # the prompt's tokens found in the prefix cache
+
+
 class Usage(Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     # Set when the server splits reasoning (--reasoning-parser).
     completion_tokens_details: CompletionTokensDetails | None = None
+    # Set under --enable-prompt-tokens-details.
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ErrorInfo(Struct):

@@ -50,6 +50,10 @@ class ServerSettings:
     reasoning_parser: str | None = None
     # --default-chat-template-kwargs: what each request's chat_template_kwargs start from.
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # vLLM's usage options: the prefix cache's share of the prompt in usage; usage at the end
+    # of every stream, asked for or not.
+    prompt_tokens_details: bool = False
+    force_include_usage: bool = False
 
 
 @dataclass
