@@ -17,9 +17,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 
-from asyncengine.entrypoints.foreign_flags import Flag as _Flag
-from asyncengine.entrypoints.foreign_flags import rewrite
-from asyncengine.entrypoints.foreign_flags import to as _simple
+from asyncengine.entrypoints.foreign_flags import Flag, rewrite, to
 
 
 def _hub(name: str, value: str | None, _state: dict) -> list[str]:
@@ -109,49 +107,51 @@ def _int(name: str, value: str | None) -> int:
 
 
 _IGNORED = "has no counterpart here"
-FLAGS: tuple[_Flag, ...] = (
-    _Flag(("-m", "--model"), "value", _simple("--model")),
-    _Flag(("-hf", "-hfr", "--hf-repo"), "value", _hub),
-    _Flag(("-c", "--ctx-size"), "value", _ctx_size),
-    _Flag(("-np", "--parallel"), "value", _parallel),
-    _Flag(("-t", "--threads"), "value", _threads),
-    _Flag(("-b", "--batch-size"), "value", _simple("--max-num-batched-tokens")),
-    _Flag(("-a", "--alias"), "value", _alias),
-    _Flag(("-s",), "value", _simple("--seed")),
-    _Flag(("--chat-template-file",), "value", _simple("--chat-template")),
-    _Flag(("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"), "value", _cache_type),
-    _Flag(("--lora",), "value", _lora),
-    _Flag(("--no-webui", "--no-ui"), "none", lambda *_: ["--no-web-ui"]),
-    _Flag(("--temp", "--temperature"), "value", _sampling("temperature", float)),
-    _Flag(("--top-k",), "value", _sampling("top_k", int)),
-    _Flag(("--top-p",), "value", _sampling("top_p", float)),
-    _Flag(("--min-p",), "value", _sampling("min_p", float)),
-    _Flag(("--repeat-penalty",), "value", _sampling("repetition_penalty", float)),
-    _Flag(("-n", "--predict", "--n-predict"), "value", _sampling("max_new_tokens", int)),
-    _Flag(("--spec-type",), "value", _speculative("spec_type")),
-    _Flag(("-md", "--model-draft", "--spec-draft-model"), "value", _speculative("model")),
-    _Flag(("--spec-draft-n-max", "--draft-max", "--draft", "--draft-n"), "value",
+FLAGS: tuple[Flag, ...] = (
+    Flag(("-m", "--model"), "value", to("--model")),
+    Flag(("-hf", "-hfr", "--hf-repo"), "value", _hub),
+    Flag(("-c", "--ctx-size"), "value", _ctx_size),
+    Flag(("-np", "--parallel"), "value", _parallel),
+    Flag(("-t", "--threads"), "value", _threads),
+    Flag(("-b", "--batch-size"), "value", to("--max-num-batched-tokens")),
+    Flag(("-a", "--alias"), "value", _alias),
+    Flag(("-s",), "value", to("--seed")),
+    Flag(("--chat-template-file",), "value", to("--chat-template")),
+    Flag(("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"), "value", _cache_type),
+    Flag(("--lora",), "value", _lora),
+    Flag(("--no-webui", "--no-ui"), "none", lambda *_: ["--no-web-ui"]),
+    Flag(("--temp", "--temperature"), "value", _sampling("temperature", float)),
+    Flag(("--top-k",), "value", _sampling("top_k", int)),
+    Flag(("--top-p",), "value", _sampling("top_p", float)),
+    Flag(("--min-p",), "value", _sampling("min_p", float)),
+    Flag(("--repeat-penalty",), "value", _sampling("repetition_penalty", float)),
+    Flag(("-n", "--predict", "--n-predict"), "value", _sampling("max_new_tokens", int)),
+    Flag(("--spec-type",), "value", _speculative("spec_type")),
+    Flag(("-md", "--model-draft", "--spec-draft-model"), "value", _speculative("model")),
+    Flag(("--spec-draft-n-max", "--draft-max", "--draft", "--draft-n"), "value",
           _speculative("num_speculative_tokens")),
-    _Flag(("--spec-draft-n-min", "--draft-min", "--draft-n-min"), "value",
+    Flag(("--spec-draft-n-min", "--draft-min", "--draft-n-min"), "value",
           _speculative("draft_min")),
-    _Flag(("--spec-ngram-simple-size-n",), "value", _speculative("prompt_lookup_max")),
-    _Flag(("-ngl", "--gpu-layers", "--n-gpu-layers"), "value", None,
+    Flag(("--spec-ngram-simple-size-n",), "value", _speculative("prompt_lookup_max")),
+    Flag(("-ngl", "--gpu-layers", "--n-gpu-layers"), "value", None,
           "layers are not split between devices: the whole model runs on --device (auto: a "
           "CUDA GPU where there is one)"),
-    _Flag(("-fa", "--flash-attn"), "optional", None,
+    Flag(("-fa", "--flash-attn"), "optional", None,
           "the attention backend is chosen by --attention-backend", ("on", "off", "auto")),
-    _Flag(("-ub", "--ubatch-size"), "value", None, "a step's tokens are --max-num-batched-tokens"),
-    _Flag(("--jinja", "--no-jinja"), "none", None, "chat templates are always Jinja here"),
-    _Flag(("--mlock", "--no-mmap", "--mmap"), "none", None, _IGNORED),
-    _Flag(("-cb", "--cont-batching"), "none", None, "batching is always continuous"),
-    _Flag(("--metrics",), "none", None, "/metrics is always served"),
-    _Flag(("--slots", "--no-slots", "--props"), "none", None, _IGNORED),
-    _Flag(("--warmup", "--no-warmup"), "none", None, _IGNORED),
-    _Flag(("--cache-prompt",), "none", None, "prefix caching is on by default"),
-    _Flag(("--numa",), "value", None, _IGNORED),
-    _Flag(("-to", "--timeout", "--threads-http", "--cache-reuse"), "value", None, _IGNORED),
-    _Flag(("--log-disable",), "none", None, "use --log-level"),
+    Flag(("-ub", "--ubatch-size"), "value", None, "a step's tokens are --max-num-batched-tokens"),
+    Flag(("--jinja", "--no-jinja"), "none", None, "chat templates are always Jinja here"),
+    Flag(("--mlock", "--no-mmap", "--mmap"), "none", None, _IGNORED),
+    Flag(("-cb", "--cont-batching"), "none", None, "batching is always continuous"),
+    Flag(("--metrics",), "none", None, "/metrics is always served"),
+    Flag(("--slots", "--no-slots", "--props"), "none", None, _IGNORED),
+    Flag(("--warmup", "--no-warmup"), "none", None, _IGNORED),
+    Flag(("--cache-prompt",), "none", None, "prefix caching is on by default"),
+    Flag(("--numa",), "value", None, _IGNORED),
+    Flag(("-to", "--timeout", "--threads-http", "--cache-reuse"), "value", None, _IGNORED),
+    Flag(("--log-disable",), "none", None, "use --log-level"),
 )
+
+
 def translate(argv: Sequence[str], own: set[str],
               say: Callable[[str], None]) -> list[str]:
     """``serve``'s arguments with llama-server's flags rewritten (``own``: the flags
