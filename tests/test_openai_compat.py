@@ -193,6 +193,9 @@ def test_responses_api(client):
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == out.output_text  # same prompt (instructions = developer), greedy
     assert events[-1].response.output_text == text
+    # the same prompt a second time: its tokens found in the prefix cache, as usage says
+    usage = events[-1].response.usage
+    assert 0 < usage.input_tokens_details.cached_tokens < usage.input_tokens
 
 
 def test_responses_api_function_tools(client):

@@ -37,6 +37,7 @@ from asyncengine.entrypoints.http.reasoning import (
 from asyncengine.entrypoints.http.responses_api_protocol import (
     FunctionCallItem,
     IncompleteDetails,
+    InputTokensDetails,
     OutputMessage,
     OutputText,
     OutputTokensDetails,
@@ -173,8 +174,9 @@ class _Response:
             raise APIError(503, SHUTDOWN_ABORT)
         n_in, n_out = len(out.prompt_token_ids), c.num_output_tokens
         ids = c.token_ids if len(c.token_ids) == n_out else self.output_ids
-        self.usage = ResponseUsage(n_in, n_out, n_in + n_out, output_tokens_details=(
-            OutputTokensDetails(self.reasoning.count(ids))))
+        self.usage = ResponseUsage(  # cached: the prompt's tokens found in the prefix cache
+            n_in, n_out, n_in + n_out, InputTokensDetails(out.num_cached_tokens or 0),
+            OutputTokensDetails(self.reasoning.count(ids)))
         if c.finish_reason == "length":
             self.status, self.incomplete = "incomplete", IncompleteDetails("max_output_tokens")
         else:
