@@ -79,3 +79,26 @@ def test_a_model_without_the_tokens_has_no_infill(tiny_llama):
     status, _, err = post(server, "/infill", {"input_prefix": "def f():"})
     assert status == 404 and "fill-in-the-middle" in err["error"]["message"]
     assert "/infill" not in server.get_json("/openapi.json")["paths"]
+
+
+def test_completions_suffix_inserts_on_a_code_model(coder):
+    """OpenAI's ``suffix`` on /v1/completions (insertion) is the same fill-in-the-middle
+    prompt: the same tokens as /infill; published in /openapi.json for such a model only."""
+    server = shared_server(coder, "--max-model-len", "256")
+    prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
+    _, _, infill = post(server, "/infill", {"input_prefix": prefix, "input_suffix": suffix,
+                                            "n_predict": 6, "temperature": 0,
+                                            "ignore_eos": True})
+    status, _, cmpl = post(server, "/v1/completions", {
+        "prompt": prefix, "suffix": suffix, "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True})
+    assert status == 200, cmpl
+    assert cmpl["choices"][0]["text"] == infill["content"]
+    assert cmpl["usage"]["prompt_tokens"] == infill["tokens_evaluated"]
+    status, _, err = post(server, "/v1/completions", {"prompt": prefix, "suffix": suffix,
+                                                      "echo": True, "max_tokens": 2})
+    assert status == 400 and err["error"]["param"] == "suffix"
+    doc = server.get_json("/openapi.json")["components"]["schemas"]["CompletionRequest"]
+    assert {"type": "string"} in doc["properties"]["suffix"]["anyOf"]
+    assert "suffix" in doc["dependentSchemas"]
+    assert_idle_and_free(server)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from weakref import WeakKeyDictionary
 
 #: (prefix, suffix, middle, repository, file separator) token texts, by model family.
 STYLES: tuple[tuple[str, str, str, str | None, str | None], ...] = (
@@ -53,12 +54,24 @@ def fim_tokens(vocab: dict[str, int]) -> FimTokens | None:
     return None
 
 
-def fim_prompt(tokens: FimTokens, encode: Any, prefix: str, suffix: str, middle: str = "",
+_FOUND: WeakKeyDictionary = WeakKeyDictionary()  # tokenizer -> its FimTokens (or None)
+
+
+def tokenizer_fim_tokens(tokenizer: Any) -> FimTokens | None:
+    """``fim_tokens`` of a ``text.tokenizer.Tokenizer``'s vocabulary, looked up once."""
+    if tokenizer not in _FOUND:
+        _FOUND[tokenizer] = fim_tokens(tokenizer.hf.get_vocab())
+    return _FOUND[tokenizer]
+
+
+def fim_prompt(tokens: FimTokens, encode: Any, prefix: str | list[int], suffix: str,
+               middle: str = "",
                extra: Sequence[tuple[str, str]] = (), bos: Sequence[int] = (),
                project: str = "myproject") -> list[int]:
     """The token ids of a fill-in-the-middle prompt. ``encode(text)``: ids without special
-    tokens; ``middle``: the start of the middle, already written; ``extra``: other files'
-    ``(name, text)``; ``bos``: what the tokenizer puts first."""
+    tokens; ``prefix``: text or token ids; ``middle``: the start of the middle, already
+    written; ``extra``: other files' ``(name, text)``; ``bos``: what the tokenizer puts
+    first."""
     ids = list(bos)
     if extra and tokens.repo is not None and tokens.file_sep is not None:
         ids += [tokens.repo, *encode(project + "\n")]
@@ -68,5 +81,6 @@ def fim_prompt(tokens: FimTokens, encode: Any, prefix: str, suffix: str, middle:
     else:
         for _, text in extra:
             ids += encode(text)
-    ids += [tokens.prefix, *encode(prefix), tokens.suffix, *encode(suffix), tokens.middle]
+    head = prefix if isinstance(prefix, list) else encode(prefix)
+    ids += [tokens.prefix, *head, tokens.suffix, *encode(suffix), tokens.middle]
     return ids + encode(middle) if middle else ids

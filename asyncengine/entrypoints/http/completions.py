@@ -31,6 +31,7 @@ from asyncengine.entrypoints.http.serving import (
 )
 from asyncengine.entrypoints.http.sse import SSEStream, event, text_template
 from asyncengine.entrypoints.http.state import ServerState, state_of
+from asyncengine.text.fim import FimTokens, fim_prompt, tokenizer_fim_tokens
 
 
 def completion_prompts(prompt: str | list) -> list[str | list[int]]:
@@ -47,13 +48,31 @@ def completion_prompts(prompt: str | list) -> list[str | list[int]]:
                       "list of token-id lists (not empty, not mixed)", "prompt")
 
 
+def insertion_prompts(tokenizer, fim: FimTokens, prompts: list[str | list[int]],
+                      suffix: str) -> list[str | list[int]]:
+    """OpenAI's ``suffix``: each prompt as the text before an insertion, ``suffix`` after
+    it, in the model's fill-in-the-middle form (``text/fim.py``)."""
+    bos = tokenizer.encode("", add_special_tokens=True)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    return [fim_prompt(fim, encode, p, suffix, bos=bos) for p in prompts]
+
+
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     engine = state.engine
-    body = await read_body(request, CompletionRequest)
+    fim = tokenizer_fim_tokens(engine.tokenizer)  # a code model: suffix is insertion
+    body = await read_body(request, CompletionRequest,
+                           frozenset({"suffix"}) if fim is not None else frozenset())
     lora = check_model(engine, body.model)
     prompts = completion_prompts(body.prompt)
     echo = bool(body.echo)
+    if body.suffix and fim is not None:
+        if echo:
+            raise bad_request("echo cannot be combined with suffix (insertion)", "suffix")
+        prompts = insertion_prompts(engine.tokenizer, fim, prompts, body.suffix)
     params = to_sampling_params(
         body, max_tokens=16 if body.max_tokens is None else body.max_tokens,
         logprobs=body.logprobs,

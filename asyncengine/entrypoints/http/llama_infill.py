@@ -11,8 +11,6 @@ the prefix and suffix. On a model without the tokens the route answers 404, and
 
 from __future__ import annotations
 
-from weakref import WeakKeyDictionary
-
 from aiohttp import web
 
 from asyncengine.entrypoints.http.errors import APIError
@@ -20,9 +18,7 @@ from asyncengine.entrypoints.http.llama_native import LlamaSampling, complete
 from asyncengine.entrypoints.http.protocol import Body
 from asyncengine.entrypoints.http.serving import read_body
 from asyncengine.entrypoints.http.state import state_of
-from asyncengine.text.fim import FimTokens, fim_prompt, fim_tokens
-
-_FOUND: WeakKeyDictionary = WeakKeyDictionary()  # tokenizer -> its FimTokens (or None)
+from asyncengine.text.fim import FimTokens, fim_prompt, tokenizer_fim_tokens
 
 
 class InfillChunk(Body, kw_only=True):
@@ -41,10 +37,7 @@ class LlamaInfillRequest(LlamaSampling, kw_only=True):
 
 def model_fim_tokens(engine) -> FimTokens | None:
     """The served model's fill-in-the-middle tokens, looked up once per tokenizer."""
-    tokenizer = engine.tokenizer
-    if tokenizer not in _FOUND:
-        _FOUND[tokenizer] = fim_tokens(tokenizer.hf.get_vocab())
-    return _FOUND[tokenizer]
+    return tokenizer_fim_tokens(engine.tokenizer)
 
 
 def infill_enabled(engine) -> bool:

@@ -177,9 +177,17 @@ async def openapi_json(request: web.Request) -> web.Response:
                     getattr(state.engine, "max_model_len", None), _embedding_size(state.engine),
                     auto_tool_choice=bool(getattr(settings, "enable_auto_tool_choice", False)
                                           and getattr(settings, "tool_call_parser", None)),
-                    reasoning=bool(getattr(settings, "reasoning_parser", None)))
+                    reasoning=bool(getattr(settings, "reasoning_parser", None)),
+                    fim=_has_fim(state.engine))
     doc = build_openapi(request.app[ROUTES], request.app, version=package_version(),
                         secured=state.settings.api_key is not None,
                         limits=getattr(state.engine, "sampling_limits", None), served=served,
                         engine=state.engine)
     return web.json_response(doc)
+
+
+def _has_fim(engine: Any) -> bool:
+    from asyncengine.text.fim import tokenizer_fim_tokens
+
+    tokenizer = getattr(engine, "tokenizer", None)
+    return tokenizer is not None and tokenizer_fim_tokens(tokenizer) is not None

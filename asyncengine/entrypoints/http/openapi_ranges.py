@@ -72,6 +72,7 @@ class Served:
     embedding_size: int | None = None
     auto_tool_choice: bool = False  # --enable-auto-tool-choice with a --tool-call-parser
     reasoning: bool = False  # --reasoning-parser
+    fim: bool = False  # a model with fill-in-the-middle tokens: completions' suffix inserts
 
 
 #: The fields that count generated tokens: at most the context less one prompt token.
@@ -110,6 +111,10 @@ def publish_served(body: type, schema: dict[str, Any], limits: SamplingLimits,
         for option in _options(props["prompt"]):
             if option.get("type") == "array":
                 option["items"] = dict(token)
+    if name == "CompletionRequest" and served.fim and "suffix" in props:
+        props["suffix"] = {"anyOf": [{"type": "string"}, {"type": "null"}],
+                           "description": "text after the insertion (a code model's "
+                                          "fill-in-the-middle)"}
     if name in _PROMPTS and _PROMPTS[name] in props:
         props[_PROMPTS[name]] = prompt_schema(limits)
     if "logit_bias" in props and limits.vocab_size:
@@ -132,6 +137,8 @@ def publish_served(body: type, schema: dict[str, Any], limits: SamplingLimits,
         props["dimensions"] = {"anyOf": [{"const": served.embedding_size}, {"type": "null"}],
                                "description": "only the model's own size (no shortening)"}
     dependent = {k: v for k, v in _DEPENDENT.items() if k in props}
+    if name == "CompletionRequest" and served.fim and "suffix" in props:
+        dependent["suffix"] = {"anyOf": [_unset("suffix", ""), _unset("echo", False)]}
     if "stream_options" in props and "stream" in props:
         dependent["stream_options"] = {"anyOf": [_unset("stream_options"), {
             "required": ["stream"], "properties": {"stream": {"const": True}}}]}

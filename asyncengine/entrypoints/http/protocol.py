@@ -232,7 +232,7 @@ class DetokenizeRequest(Body, kw_only=True):
 #: JSON Schema of the values it does accept, which /openapi.json publishes).
 _NULL: dict[str, Any] = {"type": "null"}
 _UNSUPPORTED: tuple[tuple[str, Any, str, dict[str, Any]], ...] = (
-    ("suffix", bool, "insertion (suffix) is not supported",
+    ("suffix", bool, "insertion (suffix) needs a model with fill-in-the-middle tokens",
      {"anyOf": [{"const": ""}, _NULL]}),
     ("best_of", lambda v: v != 1, "best_of > 1 is not supported (use n)",
      {"anyOf": [{"const": 1}, _NULL]}),
@@ -261,11 +261,12 @@ def accepted_values(body: type[Body]) -> dict[str, dict[str, Any]]:
             if name in names and (chat or name != "echo")}
 
 
-def unsupported(body: Body) -> tuple[str, str] | None:
-    """``(param, message)`` for the first option set that the server cannot honour."""
+def unsupported(body: Body, allow: frozenset[str] = frozenset()) -> tuple[str, str] | None:
+    """``(param, message)`` for the first option set that the server cannot honour
+    (``allow``: those this server honours after all, such as a code model's ``suffix``)."""
     chat = isinstance(body, ChatCompletionRequest)
     for name, test, why, _ in _UNSUPPORTED:
-        if name == "echo" and not chat:  # completions' echo is implemented
+        if (name == "echo" and not chat) or name in allow:  # completions' echo is implemented
             continue
         value = getattr(body, name, None)
         if value is not None and test(value):

@@ -64,7 +64,8 @@ def json_response(obj: object, status: int = 200) -> web.Response:
     return web.Response(status=status, body=encode_json(obj), content_type="application/json")
 
 
-async def read_body(request: web.Request, type_: type[B]) -> B:
+async def read_body(request: web.Request, type_: type[B],
+                    allow: frozenset[str] = frozenset()) -> B:
     """Decode and validate a JSON body (413 past --max-request-body, 400 when invalid: not
     JSON, not UTF-8, nested too deeply for the decoder, or not the shape of ``type_``).
     Unknown fields are ignored (and logged once per name); options the server knows but
@@ -80,7 +81,7 @@ async def read_body(request: web.Request, type_: type[B]) -> B:
     except RecursionError:
         raise bad_request("The request body nests arrays and objects too deeply (JSON "
                           f"schemas may nest {MAX_JSON_DEPTH} levels).") from None
-    refused = unsupported(body)
+    refused = unsupported(body, allow)
     if refused is not None:
         raise bad_request(refused[1], refused[0])
     if getattr(body, "stream_options", None) is not None and not getattr(body, "stream", None):
