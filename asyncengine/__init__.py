@@ -5,7 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from asyncengine.config import EngineConfig
-from asyncengine.core.sampling_params import SamplingParams, StructuredOutputsParams
+from asyncengine.core.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from asyncengine.engine.outputs import CompletionOutput, RequestOutput
 from asyncengine.ext import deprecated as _deprecated
 from asyncengine.ext.contracts.hooks import hookimpl
@@ -32,4 +36,5 @@ def __getattr__(name: str):  # heavy imports (torch) only when used
 
 
 __all__ = ["AsyncEngine", "CompletionOutput", "EngineConfig", "LLM", "RequestOutput",
+           "RequestOutputKind",
            "SamplingParams", "StructuredOutputsParams", "__version__", "hookimpl"]

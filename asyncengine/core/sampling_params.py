@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import enum
 import json as _json
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +97,17 @@ def _token_id(key: Any) -> int | None:
     return None
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each output of a stream holds (vLLM's names and values): everything so far
+    (``CUMULATIVE``, the default), only what is new since the last one (``DELTA``: a long
+    stream then costs O(new tokens) per output), or nothing until the last one
+    (``FINAL_ONLY``)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Defaults match vLLM / OpenAI.
@@ -132,6 +144,8 @@ class SamplingParams:
     # many reasoning tokens.
     reasoning_end_token_ids: list[int] | None = None
     thinking_token_budget: int | None = None
+    # What ``AsyncEngine.generate`` yields (vLLM's ``output_kind``).
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -23,7 +23,7 @@ import anyio.abc
 from asyncengine.config import EngineConfig
 from asyncengine.core.limits import INT64_MAX, INT64_MIN, SamplingLimits, show
 from asyncengine.core.request import LoRARequest, Request, RequestStatus
-from asyncengine.core.sampling_params import SamplingParams
+from asyncengine.core.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.core.sched.interface import SchedulerStats
 from asyncengine.engine.aborts import Aborts
 from asyncengine.engine.embedding import embed
@@ -253,10 +253,16 @@ class AsyncEngine:
                        request_id: str | None = None, priority: int = 0,
                        tenant: str | None = None,
                        lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Leaving the loop early aborts the request."""
+        """Stream a request's outputs, each as ``params.output_kind`` says (cumulative, the
+        deltas, or only the final one). Leaving the loop early aborts the request."""
+        kind = params.output_kind if params is not None else RequestOutputKind.CUMULATIVE
         stream = await self.add_request(prompt, params, request_id=request_id, priority=priority,
-                                        tenant=tenant, lora_name=lora_name)
+                                        tenant=tenant, lora_name=lora_name,
+                                        deltas_only=kind == RequestOutputKind.DELTA)
         try:
+            if kind == RequestOutputKind.FINAL_ONLY:
+                yield await stream.final()
+                return
             async for out in stream:
                 yield out
         finally:
