@@ -46,6 +46,12 @@ def test_a_llama_server_command_line_reads_as_asyncengines():
         "--model", "m", "--port", "8080"]  # llama-server's port, as no --port was given
     assert _translate("--model", "m", "--max-model-len", "64")[0] == [
         "--model", "m", "--max-model-len", "64"]  # no llama-server flag: asyncengine's port
+    # a hub repository's GGUF file by its quantization, or by its name (-hff)
+    assert _translate("-hf", "user/model-GGUF:Q4_K_M", "--port=1")[0] == [
+        "--port=1", "--model", "user/model-GGUF:Q4_K_M"]
+    assert _translate("-hf", "user/m-GGUF:Q4_K_M", "-hff", "sub/m.Q8_0.gguf", "--port=1")[0] == [
+        "--port=1", "--model", "user/m-GGUF:m.Q8_0.gguf"]
+    assert _translate("-hf", "user/m-GGUF", "--port=1")[0] == ["--port=1", "--model", "user/m-GGUF"]
     # a draft model
     out, _ = _translate("-md", "small.gguf", "--draft-max", "4", "--port=9000")
     assert out[0] == "--port=9000"
@@ -62,7 +68,7 @@ def test_a_llama_server_command_line_reads_as_asyncengines():
     (("--spec-type", "draft-eagle3,ngram-cache"), None),
     (("--temp", "0.5", "--override-generation-config", "{}"), "give one"),
     (("-c",), "-c: expects a value"),
-    (("-hf", "user/model-GGUF:Q4_K_M"), "download the file and pass it with -m"),
+    (("-hff", "x.Q8_0.gguf"), "without -hf user/repo"),
 ])
 def test_values_asyncengine_cannot_honour_name_the_flag(argv, names):
     if names is None:  # a list of kinds with an n-gram one: drafts by n-gram
@@ -77,10 +83,18 @@ def test_the_cli_exits_2_naming_the_flag():
     assert r.returncode == 2 and "-ctk iq4_nl" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_llama_server_command_line_serves():
-    server = ServerProcess(None, "-m", embedded_gguf_path(), "-c", "512", "-np", "2", "-ngl",
-                           "99", "-fa", "on", "--jinja", "-a", "smol", "--temp", "0", "-n", "5",
-                           "--no-mmap")
+def test_llama_server_command_line_serves(tmp_path):
+    """The model from the hub by its quantization (-hf user/repo:QUANT), here from the hub's
+    cache, offline, as a second start after the download would find it."""
+    from tests.test_hub_gguf import cached_repo
+
+    cache = cached_repo(tmp_path, "someone/SmolLM2-GGUF", {
+        "SmolLM2-135M-Instruct.Q4_1.gguf": embedded_gguf_path(),
+        "SmolLM2-135M-Instruct.Q8_0.gguf": None, "mmproj-SmolLM2-f16.gguf": None})
+    server = ServerProcess(None, "-hf", "someone/SmolLM2-GGUF:q4_1", "-c", "512", "-np", "2",
+                           "-ngl", "99", "-fa", "on", "--jinja", "-a", "smol", "--temp", "0",
+                           "-n", "5", "--no-mmap",
+                           env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
     try:
         models = server.get_json("/v1/models")["data"]
         assert [m["id"] for m in models] == ["smol"] and models[0]["max_model_len"] == 512

@@ -20,12 +20,16 @@ from collections.abc import Callable, Sequence
 from asyncengine.entrypoints.foreign_flags import Flag, rewrite, to
 
 
-def _hub(name: str, value: str | None, _state: dict) -> list[str]:
-    if ":" in str(value):
-        raise ValueError(f"{name} {value}: a GGUF file is not fetched from the hub by its "
-                         "quantization here; download the file and pass it with -m FILE (a "
-                         "safetensors repository is fetched: -hf user/model)")
-    return ["--model", str(value)]
+def _hub(key: str) -> Callable[[str, str | None, dict], list[str]]:
+    """-hf user/repo[:quant] and -hff FILE: the model is read as ``--model user/repo[:QUANT]``
+    (``executor/models/hub_gguf.py``: without a quant, Q4_K_M or the repository's only GGUF
+    model), with -hff's file name in place of the quant."""
+    def put(name: str, value: str | None, state: dict) -> list[str]:
+        if not value:
+            raise ValueError(f"{name}: expects a value")
+        state[key] = str(value)
+        return []
+    return put
 
 
 def _ctx_size(_name: str, value: str | None, _state: dict) -> list[str]:
@@ -109,7 +113,8 @@ def _int(name: str, value: str | None) -> int:
 _IGNORED = "has no counterpart here"
 FLAGS: tuple[Flag, ...] = (
     Flag(("-m", "--model"), "value", to("--model")),
-    Flag(("-hf", "-hfr", "--hf-repo"), "value", _hub),
+    Flag(("-hf", "-hfr", "--hf-repo"), "value", _hub("hf_repo")),
+    Flag(("-hff", "--hf-file"), "value", _hub("hf_file")),
     Flag(("-c", "--ctx-size"), "value", _ctx_size),
     Flag(("-np", "--parallel"), "value", _parallel),
     Flag(("-t", "--threads"), "value", _threads),
@@ -172,6 +177,14 @@ def _gathered(state: dict, own: set[str], argv: Sequence[str],
     """The flags that several llama-server flags make together: the adapters, sampling
     defaults and the speculative configuration."""
     out: list[str] = []
+    repo = state.get("hf_repo")
+    if repo is not None:  # -hf user/repo[:quant], -hff FILE (which overrides the quant)
+        file = state.get("hf_file")
+        if file is not None:
+            repo = f"{repo.partition(':')[0]}:{os.path.basename(file)}"
+        out += ["--model", repo]
+    elif "hf_file" in state:
+        raise ValueError("-hff / --hf-file without -hf user/repo: which repository?")
     loras = state.get("lora")
     if loras:  # every --lora FILE as one adapter each, named by its file
         names = [os.path.splitext(os.path.basename(p.rstrip("/")))[0] or "lora" for p in loras]

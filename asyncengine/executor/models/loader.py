@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from asyncengine.executor.cpu_flags import cpu_has_bf16 as _cpu_has_bf16
+from asyncengine.executor.models import hub_gguf
 from asyncengine.executor.models.checkpoint_quant import (
     checkpoint_quantization,
     dequantize_checkpoint,
@@ -77,7 +78,8 @@ def resolve_model(model: str | None, load_format: str = "auto", revision: str | 
     """Turn the ``model`` argument into a local directory and its transformers config.
 
     ``None`` is the embedded SmolLM2 GGUF; a ``.gguf`` file is read as GGUF; a directory with
-    ``config.json`` as safetensors; anything else is looked up on the hub (cache first;
+    ``config.json`` as safetensors; ``user/repo:QUANT`` as that repository's GGUF file of
+    that quantization (``hub_gguf.py``); anything else is looked up on the hub (cache first;
     with ``load_format="dummy"`` only config and tokenizer files are fetched).
     """
     if model is None:
@@ -90,9 +92,14 @@ def resolve_model(model: str | None, load_format: str = "auto", revision: str | 
         return _gguf_source(str(path), model)
     if path.is_dir():
         return _directory_source(path, model)
+    tagged = hub_gguf.parse(model)
+    if tagged is not None:  # user/repo:Q4_K_M, a GGUF file of a hub repository
+        return _gguf_source(hub_gguf.download(*tagged, revision, download_dir), model)
     if model.endswith(".gguf") or not _HUB_ID.match(model):
         raise ValueError(f"model {model!r}: no such file or directory")
     snapshot = _hub_snapshot(model, revision, download_dir, weights=load_format != "dummy")
+    if not (Path(snapshot) / "config.json").is_file():  # a repository of GGUF files
+        return _gguf_source(hub_gguf.download(model, None, revision, download_dir), model)
     return _directory_source(Path(snapshot), model)
 
 
