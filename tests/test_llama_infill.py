@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncengine.text.fim import FimTokens, fim_prompt, fim_tokens
+from asyncengine.text.fim import SNIPPET, FimTokens, fim_prompt, fim_tokens, infill_prompt
 from tests.robust_utils import assert_idle_and_free, post, robust_server
 from tests.server_utils import shared_server
 from tests.utils import make_tiny_model
@@ -32,6 +32,36 @@ def test_each_models_tokens_are_found():
         0, "x", 1, "p", 2, "s", 3]
 
 
+def test_infill_prompts_are_llama_servers():
+    """Other files first (the repository pattern, or snippet lines without its tokens), then
+    BOS, then PRE prefix prompt SUF suffix MID; fitted as llama-server fits them: the prefix's
+    last 3/4 of the batch, the suffix's first 1/4 less the prompt and two, the other files'
+    last n_ctx - n_batch - 2 n_predict tokens."""
+    enc = list  # characters as "ids"
+    qwen, plain = FimTokens(1, 2, 3, 4, 5), FimTokens(1, 2, 3)
+    big = dict(n_batch=100, n_ctx=1000, n_predict=10)
+    assert infill_prompt(qwen, enc, "pre", "suf", "ty", [("a.py", "x")], [0], **big) == [
+        4, *"myproject\n", 5, *"a.py\n", "x", 5, *"filename\n", 0,
+        1, *"pre", *"ty", 2, *"suf", 3]
+    assert infill_prompt(qwen, enc, "p", "s", **big) == [
+        4, *"myproject\n", 5, *"filename\n", 1, "p", 2, "s", 3]
+    assert infill_prompt(plain, enc, "p", "s", "", [("a", "x"), ("b", "y")], **big) == [
+        *SNIPPET, "x", *SNIPPET, "y", 1, "p", 2, "s", 3]
+    # a batch of 8: the prefix's last 6, the suffix's first 8 / 4 - 2 - 1 = -1 -> 0
+    assert infill_prompt(plain, enc, "abcdefghij", "klmn", "t", n_batch=8, n_ctx=100) == [
+        1, *"efghij", "t", 2, 3]
+    assert infill_prompt(plain, enc, "ab", "klmnopq", "", n_batch=16, n_ctx=100) == [
+        1, "a", "b", 2, *"kl", 3]  # 16 / 4 - 2
+    # the other files' last 30 - 16 - 2 * 5 = 4 tokens
+    assert infill_prompt(plain, enc, "p", "s", "", [("a", "wxyz0123")], n_batch=16, n_ctx=30,
+                         n_predict=5) == [*"0123", 1, "p", 2, "s", 3]
+    assert infill_prompt(plain, enc, "p", "s", "", [("a", "xyz")], n_batch=16, n_ctx=16,
+                         n_predict=1) == [1, "p", 2, "s", 3]  # no room past the batch
+    # n_predict -1 (unbounded) counts as llama-server counts it: two tokens more room
+    assert infill_prompt(plain, enc, "p", "s", "", [("a", "xyz")], n_batch=16,
+                         n_ctx=16)[:2] == ["y", "z"]
+
+
 @pytest.fixture(scope="module")
 def coder(tmp_path_factory) -> str:
     """The tiny llama with StarCoder's three fill-in-the-middle tokens added (ids 49152+)."""
@@ -45,10 +75,13 @@ def coder(tmp_path_factory) -> str:
     return path
 
 
+SERVER_ARGS = ("--max-model-len", "256", "--max-num-batched-tokens", "64")
+
+
 def test_infill_gives_the_fim_prompts_tokens(coder):
     import transformers
 
-    server = shared_server(coder, "--max-model-len", "256")
+    server = shared_server(coder, *SERVER_ARGS)
     tok = transformers.AutoTokenizer.from_pretrained(coder)
     pre, suf, mid = tok.convert_tokens_to_ids(FIM)
     prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
@@ -57,7 +90,10 @@ def test_infill_gives_the_fim_prompts_tokens(coder):
     def ids(text: str) -> list[int]:
         return tok(text, add_special_tokens=False).input_ids
 
-    want = tok("").input_ids + [pre, *ids(prefix), suf, *ids(suffix), mid, *ids("a")]
+    repo, sep = tok.convert_tokens_to_ids(["<repo_name>", "<file_sep>"])
+    # llama-server's repository header, with no other file: REPO myproject SEP filename
+    header = [repo, *ids("myproject\n"), sep, *ids("filename\n")]
+    want = header + tok("").input_ids + [pre, *ids(prefix), *ids("a"), suf, *ids(suffix), mid]
     status, _, got = post(server, "/infill", {"input_prefix": prefix, "input_suffix": suffix,
                                               "prompt": "a", **sampling})
     assert status == 200, got
@@ -71,6 +107,23 @@ def test_infill_gives_the_fim_prompts_tokens(coder):
                                                **sampling})
     assert status == 200 and more["tokens_evaluated"] > len(want)
     assert "/infill" in server.get_json("/openapi.json")["paths"]
+    # an editor's whole file: cut as llama-server cuts it, not refused
+    long_prefix = "".join(f"x{i} = {i}\n" for i in range(300)) + prefix
+    long_suffix = suffix + "".join(f"y{i} = {i}\n" for i in range(300))
+    extra = [{"filename": "util.py", "text": "".join(f"z{i} = {i}\n" for i in range(300))}]
+    status, _, cut = post(server, "/infill", {"input_prefix": long_prefix,
+                                              "input_suffix": long_suffix, "prompt": "a",
+                                              "input_extra": extra, **sampling})
+    assert status == 200, cut
+    # a batch of 64 (--max-num-batched-tokens): the prefix's last 48, the suffix's first 13;
+    # past it, the other files' last 256 - 64 - 12 tokens
+    other = [repo, *ids("myproject\n"), sep, *ids("util.py\n"), *ids(extra[0]["text"]), sep,
+             *ids("filename\n")]
+    want_cut = [*other[-180:], *tok("").input_ids, pre, *ids(long_prefix)[-48:], *ids("a"),
+                suf, *ids(long_suffix)[:13], mid]
+    _, _, same = post(server, "/completion", {"prompt": want_cut, **sampling})
+    assert cut["tokens_evaluated"] == len(want_cut) <= 256 - 6
+    assert cut["content"] == same["content"]
     assert_idle_and_free(server)
 
 
@@ -82,19 +135,24 @@ def test_a_model_without_the_tokens_has_no_infill(tiny_llama):
 
 
 def test_completions_suffix_inserts_on_a_code_model(coder):
-    """OpenAI's ``suffix`` on /v1/completions (insertion) is the same fill-in-the-middle
-    prompt: the same tokens as /infill; published in /openapi.json for such a model only."""
-    server = shared_server(coder, "--max-model-len", "256")
+    """OpenAI's ``suffix`` on /v1/completions (insertion) is the plain fill-in-the-middle
+    prompt, PRE prompt SUF suffix MID (no repository header: that is /infill's, for editors);
+    published in /openapi.json for such a model only."""
+    import transformers
+
+    server = shared_server(coder, *SERVER_ARGS)
+    tok = transformers.AutoTokenizer.from_pretrained(coder)
+    pre, suf, mid = tok.convert_tokens_to_ids(FIM)
     prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
-    _, _, infill = post(server, "/infill", {"input_prefix": prefix, "input_suffix": suffix,
-                                            "n_predict": 6, "temperature": 0,
-                                            "ignore_eos": True})
+    sampling = {"temperature": 0, "ignore_eos": True}
+    want = [*tok("").input_ids, pre, *tok(prefix, add_special_tokens=False).input_ids, suf,
+            *tok(suffix, add_special_tokens=False).input_ids, mid]
+    _, _, same = post(server, "/completion", {"prompt": want, "n_predict": 6, **sampling})
     status, _, cmpl = post(server, "/v1/completions", {
-        "prompt": prefix, "suffix": suffix, "max_tokens": 6, "temperature": 0,
-        "ignore_eos": True})
+        "prompt": prefix, "suffix": suffix, "max_tokens": 6, **sampling})
     assert status == 200, cmpl
-    assert cmpl["choices"][0]["text"] == infill["content"]
-    assert cmpl["usage"]["prompt_tokens"] == infill["tokens_evaluated"]
+    assert cmpl["choices"][0]["text"] == same["content"]
+    assert cmpl["usage"]["prompt_tokens"] == len(want)
     status, _, err = post(server, "/v1/completions", {"prompt": prefix, "suffix": suffix,
                                                       "echo": True, "max_tokens": 2})
     assert status == 400 and err["error"]["param"] == "suffix"

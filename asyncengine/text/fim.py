@@ -1,4 +1,5 @@
-"""Fill-in-the-middle prompts, for llama-server's ``/infill`` (code completion in editors).
+"""Fill-in-the-middle prompts, for llama-server's ``/infill`` (code completion in editors) and
+OpenAI's ``suffix`` (insertion).
 
 A code model trained for it marks the code before the cursor, the code after it and where to
 write with special tokens, in prefix-suffix-middle order: ``PRE prefix SUF suffix MID``, the
@@ -12,9 +13,15 @@ tokenizer's vocabulary by their text:
 - DeepSeek-Coder: ``<｜fim▁begin｜>``, ``<｜fim▁hole｜>``, ``<｜fim▁end｜>``;
 - CodeLlama: ``<PRE>``, ``<SUF>``, ``<MID>``.
 
-Other files' text (``input_extra``) goes first: with the repository tokens as the models were
-trained (``REPO project SEP name text SEP name text ...``), else as plain text before the
-prefix.
+``infill_prompt`` builds the tokens llama-server builds for ``/infill``, so that an editor
+gets the completions it got there: other files first, as the repository-level pattern the
+models were trained on (``REPO myproject\n SEP name\n text ... SEP filename\n``; without
+those tokens each file's text after a ``--- snippet ---`` line), then the optional BOS, then
+``PRE prefix prompt SUF suffix MID`` (``prompt``, the typed start of the cursor's line, ends
+the prefix). It fits the prompt to the context as llama-server does: of a batch of ``n_batch``
+tokens the prefix keeps its last 3/4, the suffix its first 1/4 less the prompt, and the other
+files the last ``n_ctx - n_batch - 2 n_predict`` tokens of theirs (none when the context is
+no larger than the batch).
 """
 
 from __future__ import annotations
@@ -84,3 +91,35 @@ def fim_prompt(tokens: FimTokens, encode: Any, prefix: str | list[int], suffix: 
     head = prefix if isinstance(prefix, list) else encode(prefix)
     ids += [tokens.prefix, *head, tokens.suffix, *encode(suffix), tokens.middle]
     return ids + encode(middle) if middle else ids
+
+
+#: What separates other files' text where the model has no file-separator token.
+SNIPPET = "\n\n--- snippet ---\n\n"
+
+
+def infill_prompt(tokens: FimTokens, encode: Any, prefix: str, suffix: str, prompt: str = "",
+                  extra: Sequence[tuple[str, str]] = (), bos: Sequence[int] = (), *,
+                  n_batch: int, n_ctx: int, n_predict: int = -1,
+                  project: str = "myproject") -> list[int]:
+    """The token ids of llama-server's ``/infill`` prompt (see the module doc), fitted to
+    ``n_batch`` (the prefix and suffix) and ``n_ctx`` (the other files) with ``n_predict``
+    tokens to come (-1: unbounded, as llama-server counts it). ``encode(text)``: ids without
+    special tokens; ``extra``: other files' ``(name, text)``."""
+    other: list[int] = []
+    if tokens.repo is not None:
+        other += [tokens.repo, *encode(project + "\n")]
+    for name, text in extra:
+        if tokens.file_sep is not None:
+            other += [tokens.file_sep, *encode((name or "tmp") + "\n")]
+        else:
+            other += encode(SNIPPET)
+        other += encode(text)
+    if tokens.file_sep is not None:
+        other += [tokens.file_sep, *encode("filename\n")]
+    head, tail, typed = encode(prefix), encode(suffix), encode(prompt) if prompt else []
+    take_head = min(len(head), 3 * (n_batch // 4))
+    take_tail = min(len(tail), max(0, n_batch // 4 - (2 + len(typed))))
+    take_other = min(max(0, n_ctx - n_batch - 2 * n_predict), len(other))
+    return [*other[len(other) - take_other:], *bos, tokens.prefix,
+            *head[len(head) - take_head:], *typed, tokens.suffix, *tail[:take_tail],
+            tokens.middle]

@@ -1,12 +1,14 @@
 """llama-server's ``POST /infill``: fill-in-the-middle for editors' code completion
 (llama.vim, llama.vscode), on a model with fill-in-the-middle tokens (``text/fim.py``).
 
-The body is /completion's sampling fields plus ``input_prefix`` (the code before the cursor),
-``input_suffix`` (after it), ``input_extra`` (other files: ``[{"filename", "text"}]``) and
-``prompt`` (the start of the middle, already typed); the answer is /completion's. A prompt
-past the context is refused (a 400 naming the length) rather than cut, as llama-server cuts
-the prefix and suffix. On a model without the tokens the route answers 404, and
-/openapi.json leaves it out.
+The body is /completion's sampling fields plus ``input_prefix`` (the code before the cursor's
+line), ``input_suffix`` (from the cursor on), ``input_extra`` (other files: ``[{"filename",
+"text"}]``) and ``prompt`` (the cursor's line up to the cursor); the answer is /completion's.
+The prompt is the tokens llama-server builds (``fim.infill_prompt``), fitted to the context as
+it fits them: a batch of ``--max-num-batched-tokens`` (llama-server's ``-b``, at most the
+context, less the answer's ``n_predict``) holds the end of the prefix (3/4) and the start of
+the suffix (1/4), and the context left past that batch the end of the other files. On a
+model without the tokens the route answers 404, and /openapi.json leaves it out.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from asyncengine.entrypoints.http.llama_native import LlamaSampling, complete
 from asyncengine.entrypoints.http.protocol import Body
 from asyncengine.entrypoints.http.serving import read_body
 from asyncengine.entrypoints.http.state import state_of
-from asyncengine.text.fim import FimTokens, fim_prompt, tokenizer_fim_tokens
+from asyncengine.text.fim import FimTokens, infill_prompt, tokenizer_fim_tokens
 
 
 class InfillChunk(Body, kw_only=True):
-    filename: str = ""
+    filename: str = "tmp"
     text: str = ""
 
 
@@ -61,6 +63,15 @@ async def llama_infill(request: web.Request) -> web.StreamResponse:
         return tokenizer.encode(text, add_special_tokens=False)
 
     bos = tokenizer.encode("", add_special_tokens=True)
-    ids = fim_prompt(tokens, encode, body.input_prefix, body.input_suffix, body.prompt,
-                     [(c.filename, c.text) for c in body.input_extra or []], bos=bos)
+    n_ctx = engine.max_model_len
+    n_predict = -1 if body.n_predict is None else body.n_predict
+    # the batch that holds the prefix and suffix: llama-server's -b, within the context and
+    # leaving room for the answer and the four special tokens
+    n_batch = max(0, min(engine.config.scheduler.max_num_batched_tokens,
+                         n_ctx - max(n_predict, 1) - len(bos) - 3))
+    ids = infill_prompt(tokens, encode, body.input_prefix, body.input_suffix, body.prompt,
+                        [(c.filename, c.text) for c in body.input_extra or []], bos,
+                        # (at least 2 to come: the unbounded answer's room, and the prompt
+                        # within the context whatever the batch)
+                        n_batch=n_batch, n_ctx=n_ctx, n_predict=max(n_predict, 2))
     return await complete(request, body, ids)
