@@ -54,8 +54,10 @@ def test_what_cannot_be_picked_is_named():
     with pytest.raises(ValueError, match=r"no GGUF file for Q4_K; the repository offers: "
                                          r"Big-Q4_K_M.gguf, SmolLM2-Q4_K_M.gguf"):
         hub_gguf.pick(FILES, "Q4_K", "u/r")  # a whole name part: Q4_K is not Q4_K_M
-    with pytest.raises(ValueError, match="matches several files"):
+    with pytest.raises(ValueError, match="Q4_K_M matches several files"):
         hub_gguf.pick(FILES, "Q4_K_M", "u/r")
+    with pytest.raises(ValueError, match=r"Q4_K_M \(the default\) matches several files"):
+        hub_gguf.pick(FILES, None, "u/r")
     with pytest.raises(ValueError, match="holds no GGUF model file"):
         hub_gguf.pick(["README.md", "mmproj-x-f16.gguf"], None, "u/r")
     # without Q4_K_M, a repository's only model is the one (its projector is not a model)

@@ -54,14 +54,14 @@ def pick(files: list[str], tag: str | None, repo: str) -> list[str]:
         chosen = [f for f in models if _has_tag(f, tag or DEFAULT_TAG)]
         if not chosen and tag is None and len({_SPLIT.sub("", f) for f in models}) == 1:
             chosen = models  # the only model in the repository
+    what = tag if tag is not None else f"{DEFAULT_TAG} (the default)"
     if not chosen:
         offered = sorted({_SPLIT.sub(".gguf", os.path.basename(f)) for f in models})
-        what = tag if tag is not None else f"{DEFAULT_TAG} (the default)"
         raise ValueError(f"model {repo!r}: no GGUF file for {what}; the repository offers: "
                          f"{', '.join(offered)} (name one as {repo}:QUANT)")
     stems = {_SPLIT.sub("", f) for f in chosen}
     if len(stems) > 1:
-        raise ValueError(f"model {repo!r}: {tag} matches several files ({', '.join(chosen)}); "
+        raise ValueError(f"model {repo!r}: {what} matches several files ({', '.join(chosen)}); "
                          f"name one as {repo}:FILE.gguf")
     return chosen
 
