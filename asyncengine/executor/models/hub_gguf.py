@@ -19,6 +19,8 @@ import contextlib
 import os
 import re
 
+from asyncengine.executor.models import hub_access
+
 #: The quantization llama-server takes when the tag is left out.
 DEFAULT_TAG = "Q4_K_M"
 _TAGGED = re.compile(r"^([A-Za-z0-9][\w.-]*/[\w.-]+):([\w.-]+)$")
@@ -69,14 +71,8 @@ def pick(files: list[str], tag: str | None, repo: str) -> list[str]:
 def download(repo: str, tag: str | None, revision: str | None = None,
              cache_dir: str | None = None) -> str:
     """The local path of the GGUF file ``repo:tag`` names (downloaded if not cached)."""
-    from huggingface_hub import constants, hf_hub_download, snapshot_download
-    from huggingface_hub.errors import (
-        DryRunError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     cached = None
     with contextlib.suppress(LocalEntryNotFoundError, OSError):
@@ -87,28 +83,18 @@ def download(repo: str, tag: str | None, revision: str | None = None,
                  for d, _, names in os.walk(cached) for f in names]
         with contextlib.suppress(ValueError):
             return _single(repo, cached, pick(local, tag, repo))
-    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
     name = f"{repo}:{tag}" if tag else repo
-    if offline or constants.HF_HUB_OFFLINE:
+    if hub_access.offline():
         raise ValueError(f"model {name!r}: not in the hub cache and HF_HUB_OFFLINE is set; "
                          "pass a local .gguf file")
-    try:
-        files = list_files(repo, revision, cache_dir)
-        chosen = pick(files, tag, repo)
+    unreachable = (f"model {name!r} is not a local file and no model hub is reachable to "
+                   "download it; pass a local .gguf file")
+    with hub_access.errors_named(name, repo, revision, unreachable):
+        chosen = pick(list_files(repo, revision, cache_dir), tag, repo)
         _single(repo, "", chosen)  # a split model is refused before anything is fetched
-        path = hf_hub_download(repo, chosen[0], revision=revision, cache_dir=cache_dir,
+        return hf_hub_download(repo, chosen[0], revision=revision, cache_dir=cache_dir,
                                etag_timeout=5)
-    except RepositoryNotFoundError:
-        raise ValueError(f"model {repo!r}: no such repository on the hub (or it is gated: log "
-                         "in with `hf auth login`)") from None
-    except RevisionNotFoundError:
-        raise ValueError(f"model {repo!r}: no revision {revision!r} on the hub") from None
-    except (LocalEntryNotFoundError, DryRunError):
-        raise ValueError(f"model {name!r} is not a local file and no model hub is reachable "
-                         "to download it; pass a local .gguf file") from None
-    except (HfHubHTTPError, OSError) as e:
-        raise ValueError(f"model {name!r}: download failed: {e}") from None
-    return path
+    raise AssertionError("unreachable")  # pragma: no cover - the block returns or raises
 
 
 def list_files(repo: str, revision: str | None, cache_dir: str | None) -> list[str]:

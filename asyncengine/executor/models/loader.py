@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from asyncengine.executor.cpu_flags import cpu_has_bf16 as _cpu_has_bf16
-from asyncengine.executor.models import hub_gguf
+from asyncengine.executor.models import hub_access, hub_gguf
 from asyncengine.executor.models.checkpoint_quant import (
     checkpoint_quantization,
     dequantize_checkpoint,
@@ -150,13 +150,8 @@ def _directory_source(path: Path, name: str) -> ModelSource:
 
 def _hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None,
                   weights: bool) -> str:
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     kwargs: dict[str, Any] = dict(revision=revision, cache_dir=download_dir,
                                   allow_patterns=_HUB_PATTERNS if weights else [
@@ -166,20 +161,11 @@ def _hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None,
         return snapshot_download(repo_id, local_files_only=True, **kwargs)
     unreachable = (f"model {repo_id!r} is not a local file or directory and no model hub is "
                    "reachable to download it; pass a local model directory or .gguf file")
-    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-    if offline or constants.HF_HUB_OFFLINE:
+    if hub_access.offline():
         raise ValueError(unreachable + " (HF_HUB_OFFLINE is set)")
-    try:
+    with hub_access.errors_named(repo_id, repo_id, revision, unreachable):
         return snapshot_download(repo_id, etag_timeout=5, **kwargs)
-    except LocalEntryNotFoundError:
-        raise ValueError(unreachable) from None
-    except RepositoryNotFoundError:
-        raise ValueError(f"model {repo_id!r}: no such repository on the hub (or it is gated: "
-                         "log in with `hf auth login`)") from None
-    except RevisionNotFoundError:
-        raise ValueError(f"model {repo_id!r}: no revision {revision!r} on the hub") from None
-    except (HfHubHTTPError, OSError) as e:
-        raise ValueError(f"model {repo_id!r}: download failed: {e}") from None
+    raise AssertionError("unreachable")  # pragma: no cover - the block returns or raises
 
 
 def pick_dtype(dtype_flag: str, device: str) -> torch.dtype:
