@@ -73,7 +73,7 @@ def make_awq(hf: Path, out: Path) -> None:
 def measure(path: str, quantization: str, batch: int, output_len: int) -> dict:
     """One side in this process: weights' bytes, and tokens/s of one batch."""
     from asyncengine import LLM, SamplingParams
-    from asyncengine.executor.models.quantization import weight_footprint
+    from asyncengine.executor.weights.quantization import weight_footprint
 
     llm = LLM(path, quantization=quantization, max_model_len=512)
     sizes = weight_footprint(llm.engine.runner.model)

@@ -78,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             step(args.drafts)
             verify.append(time.perf_counter() - start)
-    from asyncengine.executor.models.quantization import weight_footprint
+    from asyncengine.executor.weights.quantization import weight_footprint
 
     sizes = weight_footprint(parts.runner.model)
     print("weights:", ", ".join(f"{k} {mb:.1f} MB" for k, mb in sorted(sizes.items())))

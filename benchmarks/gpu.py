@@ -111,7 +111,7 @@ def tokenizer_path(args: argparse.Namespace) -> str:
     saved = os.environ.get("ASYNCENGINE_TEST_TOKENIZER_DIR")
     if saved and os.path.isfile(os.path.join(saved, "tokenizer_config.json")):
         return saved
-    from asyncengine.executor.models.loader import embedded_model_path
+    from asyncengine.executor.weights.loader import embedded_model_path
 
     return embedded_model_path()
 

@@ -22,7 +22,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
     import transformers
 
-    from asyncengine.executor.models.loader import embedded_model_path
+    from asyncengine.executor.weights.loader import embedded_model_path
 
     directory, name = os.path.split(args.gguf or embedded_model_path())
     dtype = getattr(torch, args.dtype)

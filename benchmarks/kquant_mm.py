@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncengine.executor.kernels import build, packed  # noqa: E402
-from asyncengine.executor.models import kquants  # noqa: E402
+from asyncengine.executor.weights import kquants  # noqa: E402
 
 
 def baseline_kernel(rev: str, directory: Path):
@@ -58,8 +58,8 @@ def weights(qtype: int, n: int, k: int, rng: np.random.Generator) -> torch.Tenso
 def file_matrices(path: str) -> list[tuple[str, torch.Tensor, int, int]]:
     """(name, raw, type, K) of each matrix of the GGUF file at ``path``, the layers' in the
     model's order, then the head (or the tied embedding)."""
-    from asyncengine.executor.models.gguf import read_packed
-    from asyncengine.executor.models.loader import resolve_model
+    from asyncengine.executor.weights.gguf import read_packed
+    from asyncengine.executor.weights.loader import resolve_model
 
     src = resolve_model(path)
     tensors = read_packed(src.gguf_path, src.hf_config)

@@ -67,7 +67,7 @@ def smollm2_tokenizer(work: Path) -> Path:
     """The embedded SmolLM2's tokenizer as an HF directory."""
     import transformers
 
-    from asyncengine.executor.models.loader import embedded_model_path
+    from asyncengine.executor.weights.loader import embedded_model_path
 
     target = work / "tokenizer"
     if not (target / "tokenizer_config.json").is_file():
@@ -103,8 +103,8 @@ def make_q4_k_m(work: Path, llama_cpp: Path, llama_bin: Path, convert_path: str 
 
 
 def file_types(path: Path) -> str:
-    from asyncengine.executor.models.gguf_header import read_header
-    from asyncengine.executor.models.kquants import type_name
+    from asyncengine.executor.weights.gguf_header import read_header
+    from asyncengine.executor.weights.kquants import type_name
 
     counts = Counter(type_name(t.ggml_type) for t in read_header(str(path)).tensors)
     return ", ".join(f"{k} x{v}" for k, v in counts.most_common())
@@ -120,9 +120,9 @@ def matrix_timing(path: Path) -> None:
     from kquant_mm import best  # benchmarks/kquant_mm.py: best of n calls after one warm-up
 
     from asyncengine.executor.kernels import packed as packed_kernels
-    from asyncengine.executor.models import kquants
-    from asyncengine.executor.models.gguf import read_packed
-    from asyncengine.executor.models.loader import resolve_model
+    from asyncengine.executor.weights import kquants
+    from asyncengine.executor.weights.gguf import read_packed
+    from asyncengine.executor.weights.loader import resolve_model
 
     torch.set_num_threads(1)
     source = resolve_model(str(path))

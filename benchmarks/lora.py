@@ -94,7 +94,7 @@ def kernel_only(args: argparse.Namespace) -> int:
     import torch
 
     from asyncengine.executor.lora.ops import LoRAStep, SlotTable, add_lora
-    from asyncengine.executor.models.int4 import Int4Linear
+    from asyncengine.executor.weights.int4 import Int4Linear
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from spec_decode import CODE, PASSAGES, grounded_prompts  # noqa: E402
 
 from asyncengine import LLM, SamplingParams  # noqa: E402
-from asyncengine.executor.models.loader import embedded_model_path  # noqa: E402
+from asyncengine.executor.weights.loader import embedded_model_path  # noqa: E402
 
 #: Other ways of asking for the same code edit (the benchmark's own comes first).
 CODE_FORMS = {

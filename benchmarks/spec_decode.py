@@ -29,7 +29,7 @@ from typing import Any
 
 from asyncengine.entrypoints.bench.peers import _free_port, _wait_ready
 from asyncengine.entrypoints.bench.serve import BenchConfig, run_benchmark
-from asyncengine.executor.models.loader import embedded_model_path
+from asyncengine.executor.weights.loader import embedded_model_path
 
 SPEC = ('{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, '
         '"prompt_lookup_min": 2}')

@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncengine.executor.models.checkpoint_packed import (
+from asyncengine.executor.weights.checkpoint_packed import (
     AWQScheme,
     dequantize_awq_matrix,
     unpack_awq,
 )
-from asyncengine.executor.models.checkpoint_quant import dequantize_checkpoint
+from asyncengine.executor.weights.checkpoint_quant import dequantize_checkpoint
 from tests.test_fp8_checkpoint import check_against_dequantized, check_on_int4_grid
 from tests.utils import make_tiny_model
 
@@ -112,8 +112,8 @@ def test_vllm_quantization_names_run_a_checkpoint_of_their_format(tmp_path):
     """``vllm serve M --quantization awq`` (or awq_marlin) runs unchanged: the checkpoint's
     own format; another format's name, or fp8 on float weights, names the flag."""
     from asyncengine import LLM, SamplingParams
-    from asyncengine.executor.models.checkpoint_quant import FP8Scheme
-    from asyncengine.executor.models.quantization import from_vllm_method
+    from asyncengine.executor.weights.checkpoint_quant import FP8Scheme
+    from asyncengine.executor.weights.quantization import from_vllm_method
 
     assert from_vllm_method("awq_marlin", AWQScheme(128)) == "auto"
     assert from_vllm_method("fp8", FP8Scheme("compressed-tensors")) == "auto"

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from asyncengine.executor.kernels import cuda_layer_ops, layer_ops
-from asyncengine.executor.models.loader import load_model, resolve_model
 from asyncengine.executor.models.rope import apply_rope
+from asyncengine.executor.weights.loader import load_model, resolve_model
 from tests.fake_flashinfer import layer_op_modules
 from tests.test_models import PagedRunner
 from tests.utils import make_tiny_model

@@ -8,10 +8,9 @@ import torch
 
 from asyncengine.executor.kernels import layer_ops
 from asyncengine.executor.kernels import packed as packed_kernels
-from asyncengine.executor.models import load_model
 from asyncengine.executor.models.decode_stack import DecodeStack
-from asyncengine.executor.models.int4 import TILE_REQUESTS
-from asyncengine.executor.models.loader import resolve_model
+from asyncengine.executor.weights.int4 import TILE_REQUESTS
+from asyncengine.executor.weights.loader import load_model, resolve_model
 from tests.test_models import PagedRunner
 
 pytestmark = pytest.mark.skipif(not packed_kernels.available("int4"),
@@ -114,7 +113,7 @@ def test_gguf_stack_takes_fused_tile_batches(monkeypatch, tmp_path):
     (``kquant_tile.h``): decode steps of 16 to 64 tokens run in the stack too, to the bit the
     per-layer path's (its GGUFLinears send those rows to the same kernel)."""
     from asyncengine.executor import cpu_flags
-    from asyncengine.executor.models import kquants
+    from asyncengine.executor.weights import kquants
     from tests.test_kquants import write_mixed_gguf
 
     if not (kquants.kernels_available() and packed_kernels.kquant_bf16_tile()):

@@ -17,7 +17,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.engine.engine import AsyncEngine
 from asyncengine.executor.attention.base import AttentionOptions
 from asyncengine.executor.models.family import describe
-from asyncengine.executor.models.loader import load_model, resolve_model
+from asyncengine.executor.weights.loader import load_model, resolve_model
 from tests.test_engine import hf_greedy
 from tests.test_models import PagedRunner, reference_logits
 from tests.utils import hf_reference_model, make_tiny_gguf, make_tiny_model

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from asyncengine import LLM, SamplingParams
-from asyncengine.executor.models.checkpoint_quant import FP8Scheme, dequantize, dequantize_fp8
+from asyncengine.executor.weights.checkpoint_quant import FP8Scheme, dequantize, dequantize_fp8
 from tests.test_engine import hf_greedy
 from tests.utils import hf_reference_model, make_tiny_model
 
@@ -194,8 +194,8 @@ def check_on_int4_grid(path: str, ref: str) -> None:
     transformers' on the dequantized model (test_int4.py's tolerances for int4 with the int8
     head: the kernel rounds activations to int8 per block, as llama.cpp does)."""
     from asyncengine.executor.kernels import packed as packed_kernels
-    from asyncengine.executor.models.int4 import GROUP, Int4Linear
-    from asyncengine.executor.models.loader import load_model, resolve_model
+    from asyncengine.executor.weights.int4 import GROUP, Int4Linear
+    from asyncengine.executor.weights.loader import load_model, resolve_model
     from tests.test_models import PagedRunner, reference_logits
 
     if not (packed_kernels.available("int4") and packed_kernels.available("int8")):

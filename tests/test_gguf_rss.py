@@ -20,8 +20,10 @@ def peak():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
 import torch, gguf, gguf.quants
-from asyncengine.executor.models import kquants, gguf as gguf_mod, decoder, llama
-from asyncengine.executor.models.loader import load_model, resolve_model
+from asyncengine.executor.models import decoder, llama
+from asyncengine.executor.weights import kquants
+from asyncengine.executor.weights import gguf as gguf_mod
+from asyncengine.executor.weights.loader import load_model, resolve_model
 assert kquants.kernels_available()
 source = resolve_model(sys.argv[1])
 torch.ones(1024) @ torch.ones(1024)  # the thread pool up

@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncengine.executor.models.checkpoint_packed import (
+from asyncengine.executor.weights.checkpoint_packed import (
     GPTQScheme,
     dequantize_gptq_matrix,
     unpack_words,
 )
-from asyncengine.executor.models.checkpoint_quant import dequantize_checkpoint
+from asyncengine.executor.weights.checkpoint_quant import dequantize_checkpoint
 from tests.test_fp8_checkpoint import check_against_dequantized, check_on_int4_grid
 from tests.utils import make_tiny_model
 
@@ -137,7 +137,7 @@ def test_act_order_needs_g_idx_and_the_zeros_offset_matters():
 
 
 def test_int4_grid_takes_groups_that_tile_blocks_of_32():
-    from asyncengine.executor.models.checkpoint_packed import int4_grid
+    from asyncengine.executor.weights.checkpoint_packed import int4_grid
 
     zeros = torch.tensor([[1.0, 2.0], [3.0, 4.0]])  # [groups, out]
     scales = torch.tensor([[0.5, 0.25], [1.0, 2.0]])
@@ -152,8 +152,8 @@ def test_int4_grid_takes_groups_that_tile_blocks_of_32():
 
 def test_auto_packs_4_bit_checkpoints_whose_groups_tile_int4_blocks():
     from asyncengine.executor.kernels import packed as packed_kernels
-    from asyncengine.executor.models.checkpoint_quant import AWQScheme, FP8Scheme
-    from asyncengine.executor.models.quantization import resolve_auto
+    from asyncengine.executor.weights.checkpoint_quant import AWQScheme, FP8Scheme
+    from asyncengine.executor.weights.quantization import resolve_auto
 
     cpu = torch.device("cpu")
     kernels = packed_kernels.available("int4") and packed_kernels.available("int8")

@@ -22,7 +22,7 @@ from asyncengine.executor.kv_sizing import (
     kv_blocks_for_budget,
     kv_cache_budget,
 )
-from asyncengine.executor.models.loader import load_model, pick_dtype, resolve_model
+from asyncengine.executor.weights.loader import load_model, pick_dtype, resolve_model
 
 MIB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""A hub repository's GGUF file by its quantization (``executor/models/hub_gguf.py``):
+"""A hub repository's GGUF file by its quantization (``executor/weights/hub_gguf.py``):
 ``user/repo:Q4_K_M`` as llama-server's ``-hf`` and vLLM's ``repo:quant_type`` take it. No hub is
 reachable here: the choice is tested on file lists, the download through a stand-in for the
 hub's two calls, and resolution through a real hub cache, offline."""
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncengine.executor.models import hub_gguf
-from asyncengine.executor.models.loader import resolve_model
+from asyncengine.executor.weights import hub_gguf
+from asyncengine.executor.weights.loader import resolve_model
 from tests.utils import embedded_gguf_path
 
 FILES = ["README.md", "SmolLM2-Q4_K_M.gguf", "SmolLM2-Q4_K_S.gguf", "SmolLM2.Q8_0.gguf",

@@ -11,17 +11,16 @@ import torch
 
 from asyncengine.config import EngineConfig
 from asyncengine.executor.kernels import packed as packed_kernels
-from asyncengine.executor.models import load_model
-from asyncengine.executor.models.gguf import quant_grid
-from asyncengine.executor.models.int4 import (
+from asyncengine.executor.models.llama import Linear
+from asyncengine.executor.weights.gguf import quant_grid
+from asyncengine.executor.weights.int4 import (
     GROUP,
     Int4Linear,
     dequantize_int4,
     quantize_int4,
 )
-from asyncengine.executor.models.llama import Linear
-from asyncengine.executor.models.loader import resolve_model
-from asyncengine.executor.models.quantization import Int8Linear, weight_footprint
+from asyncengine.executor.weights.loader import load_model, resolve_model
+from asyncengine.executor.weights.quantization import Int8Linear, weight_footprint
 from tests.test_models import PagedRunner, reference_logits
 from tests.utils import embedded_gguf_path, hf_reference_model
 
@@ -263,7 +262,7 @@ def test_bfloat16_prefill_rows_take_the_int8_tiles_or_the_bfloat16_gemm():
     VNNI and BITALG are), the same bits as the GGUF Q4_1 tiles given the same weights as Q4_1
     blocks; else by its weights dequantized to bfloat16 (a GEMM). Below, the row kernel: all
     agree to the activations' rounding."""
-    from asyncengine.executor.models import int4
+    from asyncengine.executor.weights import int4
 
     if not packed_kernels.bf16_available("int4_bf16"):
         pytest.skip("no AVX-512 BF16 here")
@@ -294,7 +293,7 @@ def test_bfloat16_decode_steps_of_many_requests_take_the_int8_tiles():
     rows count as requests) a bfloat16 int4 layer multiplies by the byte tiles at any row
     count; a step of fewer requests keeps the row kernel whatever its rows (a verification's
     drafts are rows of their own), so a row's bits depend on its step's requests only."""
-    from asyncengine.executor.models import int4
+    from asyncengine.executor.weights import int4
 
     if not (packed_kernels.bf16_available("int4_bf16")
             and packed_kernels.int4_tile8_available()):
@@ -320,7 +319,7 @@ def test_int8_layers_and_head_take_the_int8_tiles_in_steps_of_many_requests():
     ``TILE_REQUESTS`` requests, byte dot products over the activations rounded to int8 per
     block of 32 (``int8_tile8.cpp``): exactly those products, to float32 rounding, per row
     whatever the rows beside it; fewer requests keep the exact-weights row kernel."""
-    from asyncengine.executor.models import int4
+    from asyncengine.executor.weights import int4
 
     if not (packed_kernels.bf16_available("int8_bf16")
             and packed_kernels.bf16_available("int8_tile8")):

@@ -1,4 +1,4 @@
-"""GGUF types kept packed (``executor/models/kquants.py``, ``kernels/kquant*.cpp``): every type
+"""GGUF types kept packed (``executor/weights/kquants.py``, ``kernels/kquant*.cpp``): every type
 dequantizes bit-exactly as the ``gguf`` package's reference does, and the packed matmul equals
 a float matmul by those weights."""
 
@@ -15,7 +15,7 @@ from gguf.quants import dequantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncengine.executor.models import kquants
+from asyncengine.executor.weights import kquants
 
 # Where each type's float16 scales sit in its block (byte offsets), to make them finite.
 _F16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
@@ -189,7 +189,7 @@ def mixed_gguf(tmp_path_factory) -> str:
 
 
 def test_mixed_types_load_packed(mixed_gguf):
-    from asyncengine.executor.models.loader import load_model, resolve_model
+    from asyncengine.executor.weights.loader import load_model, resolve_model
 
     model = load_model(resolve_model(mixed_gguf), "auto", torch.float32, "cpu",
                        quantization="auto")
@@ -252,7 +252,7 @@ def test_int8_tiles_from_few_rows_only_without_speculation(mixed_gguf):
 
 def _with_tensor_type(src: str, dst: str, tensor: str, qtype: int) -> str:
     """A copy of the GGUF ``src`` whose ``tensor`` claims GGML type ``qtype``."""
-    from asyncengine.executor.models.gguf_header import read_header
+    from asyncengine.executor.weights.gguf_header import read_header
 
     data = bytearray(open(src, "rb").read())
     name = tensor.encode()

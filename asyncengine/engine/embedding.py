@@ -1,6 +1,6 @@
 """``AsyncEngine.embed``: embeddings of token-id prompts, computed on the engine's device.
 
-The forward pass (``executor/pooling.py``) is submitted through the engine's ``Device``,
+The forward pass (``executor/models/pooling.py``) is submitted through the engine's ``Device``,
 like a step: its one worker thread runs it in launch order between two steps, never at the
 same time as one, and the event loop keeps serving while it runs. It uses a KV cache of its
 own and none of the runner's per-step state, so it may sit between step N and a step N+1
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from asyncengine.engine.errors import EngineDeadError
-from asyncengine.executor.pooling import embed_batch
+from asyncengine.executor.models.pooling import embed_batch
 
 
 def embedding_size(engine: Any) -> int:

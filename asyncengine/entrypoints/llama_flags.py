@@ -22,7 +22,7 @@ from asyncengine.entrypoints.foreign_flags import Flag, rewrite, to
 
 def _hub(key: str) -> Callable[[str, str | None, dict], list[str]]:
     """-hf user/repo[:quant] and -hff FILE: the model is read as ``--model user/repo[:QUANT]``
-    (``executor/models/hub_gguf.py``: without a quant, Q4_K_M or the repository's only GGUF
+    (``executor/weights/hub_gguf.py``: without a quant, Q4_K_M or the repository's only GGUF
     model), with -hff's file name in place of the quant."""
     def put(name: str, value: str | None, state: dict) -> list[str]:
         if not value:

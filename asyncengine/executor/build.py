@@ -34,11 +34,11 @@ from asyncengine.executor.kv_sizing import (
     max_model_len_of,
     num_kv_blocks,
 )
-from asyncengine.executor.models import kquants
-from asyncengine.executor.models.loader import load_model, pick_dtype, resolve_model
 from asyncengine.executor.models.registry import architecture_of
 from asyncengine.executor.runner import ModelRunner
 from asyncengine.executor.structured_output import StructuredOutputManager
+from asyncengine.executor.weights import kquants
+from asyncengine.executor.weights.loader import load_model, pick_dtype, resolve_model
 from asyncengine.ext import registry
 from asyncengine.ext.contracts.kv_connector import KVCacheLayout, KVConnector, model_identity
 from asyncengine.text.generation_config import load_generation_defaults

@@ -39,7 +39,6 @@ from asyncengine.core.sched.interface import ModelRunnerOutput, SchedulerOutput
 from asyncengine.executor.attention.base import AttentionBackend, AttentionMetadata
 from asyncengine.executor.input_batch import InputBatch
 from asyncengine.executor.kv_blocks import BlockCopy, read_blocks, write_blocks
-from asyncengine.executor.models.int4 import step_requests
 from asyncengine.executor.penalty_state import PenaltyState
 from asyncengine.executor.sampler import NO_TOKEN, prompt_logprobs, sample, sample_ids
 from asyncengine.executor.sampler.greedy_head import MIN_ROWS as GREEDY_HEAD_MIN_ROWS
@@ -54,6 +53,7 @@ from asyncengine.executor.step_inputs import (
     StepInputs,
 )
 from asyncengine.executor.step_output import PendingOutput, pending_output
+from asyncengine.executor.weights.int4 import step_requests
 
 __all__ = ["BitmaskSlot", "ModelRunner", "PromptLogprobsTask", "StepAbandoned", "StepInputs"]
 

@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # -- the model directory -------------------------------------------------------------------------
 def make_model_dir(root: Path) -> str:
     """Config of the tiny model plus SmolLM2's tokenizer, from the embedded GGUF."""
-    from asyncengine.executor.models.loader import embedded_model_path
+    from asyncengine.executor.weights.loader import embedded_model_path
     from asyncengine.text.tokenizer import load_tokenizer
 
     root.mkdir(parents=True, exist_ok=True)

@@ -80,7 +80,7 @@ def server_command(peer: str, args: argparse.Namespace, port: int) -> list[str] 
             return "not installed (no llama-server on PATH; --llama-server PATH)"
         gguf = args.gguf
         if gguf is None:
-            from asyncengine.executor.models.loader import embedded_model_path
+            from asyncengine.executor.weights.loader import embedded_model_path
 
             gguf = embedded_model_path()
         return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),

@@ -71,7 +71,7 @@ def _load_hf(model_arg: str | None, dtype):
 
     from transformers import AutoModelForCausalLM
 
-    from asyncengine.executor.models.loader import resolve_model
+    from asyncengine.executor.weights.loader import resolve_model
 
     src = resolve_model(model_arg, "auto", None, None)
     kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}

@@ -32,8 +32,8 @@ import torch
 
 from asyncengine.executor.kernels import layer_ops
 from asyncengine.executor.kernels.build import DTYPE_CODES, KV_CODES, load
-from asyncengine.executor.models import kquants
-from asyncengine.executor.models.int4 import DEQUANT_ROWS, TILE_REQUESTS, Int4Linear
+from asyncengine.executor.weights import kquants
+from asyncengine.executor.weights.int4 import DEQUANT_ROWS, TILE_REQUESTS, Int4Linear
 
 _ARGS = ("const ae_t*", "ae_t*", "const int64_t*", "const ae_t*", "const ae_t*",
          "const ae_t*", "const int64_t*", "const int64_t*", "const int64_t*", "const int64_t*",

@@ -172,7 +172,7 @@ class SparseMoE(nn.Module):
         kept exactly as the file stores them, int8 with its scale per block of 32."""
         if method not in ("int8", "int4") or self.quant != "float32":
             return
-        from asyncengine.executor.models.int4 import quantize_int4
+        from asyncengine.executor.weights.int4 import quantize_int4
 
         if method == "int4" and not (packed_kernels.supports(self.hidden)
                                      and packed_kernels.supports(self.intermediate)):

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from asyncengine.executor.models import loader as base
 from asyncengine.executor.models.llama import LlamaForCausalLM
 from asyncengine.executor.parallel.model import TPLlamaForCausalLM
 from asyncengine.executor.parallel.sharding import (
@@ -27,6 +26,7 @@ from asyncengine.executor.parallel.sharding import (
     tensor_getter,
 )
 from asyncengine.executor.parallel.state import TPState
+from asyncengine.executor.weights import loader as base
 
 
 def load_tp_model(source: base.ModelSource, load_format: str, dtype: torch.dtype,
@@ -36,8 +36,8 @@ def load_tp_model(source: base.ModelSource, load_format: str, dtype: torch.dtype
     if model_cls is not None and not issubclass(model_cls, LlamaForCausalLM):
         raise ValueError(f"{FLAG} {tp.world_size}: only the built-in Llama family can be "
                          f"sharded, not {model_cls.__name__}")
-    from asyncengine.executor.models.checkpoint_quant import checkpoint_quantization
-    from asyncengine.executor.models.quantization import from_vllm_method
+    from asyncengine.executor.weights.checkpoint_quant import checkpoint_quantization
+    from asyncengine.executor.weights.quantization import from_vllm_method
 
     if base._load_format(source, load_format) == "safetensors":  # vLLM's names: auto
         quantization = from_vllm_method(quantization,
@@ -54,12 +54,12 @@ def load_tp_model(source: base.ModelSource, load_format: str, dtype: torch.dtype
     if fmt == "dummy":
         base._fill_dummy(model, seed, getattr(config, "initializer_range", 0.02))
     elif fmt == "gguf":
-        from asyncengine.executor.models.gguf import iter_gguf_tensors
+        from asyncengine.executor.weights.gguf import iter_gguf_tensors
 
         model.load_weights((name, shard_tensor(name, tensor_getter(t), plan))
                            for name, t in iter_gguf_tensors(source.gguf_path, config, None))
     else:
-        from asyncengine.executor.models.checkpoint_quant import (
+        from asyncengine.executor.weights.checkpoint_quant import (
             checkpoint_quantization,
             dequantize_checkpoint,
         )

@@ -22,8 +22,6 @@ import torch.distributed as dist
 from asyncengine.config import EngineConfig
 from asyncengine.executor.attention import AttentionShape, get_attention_backend
 from asyncengine.executor.kv_dtype import kv_cache_dtype
-from asyncengine.executor.models.int4 import step_requests
-from asyncengine.executor.models.loader import pick_dtype, resolve_model
 from asyncengine.executor.parallel.loader import load_tp_model
 from asyncengine.executor.parallel.messages import (
     HEADER,
@@ -33,6 +31,8 @@ from asyncengine.executor.parallel.messages import (
     decode_step,
 )
 from asyncengine.executor.parallel.state import TPState, init_distributed
+from asyncengine.executor.weights.int4 import step_requests
+from asyncengine.executor.weights.loader import pick_dtype, resolve_model
 
 logger = logging.getLogger("asyncengine")
 

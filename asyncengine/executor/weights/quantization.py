@@ -32,7 +32,7 @@ from torch import nn
 
 from asyncengine.config import QUANTIZATIONS
 from asyncengine.executor.kernels import packed as packed_kernels
-from asyncengine.executor.models.int4 import BF16_ROWS, TILE_REQUESTS, step_requests_or
+from asyncengine.executor.weights.int4 import BF16_ROWS, TILE_REQUESTS, step_requests_or
 
 logger = logging.getLogger(__name__)
 
@@ -256,8 +256,8 @@ def _quantize_head(model: nn.Module, grids: dict[str, Any]) -> None:
 
 
 def _quantize_int4(model: nn.Module, grids: dict[str, Any]) -> None:
-    from asyncengine.executor.models.int4 import Int4Linear, supports_int4
     from asyncengine.executor.models.llama import Linear
+    from asyncengine.executor.weights.int4 import Int4Linear, supports_int4
 
     exact = skipped = 0
     for qual, parent in list(model.named_modules()):

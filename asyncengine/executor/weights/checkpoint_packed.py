@@ -47,8 +47,8 @@ def int4_grid(zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor) ->
     spans two groups (act-order's scattered groups, a group size that 32 does not divide).
     Int4 keeps scales and minimums in float16: the scales are the checkpoint's own, a minimum
     rounds within 2**-11 of itself."""
-    from asyncengine.executor.models.gguf import QuantGrid
-    from asyncengine.executor.models.int4 import GROUP
+    from asyncengine.executor.weights.gguf import QuantGrid
+    from asyncengine.executor.weights.int4 import GROUP
 
     rows = g_idx.shape[0]
     if rows % GROUP:

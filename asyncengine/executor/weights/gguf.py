@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncengine.executor.models import gguf_arch
-from asyncengine.executor.models.gguf_header import TensorInfo, read_header
+from asyncengine.executor.weights import gguf_arch
+from asyncengine.executor.weights.gguf_header import TensorInfo, read_header
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -95,7 +95,7 @@ def quant_grid(raw: np.ndarray, qtype: Any) -> QuantGrid | None:
 def _check_tensor(path: str, t: TensorInfo, file_size: int, packed: bool) -> tuple[int, int]:
     """(rows, bytes per row) of tensor ``t``; ValueError naming it, its type (or its offset)
     and the supported types when the type is unknown or the file ends before its data."""
-    from asyncengine.executor.models import kquants
+    from asyncengine.executor.weights import kquants
 
     try:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -131,7 +131,7 @@ class PackedTensor:
 def read_packed(path: str, config: Any) -> dict[str, PackedTensor]:
     """Every matrix of a GGUF file kept packed, by transformers name (``kquants.py``); raises
     ValueError for a type outside ``kquants.TYPES`` or a truncated file."""
-    from asyncengine.executor.models import kquants
+    from asyncengine.executor.weights import kquants
 
     header = read_header(path)
     arch = header.metadata.get("general.architecture", "llama")
@@ -180,7 +180,7 @@ def iter_gguf_tensors(path: str, config: Any, grids: dict[str, QuantGrid] | None
         try:
             w = dequantize(raw, qtype).reshape(*reversed(t.dims))  # [out, in] for matrices
         except NotImplementedError:
-            from asyncengine.executor.models import kquants
+            from asyncengine.executor.weights import kquants
 
             kquants.check_type(path, t.name, t.ggml_type, t.dims[0])
             raise

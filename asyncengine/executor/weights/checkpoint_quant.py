@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from asyncengine.executor.models.checkpoint_packed import (
+from asyncengine.executor.weights.checkpoint_packed import (
     AWQScheme,
     GPTQScheme,
     record,

@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from asyncengine.executor.cpu_flags import cpu_has_bf16 as _cpu_has_bf16
-from asyncengine.executor.models import hub_access, hub_gguf
-from asyncengine.executor.models.checkpoint_quant import (
+from asyncengine.executor.models.registry import BUILTIN_MODELS, architecture_of
+from asyncengine.executor.weights import hub_access, hub_gguf
+from asyncengine.executor.weights.checkpoint_quant import (
     checkpoint_quantization,
     dequantize_checkpoint,
 )
-from asyncengine.executor.models.registry import BUILTIN_MODELS, architecture_of
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def _gguf_config(directory: str, file: str, size: int, mtime: float) -> Any:
     # architectures go through transformers, which parses the whole vocabulary (seconds).
     from transformers import AutoConfig
 
-    from asyncengine.executor.models.gguf_header import config_from_header, read_header
+    from asyncengine.executor.weights.gguf_header import config_from_header, read_header
 
     try:
         config = config_from_header(read_header(os.path.join(directory, file)))
@@ -205,7 +205,7 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
     device = torch.device(device)
     with _default_dtype(dtype), device:
         model = model_cls(config)
-    from asyncengine.executor.models.quantization import from_vllm_method, resolve_auto
+    from asyncengine.executor.weights.quantization import from_vllm_method, resolve_auto
 
     quantization = resolve_auto(from_vllm_method(quantization, quantized), fmt, device,
                                 _gguf_matrix_types(source, fmt), quantized)
@@ -217,7 +217,7 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
     elif fmt == "gguf" and quantization == "gguf":
         _load_gguf_packed(model, source, dtype)
     elif fmt == "gguf":
-        from asyncengine.executor.models.gguf import iter_gguf_tensors
+        from asyncengine.executor.weights.gguf import iter_gguf_tensors
 
         # keep the file's Q4 / Q8_0 blocks exactly
         grids = {} if quantization in ("int4", "int8") else None
@@ -231,10 +231,10 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
             weights = dequantize_checkpoint(weights, quantized, grids)
         model.load_weights(_progress(weights, _count_tensors(files), source.name))
     if quantization not in ("none", "gguf"):
-        from asyncengine.executor.models.quantization import quantize_model
+        from asyncengine.executor.weights.quantization import quantize_model
 
         quantize_model(model, quantization, grids)
-    from asyncengine.executor.models.quantization import weight_footprint
+    from asyncengine.executor.weights.quantization import weight_footprint
 
     sizes = weight_footprint(model)
     logger.info("weights in memory: %.1f MB (%s)", sum(sizes.values()),
@@ -244,8 +244,8 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
 
 def _load_gguf_packed(model: nn.Module, source: ModelSource, dtype: torch.dtype) -> None:
     """A GGUF file's matrices kept as stored (``kquants.py``), the rest (norms) as floats."""
-    from asyncengine.executor.models import kquants
-    from asyncengine.executor.models.gguf import iter_gguf_tensors, read_packed
+    from asyncengine.executor.weights import kquants
+    from asyncengine.executor.weights.gguf import iter_gguf_tensors, read_packed
 
     packed = read_packed(source.gguf_path, source.hf_config)
     used = kquants.install(model, packed, dtype)
@@ -263,8 +263,8 @@ def _gguf_matrix_types(source: ModelSource, fmt: str) -> set[str]:
     formats)."""
     if fmt != "gguf":
         return set()
-    from asyncengine.executor.models.gguf_header import read_header
-    from asyncengine.executor.models.kquants import type_name
+    from asyncengine.executor.weights.gguf_header import read_header
+    from asyncengine.executor.weights.kquants import type_name
 
     # matrices and a mixture's stacked experts; not its routers (``ffn_gate_inp``), which
     # llama-quantize leaves in float and which stay float in the model whatever the method

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from asyncengine.executor.kernels import packed as packed_kernels
-from asyncengine.executor.models.kquant_paths import (  # noqa: F401 (kquants.* for callers)
+from asyncengine.executor.weights.kquant_paths import (  # noqa: F401 (kquants.* for callers)
     FUSED_ROWS,
     INT8_TILE_TYPES,
     TILE_ROWS,

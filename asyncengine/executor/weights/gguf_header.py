@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncengine.executor.models import gguf_arch
+from asyncengine.executor.weights import gguf_arch
 
 # GGUF architectures whose config is built here (others go through transformers).
 CONFIG_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}

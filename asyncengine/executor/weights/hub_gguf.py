@@ -19,7 +19,7 @@ import contextlib
 import os
 import re
 
-from asyncengine.executor.models import hub_access
+from asyncengine.executor.weights import hub_access
 
 #: The quantization llama-server takes when the tag is left out.
 DEFAULT_TAG = "Q4_K_M"
