@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
 
     caches = {"": cache}
     if args.kv_cache_dtype != "auto":
-        from asyncengine.executor.kv_dtype import FP8_DTYPES, to_cache
+        from asyncengine.executor.kv.dtype import FP8_DTYPES, to_cache
 
         caches[args.kv_cache_dtype] = to_cache(cache, FP8_DTYPES[args.kv_cache_dtype])
 

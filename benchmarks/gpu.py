@@ -406,7 +406,7 @@ def idle_at_batch(engine, args: argparse.Namespace) -> tuple[float, str]:
 
 
 def idle_both_mechanisms(args: argparse.Namespace) -> dict[str, Any]:
-    from asyncengine.executor.cuda_await import make_event_awaiter
+    from asyncengine.executor.runtime.cuda_await import make_event_awaiter
 
     name, shape, _ = SHAPES["1b"]
     engine = make_engine(args, model_dir(shape, name), max_num_seqs=args.batch)

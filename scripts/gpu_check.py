@@ -7,7 +7,7 @@ a run cut short still brings back what it did):
    (``make gpu-wheelhouse`` builds it where the registries are reachable); SITE goes first on
    ``PYTHONPATH`` for every later step, with the checkout itself (asyncengine runs from the
    source tree), and ``ASYNCENGINE_TEST_TOKENIZER_DIR`` names the wheelhouse's tokenizer.
-2. ``prewarm``: ``python -m asyncengine.executor.prewarm``: FlashInfer's JIT compiles the
+2. ``prewarm``: ``python -m asyncengine.executor.runtime.prewarm``: FlashInfer's JIT compiles the
    kernels of the GPU tests and benchmarks into its disk cache before anything is timed.
 3. ``test``: ``pytest -m gpu -rs`` over the test files that carry the ``gpu`` marker.
 4. ``bench``: ``benchmarks/gpu.py --json``: every figure of issue 25's part 2.
@@ -61,7 +61,7 @@ def plan(args: argparse.Namespace) -> list[Step]:
                                     "--no-compile", "--disable-pip-version-check", "--upgrade",
                                     "--target", args.site, *wheels], "install.log",
                         TIMEOUTS["install"]),
-        "prewarm": Step("prewarm", [py, "-m", "asyncengine.executor.prewarm", "--json",
+        "prewarm": Step("prewarm", [py, "-m", "asyncengine.executor.runtime.prewarm", "--json",
                                     str(Path(args.report) / "prewarm.json"),
                                     *(["--specs", args.prewarm_specs]
                                       if args.prewarm_specs else [])],

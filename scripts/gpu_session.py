@@ -73,7 +73,8 @@ def phases(args: argparse.Namespace, work: Path) -> list[list[gpu_check.Step]]:
         "--disable-pip-version-check", "--upgrade", "--target", args.site, *wheels],
         "install.log", 0)
     prewarms = [gpu_check.Step(f"prewarm:{name}", [
-        py, "-m", "asyncengine.executor.prewarm", "--json", str(work / f"prewarm-{name}.json"),
+        py, "-m", "asyncengine.executor.runtime.prewarm", "--json",
+        str(work / f"prewarm-{name}.json"),
         *extra], f"prewarm-{name}.log", 0) for name, extra in PREWARMS.items()]
     bench = gpu_check.Step("bench", [py, "benchmarks/gpu.py", "--json",
                                      str(work / "bench.json"), *BENCH_ARGS,

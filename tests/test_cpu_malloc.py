@@ -1,5 +1,6 @@
 """On glibc the CPU device keeps a step's large buffers in the heap between steps
-(``executor/cpu_malloc.py``): allocating the same 19 MB every step faults no pages back in."""
+(``executor/runtime/cpu_malloc.py``): allocating the same 19 MB every step faults no pages
+back in."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 _CHILD = r"""
 import resource, sys, torch
 if sys.argv[1] == "tuned":
-    from asyncengine.executor.cpu_malloc import keep_step_buffers
+    from asyncengine.executor.runtime.cpu_malloc import keep_step_buffers
     assert keep_step_buffers()
 def step():
     logits = torch.empty(32, 151936)  # a 32-row batch's float32 logits

@@ -18,13 +18,13 @@ from asyncengine import SamplingParams
 from asyncengine.config import EngineConfig
 from asyncengine.engine.engine import AsyncEngine
 from asyncengine.engine.step_loop import StepLoop
-from asyncengine.executor.cuda_await import (
+from asyncengine.executor.runtime.cuda_await import (
     PollEventAwaiter,
     ThreadEventAwaiter,
     make_event_awaiter,
 )
-from asyncengine.executor.device import CUDADevice
-from asyncengine.executor.staging import ALIGN, PinnedStaging
+from asyncengine.executor.runtime.device import CUDADevice
+from asyncengine.executor.runtime.staging import ALIGN, PinnedStaging
 
 MECHANISMS = ["thread", "poll"]
 
@@ -412,7 +412,7 @@ def test_kv_block_copies_go_on_a_side_stream_ordered_by_events(monkeypatch):
     make the next step wait for the scatter. The data is what the CPU path copies."""
     import torch
 
-    from asyncengine.executor import kv_blocks
+    from asyncengine.executor.kv import blocks as kv_blocks
 
     fake = _LogCUDA()
     monkeypatch.setattr(kv_blocks, "_cuda", fake)
@@ -451,7 +451,7 @@ def test_tp_runner_reads_its_step_message_from_the_host_not_the_staged_upload(mo
     from asyncengine.core.sched.fcfs import FCFSScheduler
     from asyncengine.executor.attention.torch_paged import TorchPagedBackend
     from asyncengine.executor.parallel import runner as tp_runner
-    from asyncengine.executor.staging import DirectStaging
+    from asyncengine.executor.runtime.staging import DirectStaging
 
     class NotYetUploaded(DirectStaging):
         def put(self, array):

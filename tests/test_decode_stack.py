@@ -112,7 +112,7 @@ def test_gguf_stack_takes_fused_tile_batches(monkeypatch, tmp_path):
     """A bfloat16 GGUF model where the kernel multiplies bfloat16 tiles itself
     (``kquant_tile.h``): decode steps of 16 to 64 tokens run in the stack too, to the bit the
     per-layer path's (its GGUFLinears send those rows to the same kernel)."""
-    from asyncengine.executor import cpu_flags
+    from asyncengine.executor.runtime import cpu_flags
     from asyncengine.executor.weights import kquants
     from tests.test_kquants import write_mixed_gguf
 

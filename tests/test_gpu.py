@@ -1,8 +1,8 @@
 """On a GPU: asyncengine against transformers on the same GPU, and the CUDA step path.
 
 Run with ``pytest -m gpu -rs`` (``make gpu-check`` runs it after ``python -m
-asyncengine.executor.prewarm``); every test here is skipped without CUDA (CI has none), and the
-FlashInfer ones also without the ``flashinfer`` package. They first ran on an H100 on
+asyncengine.executor.runtime.prewarm``); every test here is skipped without CUDA (CI has none),
+and the FlashInfer ones also without the ``flashinfer`` package. They first ran on an H100 on
 2026-11-27 (docs/gpu.md, "First run on a GPU"): every one that needs no embedded model passed
 its tolerances there; the all-window model's preemption and prefix-hit expectations were
 revised after it (ALL_WINDOW) and have not run on a GPU since. Never loosen the float32
@@ -252,7 +252,7 @@ def test_bfloat16_flashinfer_agrees_with_transformers(name, graphs, gpu_models):
 
 @pytest.mark.parametrize("mechanism", ["thread", "poll"])
 def test_cuda_events_are_awaited_without_blocking_the_loop(mechanism):
-    from asyncengine.executor.cuda_await import make_event_awaiter
+    from asyncengine.executor.runtime.cuda_await import make_event_awaiter
 
     awaiter = make_event_awaiter(mechanism)
     stream = torch.cuda.Stream()

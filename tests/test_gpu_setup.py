@@ -11,10 +11,10 @@ import torch
 
 from asyncengine.config import EngineConfig
 from asyncengine.executor import build as build_module
-from asyncengine.executor import kv_sizing
 from asyncengine.executor.attention import get_attention_backend, resolve_backend_name
 from asyncengine.executor.attention.torch_paged import TorchPagedBackend
-from asyncengine.executor.kv_sizing import (
+from asyncengine.executor.kv import sizing as kv_sizing
+from asyncengine.executor.kv.sizing import (
     GIB,
     MemorySnapshot,
     check_free_memory,
@@ -231,10 +231,10 @@ def test_gpu_benchmark_says_it_needs_a_gpu():
 
 
 def test_prewarm_command_compiles_each_spec_then_sampling():
-    """`python -m asyncengine.executor.prewarm` (what `make gpu-check` runs first): every
+    """`python -m asyncengine.executor.runtime.prewarm` (what `make gpu-check` runs first): every
     spec's prefill, decode and graph-mode decode kernels, then sampling, then LoRA's segment
     GEMM, then the fused layer ops, driven through the stand-in module on the CPU."""
-    from asyncengine.executor import prewarm
+    from asyncengine.executor.runtime import prewarm
     from tests.fake_flashinfer import make_module
 
     fi, sampling = make_module()
@@ -267,7 +267,7 @@ def test_prewarm_command_compiles_each_spec_then_sampling():
 
 
 def test_prewarm_command_dry_run_and_without_a_gpu(capsys):
-    from asyncengine.executor import prewarm
+    from asyncengine.executor.runtime import prewarm
 
     assert prewarm.main(["--dry-run"]) == 0
     out = capsys.readouterr().out

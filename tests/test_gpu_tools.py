@@ -129,7 +129,7 @@ def test_gpu_check_dry_run_runs_the_issue_s_commands(tmp_path, capsys):
     assert lines[0].startswith("PYTHONPATH=/tmp/asyncengine-site:")
     install, prewarm, test, bench_line = lines[1:]
     assert "--no-index --no-deps" in install and "a-1.0-py3-none-any.whl" in install
-    assert "-m asyncengine.executor.prewarm" in prewarm
+    assert "-m asyncengine.executor.runtime.prewarm" in prewarm
     assert "-m pytest -m gpu -rs" in test and "tests/test_gpu.py" in test
     assert "benchmarks/gpu.py --json" in bench_line
     assert "tests/test_gpu.py" in gpu_check.gpu_test_files()

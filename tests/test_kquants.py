@@ -349,8 +349,8 @@ def test_fused_bfloat16_tiles_match_the_tiled_path(qtype, monkeypatch):
     dequantized bfloat16 tiles inside the kernel: the arithmetic of ``_tiled``'s bfloat16
     tiles (the same roundings of weights and inputs, float32 sums) up to summation order;
     row and column counts that leave short register tiles."""
-    from asyncengine.executor import cpu_flags
     from asyncengine.executor.kernels import packed as packed_kernels
+    from asyncengine.executor.runtime import cpu_flags
 
     if not (kquants.kernels_available() and packed_kernels.kquant_bf16_tile()):
         pytest.skip("no AVX-512 BF16 here")
@@ -375,8 +375,8 @@ def test_fused_bfloat16_tiles_dequantize_bit_exactly(qtype, monkeypatch):
     """``kquant_tile.h`` unpacks each weight row straight to bfloat16 in registers: one-hot
     inputs read the weights back, which must be the ``gguf`` reference rounded to bfloat16
     once, to the bit."""
-    from asyncengine.executor import cpu_flags
     from asyncengine.executor.kernels import packed as packed_kernels
+    from asyncengine.executor.runtime import cpu_flags
 
     if not (kquants.kernels_available() and packed_kernels.kquant_bf16_tile()):
         pytest.skip("no AVX-512 BF16 here")
@@ -434,8 +434,8 @@ def test_int8_tiles_compute_their_rounding_exactly(qtype, monkeypatch):
     int32), the result is within the float32 roundings of that rounded product, close to the
     float product, and each row's result does not depend on the batch (16 to 64 rows; short
     strips and row groups included)."""
-    from asyncengine.executor import cpu_flags
     from asyncengine.executor.kernels import packed as packed_kernels
+    from asyncengine.executor.runtime import cpu_flags
 
     if not (kquants.kernels_available() and packed_kernels.kquant_int8_tile()):
         pytest.skip("no AVX-512 BF16 + VNNI + BITALG here")

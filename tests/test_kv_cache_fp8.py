@@ -19,7 +19,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.engine.engine import AsyncEngine
 from asyncengine.executor.attention import torch_paged_plan
 from asyncengine.executor.kernels import layer_ops
-from asyncengine.executor.kv_dtype import FP8_MAX, kv_cache_dtype
+from asyncengine.executor.kv.dtype import FP8_MAX, kv_cache_dtype
 from tests.spec_utils import NGRAM, generate_all, make_engine, pool_is_free
 from tests.utils import embedded_gguf_path, hf_reference_model, make_tiny_model
 

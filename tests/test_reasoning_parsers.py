@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from asyncengine.executor.reasoning_gate import ReasoningGate
+from asyncengine.engine.reasoning_gate import ReasoningGate
 from asyncengine.ext.registry import new_plugin_manager, registered, resolve_reasoning_parser
 from asyncengine.plugins import hookimpl
 from asyncengine.text.reasoning_parsers import (

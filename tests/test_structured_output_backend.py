@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from asyncengine.builtins.xgrammar import XGrammarBackend
-from asyncengine.executor.structured_output import StructuredOutputManager
+from asyncengine.engine.structured_output import StructuredOutputManager
 from asyncengine.plugins import Grammar, StructuredOutputBackend, StructuredOutputsParams
 from asyncengine.text.tokenizer import load_tokenizer
 
@@ -339,10 +339,10 @@ def test_manager_fill_and_apply_bitmask(manager, tokenizer):
 
 
 def test_batched_fill_reads_through_reasoning_gates(backend, tokenizer):
-    """Rows behind a reasoning model's gate (executor/reasoning_gate.py) fill as the gate says:
+    """Rows behind a reasoning model's gate (engine/reasoning_gate.py) fill as the gate says:
     open while reasoning, the end tag's token when the budget forces it, the inner grammar's
     tokens after the tag, in one batched fill with plain rows, equal to a row-by-row fill."""
-    from asyncengine.executor.reasoning_gate import ReasoningGate
+    from asyncengine.engine.reasoning_gate import ReasoningGate
     from asyncengine.plugins import fill_rows
 
     vocab = tokenizer.vocab_size + PAD

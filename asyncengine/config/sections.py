@@ -14,7 +14,7 @@ from asyncengine.config.speculative import SpeculativeConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
-# --kv-cache-dtype (vLLM's names; executor/kv_dtype.py gives them their torch dtypes)
+# --kv-cache-dtype (vLLM's names; executor/kv/dtype.py gives them their torch dtypes)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3",
                    "fp8_e5m2")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")

@@ -39,8 +39,9 @@ from asyncengine.engine.outputs import RequestOutput
 from asyncengine.engine.prompts import check_length, tokenize_prompt
 from asyncengine.engine.step_loop import StepLoop
 from asyncengine.engine.streams import RequestStream
+from asyncengine.engine.structured_output import StructuredOutputManager
 from asyncengine.executor.build import build
-from asyncengine.executor.thread_policy import BatchScheduled
+from asyncengine.executor.runtime.thread_policy import BatchScheduled
 
 logger = logging.getLogger("asyncengine")
 
@@ -204,7 +205,7 @@ class AsyncEngine:
         if params.reasoning_end_token_ids and (grammars[0] is not None
                                                or params.thinking_token_budget is not None):
             # The constraint starts after the reasoning; the budget forces its end tag.
-            from asyncengine.executor.reasoning_gate import ReasoningGate
+            from asyncengine.engine.reasoning_gate import ReasoningGate
 
             await self._structured_manager()  # the step loop masks through it
             grammars = [ReasoningGate(g, params.reasoning_end_token_ids,
@@ -414,9 +415,13 @@ class AsyncEngine:
             self.scheduler.finish_requests(done.failed, RequestStatus.FINISHED_ABORTED)
 
     # -- helpers --------------------------------------------------------------------------------
+    def _make_structured_manager(self) -> StructuredOutputManager:
+        parts = self.parts
+        backend = parts.structured_output_backend_cls(parts.tokenizer, parts.vocab_size)
+        return StructuredOutputManager(backend)
+
     async def _structured_manager(self):
         if self.structured is None:
-            self.structured = await anyio.to_thread.run_sync(
-                self.parts.make_structured_output_manager)
+            self.structured = await anyio.to_thread.run_sync(self._make_structured_manager)
         return self.structured
 

@@ -38,7 +38,7 @@ MAX_PENDING_SAVE_BYTES = 1 << 30
 
 
 class PendingBlocks(Protocol):
-    """Blocks still being copied (CUDA: a side-stream copy, ``executor/kv_blocks.py``):
+    """Blocks still being copied (CUDA: a side-stream copy, ``executor/kv/blocks.py``):
     ``wait()`` blocks until the copy is done and returns them; call it off the loop."""
 
     def wait(self) -> torch.Tensor: ...

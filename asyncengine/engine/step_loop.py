@@ -40,8 +40,8 @@ import anyio.abc
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.sched.interface import Scheduler, SchedulerOutput
 from asyncengine.engine.spec_steps import fill_spec_bitmask, make_drafting, record_spec
-from asyncengine.executor.device import Device, StepHandle
 from asyncengine.executor.runner import ModelRunner, StepInputs
+from asyncengine.executor.runtime.device import Device, StepHandle
 
 logger = logging.getLogger("asyncengine")
 

@@ -24,10 +24,9 @@ from asyncengine.core.sched.interface import Scheduler
 from asyncengine.executor.attention import AttentionShape, get_attention_backend
 from asyncengine.executor.attention.prewarm import one_line as _one_line
 from asyncengine.executor.attention.prewarm import prewarm_attention
-from asyncengine.executor.device import Device, make_device
 from asyncengine.executor.kernels import cuda_layer_ops
-from asyncengine.executor.kv_dtype import kv_cache_dtype
-from asyncengine.executor.kv_sizing import (
+from asyncengine.executor.kv.dtype import kv_cache_dtype
+from asyncengine.executor.kv.sizing import (
     auto_kv_size,
     check_free_memory,
     cuda_snapshot,
@@ -36,7 +35,7 @@ from asyncengine.executor.kv_sizing import (
 )
 from asyncengine.executor.models.registry import architecture_of
 from asyncengine.executor.runner import ModelRunner
-from asyncengine.executor.structured_output import StructuredOutputManager
+from asyncengine.executor.runtime.device import Device, make_device
 from asyncengine.executor.weights import kquants
 from asyncengine.executor.weights.loader import load_model, pick_dtype, resolve_model
 from asyncengine.ext import registry
@@ -84,10 +83,6 @@ class EngineParts:
         if self.kv_connector is not None:
             scheduler.set_kv_connector(self.kv_connector)
         return scheduler
-
-    def make_structured_output_manager(self) -> StructuredOutputManager:
-        backend = self.structured_output_backend_cls(self.tokenizer, self.vocab_size)
-        return StructuredOutputManager(backend)
 
 
 def build(config: EngineConfig, plugin_manager: Any = None) -> EngineParts:

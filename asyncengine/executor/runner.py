@@ -18,7 +18,7 @@ where it is in step N's sampled ids; ``execute`` copies it from there on the dev
 
 On CUDA, ``enqueue(inputs)`` replaces ``execute``: it enqueues the same work on the device's
 stream (a CUDA graph replay for a decode step that fits a captured batch size) without any host
-synchronization, and returns a :class:`~asyncengine.executor.step_output.PendingOutput` that
+synchronization, and returns a :class:`~asyncengine.executor.step.output.PendingOutput` that
 becomes the step's ``ModelRunnerOutput`` once the device's event says the sampled ids have
 reached pinned host memory. ``prepare`` is the same on both; its tensors come from the device's
 staging (``staging.py``: ``torch.from_numpy`` on the CPU, one packed pinned upload on CUDA).
@@ -37,22 +37,22 @@ import torch
 from asyncengine.core.request import PositionLogprobs, Request
 from asyncengine.core.sched.interface import ModelRunnerOutput, SchedulerOutput
 from asyncengine.executor.attention.base import AttentionBackend, AttentionMetadata
-from asyncengine.executor.input_batch import InputBatch
-from asyncengine.executor.kv_blocks import BlockCopy, read_blocks, write_blocks
-from asyncengine.executor.penalty_state import PenaltyState
+from asyncengine.executor.kv.blocks import BlockCopy, read_blocks, write_blocks
+from asyncengine.executor.runtime.staging import DirectStaging
 from asyncengine.executor.sampler import NO_TOKEN, prompt_logprobs, sample, sample_ids
 from asyncengine.executor.sampler.greedy_head import MIN_ROWS as GREEDY_HEAD_MIN_ROWS
 from asyncengine.executor.sampler.greedy_head import greedy_from_hidden
-from asyncengine.executor.sampling_inputs import gather_sampling_batch
+from asyncengine.executor.sampler.inputs import gather_sampling_batch
+from asyncengine.executor.sampler.penalty_state import PenaltyState
 from asyncengine.executor.spec.accept import SpecGroup, accept_into
-from asyncengine.executor.staging import DirectStaging
-from asyncengine.executor.step_inputs import (
+from asyncengine.executor.step.input_batch import InputBatch
+from asyncengine.executor.step.inputs import (
     BitmaskSlot,
     PromptLogprobsTask,
     StepAbandoned,
     StepInputs,
 )
-from asyncengine.executor.step_output import PendingOutput, pending_output
+from asyncengine.executor.step.output import PendingOutput, pending_output
 from asyncengine.executor.weights.int4 import step_requests
 
 __all__ = ["BitmaskSlot", "ModelRunner", "PromptLogprobsTask", "StepAbandoned", "StepInputs"]

@@ -10,5 +10,5 @@
 
 The built-in components are the default plugin, ``asyncengine/builtins/``; the engine-side
 code that drives them lives with the engine (``engine/kv_transfer.py``,
-``executor/structured_output.py``).
+``engine/structured_output.py``).
 """

@@ -37,10 +37,10 @@ MOVED: dict[str, tuple[str, ...]] = {
     "asyncengine.ext.kv_connector.safetensors": ("asyncengine.builtins.safetensors_connector",),
     "asyncengine.ext.kv_connector.transfer": ("asyncengine.engine.kv_transfer",),
     "asyncengine.ext.structured_output": ("asyncengine.ext.contracts.structured_output",
-                                          "asyncengine.executor.structured_output"),
+                                          "asyncengine.engine.structured_output"),
     "asyncengine.ext.structured_output.contract": (
         "asyncengine.ext.contracts.structured_output",),
-    "asyncengine.ext.structured_output.manager": ("asyncengine.executor.structured_output",),
+    "asyncengine.ext.structured_output.manager": ("asyncengine.engine.structured_output",),
     "asyncengine.ext.structured_output.xgrammar": ("asyncengine.builtins.xgrammar",),
 }
 

@@ -57,7 +57,7 @@ from asyncengine.executor.attention.base import (
     AttentionOptions,
 )
 from asyncengine.executor.attention.paged_plan import PagedKVPlan, pad_decode_plan, plan_paged_kv
-from asyncengine.executor.staging import pinned
+from asyncengine.executor.runtime.staging import pinned
 
 #: FlashInfer's recommended workspace (split-k partial results), shared by every wrapper:
 #: they run one after another on one stream.

@@ -52,7 +52,7 @@ from asyncengine.executor.attention.torch_paged_plan import (
     make_plan,
 )
 from asyncengine.executor.kernels import layer_ops
-from asyncengine.executor.kv_dtype import index_copy, to_cache
+from asyncengine.executor.kv.dtype import index_copy, to_cache
 
 
 class TorchPagedBackend(AttentionBackend):

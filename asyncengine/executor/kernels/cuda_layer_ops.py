@@ -69,7 +69,7 @@ def compile_ops(device: torch.device | str, dtype: torch.dtype,
                 module: Any = None) -> Any:
     """Compile and run once each JIT module of ``which`` ("norm", "rope", or an activation of
     ``ACTIVATIONS``); separate processes may compile separate ones side by side
-    (``python -m asyncengine.executor.prewarm --parts``). Returns the module used."""
+    (``python -m asyncengine.executor.runtime.prewarm --parts``). Returns the module used."""
     if module is None:
         import flashinfer
         import flashinfer.activation

@@ -138,7 +138,8 @@ def warm(gemm: Any, A: torch.Tensor, B: torch.Tensor) -> None:
 
 def prewarm(device: str, dtype: torch.dtype, module: Any = None) -> None:
     """Compile the segment GEMM's kernels for ``dtype`` into FlashInfer's disk cache
-    (``python -m asyncengine.executor.prewarm``); ``module``: a stand-in for ``flashinfer``."""
+    (``python -m asyncengine.executor.runtime.prewarm``); ``module``: a stand-in for
+    ``flashinfer``."""
     fi = module if module is not None else importlib.import_module("flashinfer")
     gemm = fi.SegmentGEMMWrapper(torch.empty(1 << 20, dtype=torch.int8, device=device))
     A = torch.zeros(1, 16, 64, dtype=dtype, device=device)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from asyncengine.config import EngineConfig
 from asyncengine.executor.attention import AttentionShape, get_attention_backend
-from asyncengine.executor.kv_dtype import kv_cache_dtype
+from asyncengine.executor.kv.dtype import kv_cache_dtype
 from asyncengine.executor.parallel.loader import load_tp_model
 from asyncengine.executor.parallel.messages import (
     HEADER,

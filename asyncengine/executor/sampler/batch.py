@@ -2,7 +2,7 @@
 
 Two ways to make one: :meth:`SamplingBatch.build` from per-row ``SamplingParams`` and token
 lists (the offline path, and tests), and the persistent input batch
-(``asyncengine.executor.input_batch``), which keeps every request's parameters in preallocated
+(``asyncengine.executor.step.input_batch``), which keeps every request's parameters in preallocated
 columns and its penalty state on the device, and gathers a step's rows with a few indexing
 ops. Either way the sampler sees the same fields.
 """

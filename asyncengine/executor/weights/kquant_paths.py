@@ -43,7 +43,7 @@ def tile_dtype(x_dtype: torch.dtype) -> torch.dtype:
     ``TILE_ROWS`` sums in float32 on every CPU: decode at small batches is bound by reading the
     weights, and the packed bytes are 3-4x fewer than bfloat16's."""
     global _CHOICE_LOGGED
-    from asyncengine.executor.cpu_flags import cpu_has_bf16 as _cpu_has_bf16
+    from asyncengine.executor.runtime.cpu_flags import cpu_has_bf16 as _cpu_has_bf16
 
     bf16 = _cpu_has_bf16()
     if not _CHOICE_LOGGED:

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from asyncengine.executor.cpu_flags import cpu_has_bf16 as _cpu_has_bf16
 from asyncengine.executor.models.registry import BUILTIN_MODELS, architecture_of
+from asyncengine.executor.runtime.cpu_flags import cpu_has_bf16 as _cpu_has_bf16
 from asyncengine.executor.weights import hub_access, hub_gguf
 from asyncengine.executor.weights.checkpoint_quant import (
     checkpoint_quantization,

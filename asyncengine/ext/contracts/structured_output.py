@@ -1,5 +1,5 @@
 """Structured outputs: the backend contract (public as ``asyncengine.plugins``; the manager
-the engine uses is ``asyncengine/executor/structured_output.py``).
+the engine uses is ``asyncengine/engine/structured_output.py``).
 
 A request that asks for structured output (``SamplingParams.structured_outputs``) gets a
 :class:`Grammar` — a matcher over the model's vocabulary — in ``Request.grammar``. Each step:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from asyncengine.executor.kv_dtype import index_copy, to_cache
+from asyncengine.executor.kv.dtype import index_copy, to_cache
 
 
 @dataclass

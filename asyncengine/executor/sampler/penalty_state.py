@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from asyncengine.executor.input_batch import RowReset
 from asyncengine.executor.sampler import NO_TOKEN, Penalties
+from asyncengine.executor.step.input_batch import RowReset
 
 
 class PenaltyState:

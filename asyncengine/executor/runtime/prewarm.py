@@ -1,4 +1,4 @@
-"""Compile FlashInfer's kernels ahead of time: ``python -m asyncengine.executor.prewarm``.
+"""Compile FlashInfer's kernels ahead of time: ``python -m asyncengine.executor.runtime.prewarm``.
 
 FlashInfer builds each kernel the first time it is used (nvcc, minutes) and keeps the build
 in its disk cache (``~/.cache/flashinfer`` or ``FLASHINFER_CACHE_DIR``). The engine itself
@@ -135,7 +135,7 @@ def parse_parts(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m asyncengine.executor.prewarm",
+    parser = argparse.ArgumentParser(prog="python -m asyncengine.executor.runtime.prewarm",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--specs", type=parse_specs, default=list(DEFAULT_SPECS),
                         help="HEAD_DIM[+tc][+window][+softcap],... (default: the GPU tests' "

@@ -41,7 +41,7 @@ from asyncengine.executor.sampler.sampler import sample_ids
 
 if TYPE_CHECKING:
     from asyncengine.config import EngineConfig
-    from asyncengine.executor.device import Device
+    from asyncengine.executor.runtime.device import Device
 
 logger = logging.getLogger("asyncengine.executor.build")
 

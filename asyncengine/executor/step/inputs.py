@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from asyncengine.executor.attention.base import AttentionMetadata
-from asyncengine.executor.input_batch import RowReset
 from asyncengine.executor.sampler import SamplingBatch
+from asyncengine.executor.step.input_batch import RowReset
 
 #: Seconds between checks of an abandoned step while the sampler waits for a bitmask.
 _BITMASK_POLL_S = 0.05

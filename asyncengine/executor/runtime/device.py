@@ -29,8 +29,8 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from asyncengine.executor.cuda_await import EventAwaiter, make_event_awaiter
-from asyncengine.executor.thread_policy import as_compute_thread
+from asyncengine.executor.runtime.cuda_await import EventAwaiter, make_event_awaiter
+from asyncengine.executor.runtime.thread_policy import as_compute_thread
 
 #: Where eager (not graph-replayed) CUDA steps are enqueued from: loop (default) or thread.
 EAGER_LAUNCH_ENV = "ASYNCENGINE_CUDA_EAGER_LAUNCH"
@@ -102,7 +102,7 @@ class Device:
 
     def make_staging(self) -> Any:
         """How ``runner.prepare`` turns the step's numpy arrays into tensors."""
-        from asyncengine.executor.staging import DirectStaging
+        from asyncengine.executor.runtime.staging import DirectStaging
 
         return DirectStaging()
 
@@ -162,7 +162,7 @@ class CPUDevice(Device):
         import torch
 
         torch.set_num_threads(num_threads or os.cpu_count() or 1)
-        from asyncengine.executor.cpu_malloc import keep_step_buffers
+        from asyncengine.executor.runtime.cpu_malloc import keep_step_buffers
 
         keep_step_buffers()  # no page faults per step for the step's large buffers
 
@@ -255,7 +255,7 @@ class CUDADevice(Device):
         self.num_thread_launches = 0
 
     def make_staging(self) -> Any:
-        from asyncengine.executor.staging import PinnedStaging
+        from asyncengine.executor.runtime.staging import PinnedStaging
 
         return PinnedStaging(self.torch_device, self.stream)
 

@@ -17,11 +17,11 @@ import torch
 
 from asyncengine.core.request import PositionLogprobs
 from asyncengine.core.sched.interface import ModelRunnerOutput
-from asyncengine.executor.device import HostResult
+from asyncengine.executor.runtime.device import HostResult
+from asyncengine.executor.runtime.staging import pinned
 from asyncengine.executor.sampler import NO_TOKEN, SamplingBatch
 from asyncengine.executor.sampler.logprobs import logprob_entries, logprob_tensors
 from asyncengine.executor.spec.accept import SpecGroup, accept_into
-from asyncengine.executor.staging import pinned
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

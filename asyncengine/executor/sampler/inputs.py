@@ -12,8 +12,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from asyncengine.executor.input_batch import InputBatch
 from asyncengine.executor.sampler.batch import Penalties, SamplingBatch
+from asyncengine.executor.step.input_batch import InputBatch
 
 _NUMPY = {torch.bool: np.bool_, torch.long: np.int64, torch.float32: np.float32}
 
