@@ -1,6 +1,6 @@
-"""llama-server's flags on ``asyncengine serve`` (``entrypoints/llama_flags.py``): an operator's
-llama-server command line starts the server, each flag read as its asyncengine counterpart
-or named as ignored; a value asyncengine cannot honour is an error naming the flag."""
+"""llama-server's flags on ``asyncengine serve`` (``entrypoints/flags/llama_server.py``): an
+operator's llama-server command line starts the server, each flag read as its asyncengine
+counterpart or named as ignored; a value asyncengine cannot honour is an error naming the flag."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from asyncengine.entrypoints.cli import _subparser, build_parser
-from asyncengine.entrypoints.llama_flags import translate
+from asyncengine.entrypoints.flags.llama_server import translate
 from tests.server_utils import ServerProcess
 from tests.test_cli import run_cli
 from tests.utils import embedded_gguf_path

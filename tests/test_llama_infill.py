@@ -1,4 +1,4 @@
-"""llama-server's POST /infill (``entrypoints/http/llama_infill.py``, ``text/fim.py``): the
+"""llama-server's POST /infill (``entrypoints/http/llama_server/infill.py``, ``text/fim.py``): the
 fill-in-the-middle prompt a code model was trained on, built from the code around the
 cursor, gives the tokens /completion gives for that prompt; a model without the tokens
 answers 404 and /openapi.json leaves the route out."""

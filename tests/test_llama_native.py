@@ -1,5 +1,5 @@
-"""llama-server's own routes (``entrypoints/http/llama_native.py``): POST /completion answers
-as llama-server does, with the tokens /v1/completions gives for the same sampling, streamed
+"""llama-server's own routes (``entrypoints/http/llama_server/completion.py``): POST /completion
+answers as llama-server does, with the tokens /v1/completions gives for the same sampling, streamed
 and not; GET /props gives the context and the slots."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import pytest
 
 from asyncengine.config import EngineConfig
 from asyncengine.entrypoints.cli import build_parser, main
-from asyncengine.entrypoints.engine_args import apply_yaml_defaults
+from asyncengine.entrypoints.flags.engine import apply_yaml_defaults
 from asyncengine.text.generation_config import load_generation_defaults
 from tests.server_utils import (
     ALLOWED_ORIGIN,

@@ -1,4 +1,4 @@
-"""The ``vllm serve`` flags asyncengine does not define (``entrypoints/vllm_flags.py``):
+"""The ``vllm serve`` flags asyncengine does not define (``entrypoints/flags/vllm.py``):
 tuning knobs accepted and named as ignored, equivalents rewritten, and what would change the
 answers without asyncengine honouring it refused, naming the flag."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from asyncengine.entrypoints import vllm_flags
 from asyncengine.entrypoints.cli import _subparser, build_parser
+from asyncengine.entrypoints.flags import vllm as vllm_flags
 from tests.test_cli import run_cli
 
 

@@ -21,8 +21,8 @@ import anyio
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from asyncengine.entrypoints.flags.server import add_serve_arguments, settings_from_args
 from asyncengine.entrypoints.http.app import build_app
-from asyncengine.entrypoints.http.flags import add_serve_arguments, settings_from_args
 from asyncengine.entrypoints.http.state import ServerSettings
 from asyncengine.entrypoints.http.web import CONTENT_SECURITY_POLICY, load_assets, web_dir
 from tests.server_utils import KEY, TOOLS_SERVER_NAMES, tiny_server, tools_server

@@ -28,7 +28,7 @@ from aiohttp import web
 from asyncengine.config import EngineConfig
 from asyncengine.engine.engine import AsyncEngine
 from asyncengine.entrypoints.cli import build_parser
-from asyncengine.entrypoints.engine_args import apply_yaml_defaults
+from asyncengine.entrypoints.flags.engine import apply_yaml_defaults
 from asyncengine.entrypoints.http.app import build_app
 from asyncengine.entrypoints.http.server import make_metrics, settings_from_args
 from asyncengine.entrypoints.http.state import STATE, ServerSettings

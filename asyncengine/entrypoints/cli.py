@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from asyncengine.config import EngineConfig
-from asyncengine.entrypoints.engine_args import (
+from asyncengine.entrypoints.flags.engine import (
     add_config_arg,
     add_engine_args,
     apply_yaml_defaults,
@@ -117,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # vLLM's and llama-server's flags, read as asyncengine's
-        from asyncengine.entrypoints import llama_flags, vllm_flags
+        from asyncengine.entrypoints.flags import llama_server as llama_flags
+        from asyncengine.entrypoints.flags import vllm as vllm_flags
 
         serve = _subparser(parser, "serve")
         own = {s for a in serve._actions for s in a.option_strings}

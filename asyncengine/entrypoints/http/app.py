@@ -9,24 +9,32 @@ import aiohttp_cors
 from aiohttp import web
 
 from asyncengine.engine.errors import EngineOverloaded
-from asyncengine.entrypoints.http import llama_infill, llama_native, lora, routes
-from asyncengine.entrypoints.http.auth import auth_middleware
-from asyncengine.entrypoints.http.chat import create_chat_completion
-from asyncengine.entrypoints.http.completions import create_completion
-from asyncengine.entrypoints.http.embeddings import (
-    EmbeddingRequest,
-    EmbeddingResponse,
-    create_embeddings,
-)
-from asyncengine.entrypoints.http.errors import APIError, error_middleware
-from asyncengine.entrypoints.http.messages import count_tokens, create_message
-from asyncengine.entrypoints.http.messages_protocol import (
+from asyncengine.entrypoints.http import lora, routes
+from asyncengine.entrypoints.http.anthropic.messages import count_tokens, create_message
+from asyncengine.entrypoints.http.anthropic.protocol import (
     AnthropicError,
     CountTokensRequest,
     CountTokensResponse,
     MessageObject,
     MessagesRequest,
     MessagesStreamEvent,
+)
+from asyncengine.entrypoints.http.auth import auth_middleware
+from asyncengine.entrypoints.http.errors import APIError, error_middleware
+from asyncengine.entrypoints.http.llama_server import completion as llama_native
+from asyncengine.entrypoints.http.llama_server import infill as llama_infill
+from asyncengine.entrypoints.http.openai.chat import create_chat_completion
+from asyncengine.entrypoints.http.openai.completions import create_completion
+from asyncengine.entrypoints.http.openai.embeddings import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    create_embeddings,
+)
+from asyncengine.entrypoints.http.openai.responses import create_response
+from asyncengine.entrypoints.http.openai.responses_protocol import (
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
 )
 from asyncengine.entrypoints.http.openapi import ROUTES, Route, openapi_json
 from asyncengine.entrypoints.http.protocol import (
@@ -45,12 +53,6 @@ from asyncengine.entrypoints.http.responses import (
     ModelList,
     TokenizeResponse,
     VersionResponse,
-)
-from asyncengine.entrypoints.http.responses_api import create_response
-from asyncengine.entrypoints.http.responses_api_protocol import (
-    ResponseObject,
-    ResponsesRequest,
-    ResponseStreamEvent,
 )
 from asyncengine.entrypoints.http.sender import BatchSender
 from asyncengine.entrypoints.http.serving import REQUEST_ID_HEADER, to_api_error

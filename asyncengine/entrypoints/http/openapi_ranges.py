@@ -122,7 +122,7 @@ def publish_served(body: type, schema: dict[str, Any], limits: SamplingLimits,
             if option.get("type") == "object":
                 option["propertyNames"] = {"pattern": range_pattern(limits.vocab_size - 1)}
     if name == "ResponsesRequest":
-        from asyncengine.entrypoints.http.responses_api_protocol import REFUSED_ACCEPTS
+        from asyncengine.entrypoints.http.openai.responses_protocol import REFUSED_ACCEPTS
 
         props.update({k: v for k, v in REFUSED_ACCEPTS.items() if k in props})
         if "input" in props:
@@ -271,7 +271,7 @@ def _items_of_input(prop: dict[str, Any], components: dict[str, Any]) -> None:
     """The Responses API's input items, from the Structs ``chat_messages`` converts them to."""
     import msgspec
 
-    from asyncengine.entrypoints.http.responses_api_protocol import INPUT_ITEMS
+    from asyncengine.entrypoints.http.openai.responses_protocol import INPUT_ITEMS
 
     schemas, defs = msgspec.json.schema_components(
         INPUT_ITEMS, ref_template="#/components/schemas/{name}")

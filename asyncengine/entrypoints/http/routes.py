@@ -7,8 +7,8 @@ from importlib.metadata import PackageNotFoundError, version
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from asyncengine.entrypoints.http.chat import render_chat
 from asyncengine.entrypoints.http.errors import APIError, bad_request
+from asyncengine.entrypoints.http.openai.chat import render_chat
 from asyncengine.entrypoints.http.protocol import DetokenizeRequest, TokenizeRequest
 from asyncengine.entrypoints.http.reasoning import chat_template_kwargs
 from asyncengine.entrypoints.http.responses import (

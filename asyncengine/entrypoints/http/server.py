@@ -24,7 +24,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from asyncengine.config import EngineConfig
-from asyncengine.entrypoints.http.flags import (  # noqa: F401 (the CLI imports them from here)
+from asyncengine.entrypoints.flags.server import (  # noqa: F401 (the CLI imports them from here)
     API_KEY_ENV,
     add_serve_arguments,
     settings_from_args,

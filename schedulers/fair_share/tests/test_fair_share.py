@@ -229,7 +229,7 @@ def test_a_keyed_server_takes_x_tenant_only_when_told_to(tiny_llama, trust):
 
 def test_the_trust_tenant_header_flag_reaches_the_settings():
     from asyncengine.entrypoints.cli import build_parser
-    from asyncengine.entrypoints.http.flags import settings_from_args
+    from asyncengine.entrypoints.flags.server import settings_from_args
 
     parser = build_parser()
     for argv, expected in ((["serve"], False), (["serve", "--trust-tenant-header"], True)):

@@ -26,15 +26,9 @@ from aiohttp import web
 
 from asyncengine.core.sampling_params import SamplingParams, StructuredOutputsParams
 from asyncengine.engine.outputs import RequestOutput
-from asyncengine.entrypoints.http.chat import default_max_tokens, render_chat
 from asyncengine.entrypoints.http.errors import APIError, bad_request, from_value_error
-from asyncengine.entrypoints.http.params import KNOWN_PARAMS
-from asyncengine.entrypoints.http.reasoning import (
-    ReasoningPlan,
-    chat_template_kwargs,
-    plan_reasoning,
-)
-from asyncengine.entrypoints.http.responses_api_protocol import (
+from asyncengine.entrypoints.http.openai.chat import default_max_tokens, render_chat
+from asyncengine.entrypoints.http.openai.responses_protocol import (
     FunctionCallItem,
     IncompleteDetails,
     InputTokensDetails,
@@ -50,6 +44,12 @@ from asyncengine.entrypoints.http.responses_api_protocol import (
     chat_messages,
     chat_tools,
     refused,
+)
+from asyncengine.entrypoints.http.params import KNOWN_PARAMS
+from asyncengine.entrypoints.http.reasoning import (
+    ReasoningPlan,
+    chat_template_kwargs,
+    plan_reasoning,
 )
 from asyncengine.entrypoints.http.serving import (
     SHUTDOWN_ABORT,

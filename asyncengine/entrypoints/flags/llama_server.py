@@ -17,7 +17,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 
-from asyncengine.entrypoints.foreign_flags import Flag, rewrite, to
+from asyncengine.entrypoints.flags.foreign import Flag, rewrite, to
 
 
 def _hub(key: str) -> Callable[[str, str | None, dict], list[str]]:

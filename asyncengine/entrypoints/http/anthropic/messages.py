@@ -25,9 +25,7 @@ from aiohttp import web
 
 from asyncengine.core.sampling_params import SamplingParams, StructuredOutputsParams
 from asyncengine.engine.outputs import CompletionOutput, RequestOutput
-from asyncengine.entrypoints.http.chat import render_chat
-from asyncengine.entrypoints.http.errors import APIError, bad_request, from_value_error
-from asyncengine.entrypoints.http.messages_protocol import (
+from asyncengine.entrypoints.http.anthropic.protocol import (
     Block,
     ContentBlockDelta,
     ContentBlockStart,
@@ -55,6 +53,8 @@ from asyncengine.entrypoints.http.messages_protocol import (
     chat_messages,
     chat_tools,
 )
+from asyncengine.entrypoints.http.errors import APIError, bad_request, from_value_error
+from asyncengine.entrypoints.http.openai.chat import render_chat
 from asyncengine.entrypoints.http.params import KNOWN_PARAMS
 from asyncengine.entrypoints.http.reasoning import (
     ReasoningPlan,

@@ -16,7 +16,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from asyncengine.entrypoints.http.errors import APIError
-from asyncengine.entrypoints.http.llama_native import LlamaSampling, complete
+from asyncengine.entrypoints.http.llama_server.completion import LlamaSampling, complete
 from asyncengine.entrypoints.http.protocol import Body
 from asyncengine.entrypoints.http.serving import read_body
 from asyncengine.entrypoints.http.state import state_of

@@ -1,6 +1,6 @@
 """The server's own flags (vLLM's "Frontend" group) and the settings made from them.
 
-The engine's flags come from ``entrypoints/engine_args.py``. vLLM's names are used where
+The engine's flags come from ``entrypoints/flags/engine.py``. vLLM's names are used where
 they exist; flags that only tune vLLM's own machinery are accepted and documented as no-ops
 (docs/serving.md, "Coming from vLLM").
 """

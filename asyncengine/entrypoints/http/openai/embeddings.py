@@ -18,8 +18,8 @@ from msgspec import Struct
 
 from asyncengine.engine.embedding import embedding_size
 from asyncengine.engine.errors import EngineDeadError
-from asyncengine.entrypoints.http.completions import completion_prompts
 from asyncengine.entrypoints.http.errors import APIError, bad_request
+from asyncengine.entrypoints.http.openai.completions import completion_prompts
 from asyncengine.entrypoints.http.protocol import Body, PositiveCount, Prompt
 from asyncengine.entrypoints.http.responses import Usage
 from asyncengine.entrypoints.http.serving import (

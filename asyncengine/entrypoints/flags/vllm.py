@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 
-from asyncengine.entrypoints.foreign_flags import Flag, refuse, rewrite
+from asyncengine.entrypoints.flags.foreign import Flag, refuse, rewrite
 
 _SPEED = "a vLLM tuning knob: it changes how fast vLLM runs, not what it answers"
 

@@ -1,0 +1,1 @@
+"""llama-server's own routes: ``/completion``, ``/props`` (``completion.py``) and ``/infill``."""

@@ -1,0 +1,1 @@
+"""OpenAI's API: chat completions, completions, the Responses API, embeddings."""
