@@ -197,7 +197,7 @@ def test_sampling_backend_falls_back_with_one_warning(monkeypatch, caplog):
 
 
 def test_backends_in_use_are_on_metrics():
-    from asyncengine.metrics import EngineMetrics
+    from asyncengine.engine.metrics import EngineMetrics
 
     runner = SimpleNamespace(attn_backend=SimpleNamespace(name="flashinfer"),
                              sampling_method="flashinfer")

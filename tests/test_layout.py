@@ -24,7 +24,7 @@ ROOT = Path(asyncengine.__file__).parent
 LAYERS: list[tuple[str, ...]] = [
     ("asyncengine.config",),
     ("asyncengine.core",),
-    ("asyncengine.metrics", "asyncengine.text"),
+    ("asyncengine.text",),
     ("asyncengine.ext",),
     ("asyncengine.plugins",),  # the plugin API: re-exports core/ and ext/ for plugin authors
     ("asyncengine.executor",),

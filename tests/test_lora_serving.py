@@ -18,9 +18,9 @@ from asyncengine.core.request import LoRARequest, Request, RequestStatus
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.core.sched.fcfs import FCFSScheduler
 from asyncengine.engine.engine import AsyncEngine
+from asyncengine.engine.metrics import EngineMetrics
 from asyncengine.entrypoints.http.app import build_app
 from asyncengine.entrypoints.http.state import ServerSettings
-from asyncengine.metrics import EngineMetrics
 from tests.test_cli import run_cli
 from tests.test_lora import ADAPTERS, make_adapter
 from tests.utils import make_tiny_model

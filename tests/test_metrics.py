@@ -14,7 +14,7 @@ from asyncengine.config import CacheConfig
 from asyncengine.core.request import Request
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.core.sched.interface import SchedulerStats
-from asyncengine.metrics import EngineMetrics
+from asyncengine.engine.metrics import EngineMetrics
 from tests.server_utils import KEY, ServerProcess, tiny_server
 
 #: name -> type, as vLLM's dashboard and autoscalers read them.

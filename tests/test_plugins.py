@@ -386,9 +386,9 @@ def test_health_and_metrics_read_the_scheduler_contract_only(tiny_llama):
     no kv_cache_manager attribute serves them (and generates) like a built-in one."""
     from aiohttp.test_utils import TestClient, TestServer
 
+    from asyncengine.engine.metrics import EngineMetrics
     from asyncengine.entrypoints.http.app import build_app
     from asyncengine.entrypoints.http.state import ServerSettings
-    from asyncengine.metrics import EngineMetrics
 
     config = EngineConfig.from_dict({"model": tiny_llama, **ENGINE,
                                      "scheduler": f"{__name__}:ComposedScheduler"})

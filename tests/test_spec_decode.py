@@ -356,9 +356,9 @@ def test_rejection_sampling_follows_the_target_distribution():
 
 
 def test_bench_serve_reports_acceptance_from_the_servers_counters():
+    from asyncengine.engine.metrics import EngineMetrics
     from asyncengine.entrypoints.bench import serve as bench_serve
     from asyncengine.entrypoints.bench import spec_metrics
-    from asyncengine.metrics import EngineMetrics
 
     m = EngineMetrics("m")
     m.on_spec(4, 1)

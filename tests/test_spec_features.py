@@ -12,7 +12,7 @@ import anyio
 
 from asyncengine import SamplingParams
 from asyncengine.core.sampling_params import StructuredOutputsParams
-from asyncengine.metrics import EngineMetrics
+from asyncengine.engine.metrics import EngineMetrics
 from tests.spec_utils import Oracle, SpecCounter, generate_all, make_engine, pool_is_free
 
 PROMPTS = ["1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2", "The capital of France is",

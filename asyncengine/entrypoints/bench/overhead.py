@@ -89,9 +89,9 @@ async def _serve_engine(args: argparse.Namespace) -> None:
 
     from asyncengine.config import EngineConfig
     from asyncengine.engine.engine import AsyncEngine
+    from asyncengine.engine.metrics import EngineMetrics
     from asyncengine.entrypoints.http.app import build_app
     from asyncengine.entrypoints.http.state import ServerSettings
-    from asyncengine.metrics import EngineMetrics
 
     n = args.max_num_seqs
     config = EngineConfig.from_dict({

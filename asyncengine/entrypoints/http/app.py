@@ -62,7 +62,7 @@ from asyncengine.entrypoints.http.web import add_root_redirect, add_web_routes
 
 if TYPE_CHECKING:
     from asyncengine.engine.engine import AsyncEngine
-    from asyncengine.metrics import EngineMetrics
+    from asyncengine.engine.metrics import EngineMetrics
 
 logger = logging.getLogger("asyncengine.entrypoints.http")
 

@@ -32,7 +32,7 @@ from asyncengine.entrypoints.flags.server import (  # noqa: F401 (the CLI import
 from asyncengine.entrypoints.http.state import STATE, ServerSettings
 
 if TYPE_CHECKING:
-    from asyncengine.metrics import EngineMetrics
+    from asyncengine.engine.metrics import EngineMetrics
 
 logger = logging.getLogger("asyncengine.entrypoints.http")
 
@@ -98,8 +98,8 @@ def ssl_context(settings: ServerSettings) -> ssl.SSLContext | None:
 
 def make_metrics(engine) -> EngineMetrics:
     """The engine's metrics, labelled with the (first) served name, known once it is loaded."""
+    from asyncengine.engine.metrics import EngineMetrics
     from asyncengine.executor.build import backend_names
-    from asyncengine.metrics import EngineMetrics
 
     runner = getattr(engine, "runner", None)
     return EngineMetrics(model_name=engine.model_name, max_model_len=engine.max_model_len,

@@ -12,8 +12,8 @@ from asyncengine.entrypoints.http.logprobs import TokenTexts
 
 if TYPE_CHECKING:
     from asyncengine.engine.engine import AsyncEngine
+    from asyncengine.engine.metrics import EngineMetrics
     from asyncengine.entrypoints.http.sender import BatchSender
-    from asyncengine.metrics import EngineMetrics
 
 DEFAULT_MAX_REQUEST_BODY = 16 * 2**20
 

@@ -115,9 +115,9 @@ async def serve(engine: AsyncEngine, prompts) -> tuple[list[str], float]:
     external_prefix_cache_hits counter of /metrics (prompt tokens loaded, not computed)."""
     from aiohttp.test_utils import TestClient, TestServer
 
+    from asyncengine.engine.metrics import EngineMetrics
     from asyncengine.entrypoints.http.app import build_app
     from asyncengine.entrypoints.http.state import ServerSettings
-    from asyncengine.metrics import EngineMetrics
 
     texts = []
     async with engine:
