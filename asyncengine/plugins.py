@@ -22,7 +22,7 @@ and names that module in its distribution's entry points (group ``asyncengine``)
 Versions: :data:`CONTRACT_VERSION` is the one table of the contracts' versions (``hooks``,
 ``scheduler``, ``structured_output``, ``kv_connector``, ``reasoning_parser``). A version is
 bumped when its contract changes incompatibly, including a name leaving this module;
-``tests/test_plugins_api.py``
+``tests/plugins/test_plugins_api.py``
 keeps a snapshot of the names of each version. See docs/plugins.md.
 """
 

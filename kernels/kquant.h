@@ -1,6 +1,6 @@
 // GGUF blocks as stored in the file, one row at a time into float32: the arithmetic of the
 // `gguf` package's reference `dequantize` (and ggml's), operation for operation, so that
-// the weights are bit-exact (tests/test_kquants.py). The compiler flags have
+// the weights are bit-exact (tests/executor/test_kquants.py). The compiler flags have
 // -ffp-contract=off: `a * b - c` stays two roundings, as numpy's. The loops are plain
 // C++ marked `omp simd`, vectorized for the CPU at hand (AVX2, AVX-512 under -march=native).
 //

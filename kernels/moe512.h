@@ -18,7 +18,7 @@
 // the byte sums converted to float per block pair (16 lanes, 8 per block) and weighted by
 // s_b; the min term from the block sums of x, stored divided by d / 256 (`xb`).
 #pragma once
-// AE_MOE_NO512: without them (tests/test_moe.py builds the portable path so).
+// AE_MOE_NO512: without them (tests/executor/test_moe.py builds the portable path so).
 #if !defined(AE_MOE_NO512) && defined(AE_AVX2) && defined(__AVX512F__) && \
     defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define AE_MOE_512 1

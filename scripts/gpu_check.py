@@ -49,7 +49,7 @@ class Step:
 
 def gpu_test_files(root: Path = ROOT) -> list[str]:
     """The test files that mark tests ``gpu`` (``pytestmark`` or a decorator)."""
-    return sorted(str(p.relative_to(root)) for p in (root / "tests").glob("test_*.py")
+    return sorted(str(p.relative_to(root)) for p in (root / "tests").rglob("test_*.py")
                   if re.search(r"pytest\.mark\.gpu\b", p.read_text(errors="replace")))
 
 

@@ -46,7 +46,7 @@ DEVICE_LACKS = ("msgspec", "xgrammar", "gguf", "aiohttp-cors", "apache-tvm-ffi",
                 "pydantic-core", "annotated-types", "typing-inspection",
                 # on the device, at a version unknown here; pydantic-core needs >= 4.14.1
                 "typing-extensions",
-                # for the tests: tests/test_gpu_lora.py compares with PEFT (pure Python)
+                # for the tests: tests/gpu/test_gpu_lora.py compares with PEFT (pure Python)
                 "peft")
 #: What the device image has (docs of the lent machines, 2026-11), as normalized names.
 DEVICE_HAS = frozenset("""

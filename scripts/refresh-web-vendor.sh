@@ -8,7 +8,7 @@
 # package.json is touched); its browser build and its license are copied into http/vendor/.
 # The only change made to the files is dropping the `//# sourceMappingURL=` line (the maps
 # are not vendored, so a browser's developer tools would ask for a file that is not there).
-# The versions fetched are written to http/vendor/VERSIONS; then run tests/test_web_ui.py.
+# The versions fetched are written to http/vendor/VERSIONS; then run tests/http/test_web_ui.py.
 set -euo pipefail
 
 MARKED=${MARKED:-18.2.1}

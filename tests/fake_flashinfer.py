@@ -10,7 +10,7 @@ the engine relies on to never synchronize with the device: indptr and last-page-
 arrays arrive on the host, as int32.
 
 It proves the engine drives the API as documented; that the real kernels agree is for
-``tests/test_gpu.py`` to show on a GPU.
+``tests/gpu/test_gpu.py`` to show on a GPU.
 """
 
 from __future__ import annotations

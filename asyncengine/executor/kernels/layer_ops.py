@@ -18,7 +18,7 @@ The last two are built again for a KV cache in float8 (``--kv-cache-dtype fp8``,
 attention widens the cached float8 exactly to float32.
 
 Each op computes what its PyTorch counterpart computes, in float32 with one rounding to the
-element type, so results agree to float32 rounding (``tests/test_layer_ops.py``). The model
+element type, so results agree to float32 rounding (``tests/executor/test_layer_ops.py``). The model
 takes these paths only in eager mode on the CPU (``usable``); under ``torch.compile``
 inductor generates its own fused kernels from the PyTorch path. ``ASYNCENGINE_CPU_KERNELS=0``
 turns them off (the PyTorch path runs: for comparisons).

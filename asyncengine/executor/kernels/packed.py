@@ -32,7 +32,7 @@ How a call runs: the output rows are split across the OpenMP threads.
 
 The weights are read once per call whatever the number of input rows. Results equal
 ``x @ dequant(w).T`` up to float32 summation order (int4 below 8 rows: up to the rounding of
-the activations, ~1e-5 relative; ``tests/test_int4.py``).
+the activations, ~1e-5 relative; ``tests/executor/test_int4.py``).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class KernelSpec:
         return ", ".join(parts)
 
 
-#: The GPU tests' models (tests/test_gpu.py) and benchmarks/gpu.py's Llama shapes.
+#: The GPU tests' models (tests/gpu/test_gpu.py) and benchmarks/gpu.py's Llama shapes.
 DEFAULT_SPECS = (
     KernelSpec(64),  # llama-hd64, qwen2-hd64, the embedded SmolLM2, Llama-3.2-1B's shape
     KernelSpec(64, window=True),  # windowed Mistral / Qwen2

@@ -5,7 +5,7 @@ row does that at the cost of one generator and one kernel launch per seeded row 
 hashing (seed, output position) gives every seeded row its uniforms in one vectorized
 expression, whatever the number of seeded rows. The hash is SplitMix64's finalizer in int64
 arithmetic (two's-complement wrap-around, as torch's int64 multiply does on every device);
-``tests/test_sampler.py`` checks it against an exact Python implementation.
+``tests/executor/test_sampler.py`` checks it against an exact Python implementation.
 """
 
 from __future__ import annotations

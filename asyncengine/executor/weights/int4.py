@@ -14,7 +14,7 @@ Q4_1.
   grids over by checkpoint name.
 
 The kernel quantizes the activations to int8 per block of 32 inputs, as llama.cpp does for its
-Q4 x Q8 dot products; ``tests/test_int4.py`` states what that costs in accuracy. Where the
+Q4 x Q8 dot products; ``tests/executor/test_int4.py`` states what that costs in accuracy. Where the
 kernel cannot be compiled (no C++ compiler), the layer multiplies by its dequantized weights,
 rebuilt at every call: correct, and slow.
 """

@@ -2,9 +2,9 @@
 
 A contract's version is bumped when it changes incompatibly: a method or hook added, removed,
 renamed, or its meaning or signature changed, or a name leaving ``asyncengine.plugins``
-(``tests/test_plugins_api.py`` holds a snapshot of the names per version and fails on a change
-without a bump). Compatible additions (a new optional argument, a new data-class field, a new
-name) keep the version.
+(``tests/plugins/test_plugins_api.py`` holds a snapshot of the names per version and fails on
+a change without a bump). Compatible additions (a new optional argument, a new data-class
+field, a new name) keep the version.
 
 A component class may declare ``contract_version``; the engine refuses one written for a
 version it no longer accepts, naming both, at start-up. ``ACCEPTED_VERSIONS`` lists the older

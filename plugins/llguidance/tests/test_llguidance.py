@@ -1,8 +1,9 @@
 """asyncengine-llguidance: --structured-output-backend llguidance end to end on the embedded
 SmolLM2 (every kind of constraint in one mixed batch, each output checked as the xgrammar
-engine tests check theirs; the backend-level tests of tests/test_structured_output_backend.py
-run on both backends), and ``auto``: per request, llguidance for a schema xgrammar does not
-enforce, xgrammar for the rest, in one batch."""
+engine tests check theirs; the backend-level tests of
+tests/plugins/test_structured_output_backend.py run on both backends), and ``auto``: per
+request, llguidance for a schema xgrammar does not enforce, xgrammar for the rest, in one
+batch."""
 
 from __future__ import annotations
 
@@ -29,14 +30,14 @@ from asyncengine import LLM, SamplingParams, StructuredOutputsParams  # noqa: E4
 from asyncengine.builtins.auto_structured_output import AutoBackend  # noqa: E402
 from asyncengine.builtins.xgrammar import XGrammarGrammar  # noqa: E402
 from asyncengine.plugins import new_plugin_manager, registered  # noqa: E402
-from tests.structured_output_schemas import SCHEMAS  # noqa: E402
-from tests.test_structured_output_engine import (  # noqa: E402
+from tests.engine.test_structured_output_engine import (  # noqa: E402
     ARITHMETIC,
     ARITHMETIC_LARK,
     CHOICES,
     REGEXES,
     parses_arithmetic,
 )
+from tests.structured_output_schemas import SCHEMAS  # noqa: E402
 
 #: A regex xgrammar cannot compile (Unicode classes); llguidance can.
 CAPITALIZED = r"\p{Lu}\p{Ll}{2,8}"

@@ -1,0 +1,62 @@
+"""--compile (the CPU decoder through torch.compile, per token bucket): greedy tokens and
+logprobs equal transformers' for a tiny model and the embedded one, padded buckets included;
+bad values name their flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncengine import LLM
+from asyncengine.config import EngineConfig
+from asyncengine.executor.models.compiled import CompiledModel, token_buckets
+from tests.engine.test_engine import PROMPTS, check_against_hf
+from tests.utils import embedded_gguf_path, hf_reference_model
+
+
+@pytest.fixture(autouse=True)
+def _inductor_cache(tmp_path_factory, monkeypatch):
+    # One cache per test session: the second LLM of a session reuses the first one's kernels.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR",
+                       str(tmp_path_factory.getbasetemp() / "inductor"))
+
+
+def test_token_buckets():
+    assert token_buckets(1) == [1]
+    assert token_buckets(4) == [1, 2, 4]
+    assert token_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    with pytest.raises(ValueError, match="max_tokens"):
+        token_buckets(0)
+
+
+def test_tiny_model_compiled_matches_transformers(tiny_llama):
+    """Buckets 1, 2, 4: decodes of 1..4 rows run compiled (3 rows padded to 4), prefill chunks
+    above 4 tokens eagerly; a tiny block pool forces preemption."""
+    hf = hf_reference_model(tiny_llama)
+    llm = LLM(tiny_llama, dtype="float32", compile=True, compile_max_tokens=4,
+              max_num_batched_tokens=32, max_num_seqs=3, num_gpu_blocks_override=12,
+              block_size=8, max_model_len=128)
+    model = llm.engine.runner.model
+    assert isinstance(model, CompiledModel) and model.buckets == [1, 2, 4]
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    check_against_hf(llm, hf, prompts, 16)
+    assert model.compiled_steps >= 16
+    check_against_hf(llm, hf, prompts[:1], 8)  # alone: the 1-token bucket
+
+
+@pytest.mark.slow
+def test_embedded_model_compiled_matches_transformers():
+    """The embedded SmolLM2 with one bucket (a batch-1 decode; ~1 min to compile on 2 cores):
+    requests one at a time, so every decode step runs compiled."""
+    hf = hf_reference_model(embedded_gguf_path())
+    llm = LLM(None, dtype="float32", compile=True, compile_max_tokens=1, max_num_seqs=1,
+              max_num_batched_tokens=64, num_gpu_blocks_override=16, block_size=16,
+              max_model_len=256)
+    model = llm.engine.runner.model
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
+    check_against_hf(llm, hf, prompts, 12)
+    assert model.compiled_steps >= 3 * 11
+
+
+def test_bad_compile_values():
+    with pytest.raises(ValueError, match="--compile-max-tokens"):
+        EngineConfig.from_dict({"compile": True, "compile_max_tokens": 0})

@@ -1,0 +1,160 @@
+"""The decode step's layers in one C++ call (``models/decode_stack.py``): the very numbers of
+the per-layer path, and only where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncengine.executor.kernels import layer_ops
+from asyncengine.executor.kernels import packed as packed_kernels
+from asyncengine.executor.models.decode_stack import DecodeStack
+from asyncengine.executor.weights.int4 import TILE_REQUESTS
+from asyncengine.executor.weights.loader import load_model, resolve_model
+from tests.executor.test_models import PagedRunner
+
+pytestmark = pytest.mark.skipif(not packed_kernels.available("int4"),
+                                reason="the packed CPU kernel does not build here")
+
+
+def _run(model, stack: DecodeStack | None, prompts: dict[str, torch.Tensor],
+         decodes: list[list[str]], kv_dtype: torch.dtype | None = None
+         ) -> list[dict[str, torch.Tensor]]:
+    """Prefill ``prompts``, then one decode step per entry of ``decodes`` (the requests in
+    it each feed their last greedy token), the KV cache in ``kv_dtype`` (None: the model's).
+    Returns every step's logits."""
+    model._stack = stack
+    runner = PagedRunner(model, num_blocks=320, block_size=4,
+                         dtype=kv_dtype or model.model.norm.weight.dtype)
+    out = [runner.step(prompts)]
+    last = {r: int(out[0][r][-1].argmax()) for r in prompts}
+    for reqs in decodes:
+        logits = runner.step({r: torch.tensor([last[r]]) for r in reqs})
+        last.update({r: int(logits[r][-1].argmax()) for r in reqs})
+        out.append(logits)
+    return out
+
+
+def _count_runs(stack: DecodeStack, monkeypatch) -> list[int]:
+    """Patch ``stack.run`` to record the token count of each step it ran itself."""
+    ran: list[int] = []
+    run = stack.run
+
+    def counting(h, *args):
+        result = run(h, *args)
+        if result is not None:
+            ran.append(h.shape[0])
+        return result
+
+    monkeypatch.setattr(stack, "run", counting)
+    return ran
+
+
+@pytest.mark.parametrize("source", ["embedded-gguf", "embedded-gguf-bf16", "tiny-int4",
+                                    "tiny-int4-bf16", "mixed-gguf", "mixed-gguf-bf16"])
+def test_stack_equals_the_per_layer_path_bit_for_bit(source, tiny_models, monkeypatch,
+                                                     tmp_path):
+    check_stack(source, None, tiny_models, monkeypatch, tmp_path)
+
+
+@pytest.mark.parametrize(("source", "kv_dtype"), [
+    ("embedded-gguf-bf16", torch.float8_e4m3fn), ("tiny-int4", torch.float8_e5m2),
+    ("mixed-gguf", torch.float8_e4m3fn)])
+def test_stack_equals_the_per_layer_path_with_a_float8_cache(source, kv_dtype, tiny_models,
+                                                             monkeypatch, tmp_path):
+    """--kv-cache-dtype fp8: both stacks (int4, GGUF blocks) built for a float8 cache give
+    the per-layer path's numbers, which read and write the same cache."""
+    check_stack(source, kv_dtype, tiny_models, monkeypatch, tmp_path)
+
+
+def check_stack(source: str, kv_dtype: torch.dtype | None, tiny_models, monkeypatch,
+                tmp_path) -> None:
+    dtype = torch.bfloat16 if source.endswith("bf16") else torch.float32
+    if dtype == torch.bfloat16 and not source.startswith("mixed-gguf") and \
+            not packed_kernels.int4_bf16_available():
+        pytest.skip("int4 in bfloat16 needs the AVX-512 BF16 kernel (int4_bf16.cpp)")
+    if source.startswith("embedded-gguf"):  # the default: the file's Q4_1 blocks, packed
+        model = load_model(resolve_model(None), "auto", dtype, "cpu", quantization="auto")
+    elif source.startswith("mixed-gguf"):  # Q4_K_M's mix of types kept packed, q/k/v bias
+        from tests.executor.test_kquants import write_mixed_gguf
+
+        path = write_mixed_gguf(str(tmp_path / "tiny-Q4_K_M.gguf"))
+        model = load_model(resolve_model(path), "auto", dtype, "cpu", quantization="auto")
+    else:
+        model = load_model(resolve_model(tiny_models["llama"]), "auto", dtype, "cpu",
+                           quantization="int4")
+    stack = DecodeStack.for_model(model)
+    assert stack is not None and stack.kquant == source.startswith("mixed-gguf")
+    gen = torch.Generator().manual_seed(3)
+    # Eighteen requests; "long" reaches past two attention splits of 128 positions when it
+    # decodes alone (the split results are merged), the others are short. All of them: a step
+    # of TILE_REQUESTS requests and more (int4 in bfloat16: the byte tiles, in the stack too).
+    prompts = {f"r{i}": torch.randint(0, 49152, (3 + 3 * i,), generator=gen) for i in range(17)}
+    prompts["long"] = torch.randint(0, 49152, (300,), generator=gen)
+    everyone = list(prompts)
+    assert len(everyone) >= TILE_REQUESTS
+    decodes = [["long"], ["long"], everyone[:3], everyone[:10], everyone, everyone,
+               ["r4", "long"]]
+    if source in ("embedded-gguf-bf16", "tiny-int4-bf16"):
+        assert stack.tile_requests == (TILE_REQUESTS if packed_kernels.int4_tile8_available()
+                                       else 1 << 62)
+    ran = _count_runs(stack, monkeypatch)
+    fused = _run(model, stack, prompts, decodes, kv_dtype)
+    # every decode step in the stack's range ran fused (GGUF: fewer than 8 tokens), no prefill
+    assert ran == [len(d) for d in decodes if len(d) < stack.max_rows]
+    per_layer = _run(model, None, prompts, decodes, kv_dtype)
+    for got, want in zip(fused, per_layer, strict=True):
+        for r in want:
+            assert torch.equal(got[r], want[r]), r
+
+
+def test_gguf_stack_takes_fused_tile_batches(monkeypatch, tmp_path):
+    """A bfloat16 GGUF model where the kernel multiplies bfloat16 tiles itself
+    (``kquant_tile.h``): decode steps of 16 to 64 tokens run in the stack too, to the bit the
+    per-layer path's (its GGUFLinears send those rows to the same kernel)."""
+    from asyncengine.executor.runtime import cpu_flags
+    from asyncengine.executor.weights import kquants
+    from tests.executor.test_kquants import write_mixed_gguf
+
+    if not (kquants.kernels_available() and packed_kernels.kquant_bf16_tile()):
+        pytest.skip("no AVX-512 BF16 here")
+    monkeypatch.setattr(cpu_flags, "cpu_has_bf16", lambda: True)  # the suite runs without
+    path = write_mixed_gguf(str(tmp_path / "tiny-Q4_K_M.gguf"))
+    model = load_model(resolve_model(path), "auto", torch.bfloat16, "cpu", quantization="auto")
+    stack = DecodeStack.for_model(model)
+    assert stack is not None and stack.max_rows == kquants.FUSED_ROWS + 1
+    gen = torch.Generator().manual_seed(4)
+    prompts = {f"r{i}": torch.randint(0, 49152, (2 + i,), generator=gen) for i in range(21)}
+    everyone = list(prompts)
+    decodes = [everyone, everyone[:17], everyone]
+    ran = _count_runs(stack, monkeypatch)
+    fused = _run(model, stack, prompts, decodes)
+    assert ran == [21, 17, 21]
+    per_layer = _run(model, None, prompts, decodes)
+    for got, want in zip(fused, per_layer, strict=True):
+        for r in want:
+            assert torch.equal(got[r], want[r]), r
+
+
+def test_stack_only_where_it_applies(tiny_models, monkeypatch):
+    # float weights, a model with per-head norms, or the own kernels turned off: no stack
+    path = tiny_models["llama"]
+    assert DecodeStack.for_model(load_model(resolve_model(path), "auto", torch.float32,
+                                            "cpu")) is None
+    qwen3 = load_model(resolve_model(tiny_models["qwen3"]), "auto", torch.float32, "cpu",
+                       quantization="int4")
+    assert DecodeStack.for_model(qwen3) is None
+    model = load_model(resolve_model(path), "auto", torch.float32, "cpu", quantization="int4")
+    monkeypatch.setattr(layer_ops, "ENABLED", False)
+    assert DecodeStack.for_model(model) is None
+    monkeypatch.undo()
+    stack = DecodeStack.for_model(model)
+    ran = _count_runs(stack, monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    a, b = (torch.randint(0, 49152, (n,), generator=gen) for n in (7, 5))
+    model._stack = stack
+    runner = PagedRunner(model, block_size=4)
+    runner.step({"a": a})
+    runner.step({"a": a[:1], "b": b})  # a decode next to a prefill: the per-layer path
+    runner.step({"a": a[:1], "b": b[:1]})
+    assert ran == [2]
