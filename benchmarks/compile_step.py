@@ -22,7 +22,7 @@ def main(args: argparse.Namespace) -> int:
     from asyncengine.core.request import Request
     from asyncengine.core.sampling_params import SamplingParams
     from asyncengine.executor.build import build
-    from asyncengine.executor.models.compiled import CompiledModel
+    from asyncengine.executor.paths.compiled import CompiledModel
 
     options = {"model": args.model, "dtype": args.dtype}
     if args.num_threads:

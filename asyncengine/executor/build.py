@@ -258,7 +258,7 @@ def _compile_model(config: EngineConfig, model: torch.nn.Module,
     if device.type != "cpu":
         logger.warning("--compile is for the CPU (CUDA replays CUDA graphs): ignored")
         return model
-    from asyncengine.executor.models.compiled import CompiledModel
+    from asyncengine.executor.paths.compiled import CompiledModel
 
     spec = getattr(model, "spec", None)
     if spec is not None and "compile" in spec.lacks():
@@ -334,7 +334,7 @@ def _capture_cuda_graphs(config: EngineConfig, runner: ModelRunner, device: Devi
         logger.info("the %s attention backend cannot be captured in CUDA graphs: decode steps "
                     "run eagerly", runner.attn_backend.name)
         return
-    from asyncengine.executor.cuda_graphs import CUDAGraphRunner, capture_sizes
+    from asyncengine.executor.paths.cuda_graphs import CUDAGraphRunner, capture_sizes
 
     graphs = CUDAGraphRunner(runner.model, runner.attn_backend, runner.kv_caches,
                              capture_sizes(config.scheduler.max_num_seqs),

@@ -8,7 +8,7 @@ import pytest
 
 from asyncengine import LLM
 from asyncengine.config import EngineConfig
-from asyncengine.executor.models.compiled import CompiledModel, token_buckets
+from asyncengine.executor.paths.compiled import CompiledModel, token_buckets
 from tests.engine.test_engine import PROMPTS, check_against_hf
 from tests.utils import embedded_gguf_path, hf_reference_model
 

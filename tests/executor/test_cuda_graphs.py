@@ -14,7 +14,7 @@ from asyncengine import SamplingParams
 from asyncengine.config import EngineConfig
 from asyncengine.engine.engine import AsyncEngine
 from asyncengine.executor.attention.flashinfer import FlashInferBackend
-from asyncengine.executor.cuda_graphs import (
+from asyncengine.executor.paths.cuda_graphs import (
     CUDAGraphRunner,
     bucket_for,
     capture_sizes,

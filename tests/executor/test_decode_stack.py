@@ -8,7 +8,7 @@ import torch
 
 from asyncengine.executor.kernels import layer_ops
 from asyncengine.executor.kernels import packed as packed_kernels
-from asyncengine.executor.models.decode_stack import DecodeStack
+from asyncengine.executor.paths.decode_stack import DecodeStack
 from asyncengine.executor.weights.int4 import TILE_REQUESTS
 from asyncengine.executor.weights.loader import load_model, resolve_model
 from tests.executor.test_models import PagedRunner

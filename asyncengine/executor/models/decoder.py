@@ -36,7 +36,6 @@ from asyncengine.executor.attention.base import (
     AttentionOptions,
 )
 from asyncengine.executor.kernels.cuda_layer_ops import RopeTable
-from asyncengine.executor.models.decode_stack import DecodeStack
 from asyncengine.executor.models.family import LayerSpec, ModelSpec, describe, text_config
 from asyncengine.executor.models.layers import (
     FUSED_SHARDS,
@@ -48,6 +47,7 @@ from asyncengine.executor.models.layers import (
 )
 from asyncengine.executor.models.rope import RotaryEmbedding
 from asyncengine.executor.models.small_matmul import small_matmuls
+from asyncengine.executor.paths.decode_stack import DecodeStack
 from asyncengine.executor.weights.int4 import step_requests
 
 logger = logging.getLogger(__name__)
