@@ -181,13 +181,14 @@ async def decode_times(engine, num_requests: int, tokens: int, prompt_len: int =
 
 
 class HostTimer:
-    """Host seconds per step spent in ``runner.prepare`` and ``runner.enqueue``."""
+    """Host seconds per step spent in ``runner.prepare`` and ``runner.execute`` (which only
+    enqueues on CUDA)."""
 
     def __init__(self, runner) -> None:
-        self.runner, self.prepare, self.enqueue = runner, [], []
-        self._prepare, self._enqueue = runner.prepare, runner.enqueue
+        self.runner, self.prepare, self.execute = runner, [], []
+        self._prepare, self._execute = runner.prepare, runner.execute
         runner.prepare = self._timed(self._prepare, self.prepare)
-        runner.enqueue = self._timed(self._enqueue, self.enqueue)
+        runner.execute = self._timed(self._execute, self.execute)
 
     @staticmethod
     def _timed(fn, into: list[float]):
@@ -199,33 +200,33 @@ class HostTimer:
         return timed
 
     def restore(self) -> None:
-        self.runner.prepare, self.runner.enqueue = self._prepare, self._enqueue
+        self.runner.prepare, self.runner.execute = self._prepare, self._execute
 
 
 class StepMarks:
-    """CUDA events recorded on the device's stream around every step's work (``enqueue``):
+    """CUDA events recorded on the device's stream around every step's work (``execute``):
     a step's span is the GPU's time on it, and the gap before the next step's start is the
     GPU waiting for the host."""
 
     def __init__(self, runner) -> None:
         import torch
 
-        self.runner, self._enqueue = runner, runner.enqueue
+        self.runner, self._execute = runner, runner.execute
         self.marks: list[tuple[Any, Any, int]] = []
 
-        def enqueue(inputs):  # runs on the device's stream, in step order
+        def execute(inputs):  # runs on the device's stream, in step order
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            out = self._enqueue(inputs)
+            out = self._execute(inputs)
             end.record()
             self.marks.append((start, end, inputs.num_tokens))
             return out
 
-        runner.enqueue = enqueue
+        runner.execute = execute
 
     def restore(self) -> None:
-        self.runner.enqueue = self._enqueue
+        self.runner.execute = self._execute
 
     def spans_and_gaps(self, num_tokens: int, skip: int = 0) -> tuple[list[float], list[float]]:
         """Over consecutive steps of ``num_tokens`` tokens (after the first ``skip`` marks):
@@ -327,7 +328,7 @@ def batch1_decode(args: argparse.Namespace, key: str, bandwidth: float) -> dict[
     per_token = (times[-1] - times[skip]) / (len(times) - 1 - skip)
     context = PROMPT_LEN + (skip + len(times)) / 2  # the mean context of the timed steps
     bound = hbm_bound(shape, context, bandwidth)
-    host = statistics.median(timer.prepare[skip:]) + statistics.median(timer.enqueue[skip:])
+    host = statistics.median(timer.prepare[skip:]) + statistics.median(timer.execute[skip:])
     mode = "eager" if args.enforce_eager else "CUDA graphs"
     ops = "fused (FlashInfer)" if cuda_layer_ops.usable(torch.empty(
         0, dtype=torch.bfloat16, device="cuda")) else "PyTorch"
@@ -335,7 +336,7 @@ def batch1_decode(args: argparse.Namespace, key: str, bandwidth: float) -> dict[
           f"attention {engine.runner.attn_backend.name}, await {engine.device.awaiter.name}, "
           f"layer ops {ops}")
     kv = kv_bytes_per_token(shape, context)
-    prep, enq = statistics.median(timer.prepare[skip:]), statistics.median(timer.enqueue[skip:])
+    prep, enq = statistics.median(timer.prepare[skip:]), statistics.median(timer.execute[skip:])
     print(f"  weights {weight_bytes(shape) / 2**30:.2f} GiB + KV {kv / 2**20:.1f} MiB per "
           f"token, copy bandwidth {bandwidth / 1e9:.0f} GB/s -> HBM bound "
           f"{bound * 1e3:.3f} ms/token")

@@ -36,6 +36,18 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 #: Third-party modules a layer must never import.
 FORBIDDEN = {"asyncengine.core": ("torch", "numpy", "aiohttp", "transformers")}
+#: Inside the executor: the ways a step runs (``paths/``) sit on the model and its weights,
+#: and the runner and start-up on the paths; never the reverse.
+BELOW = {
+    "asyncengine.executor.models": ("asyncengine.executor.paths", "asyncengine.executor.runner",
+                                    "asyncengine.executor.build"),
+    "asyncengine.executor.weights": ("asyncengine.executor.paths",
+                                     "asyncengine.executor.runner",
+                                     "asyncengine.executor.build"),
+    "asyncengine.executor.paths": ("asyncengine.executor.runner", "asyncengine.executor.build"),
+}
+#: One concept per file: a module past this many lines is split.
+MAX_LINES = 400
 
 
 def module_name(path: Path) -> str:
@@ -102,6 +114,19 @@ def test_layers_import_only_downwards() -> None:
                 if mod.startswith(prefix) and dep.split(".")[0] in banned:
                     bad.append(f"{mod} imports {dep}")
     assert not bad, "layering broken:\n" + "\n".join(sorted(bad))
+
+
+def test_the_executor_s_parts_import_downwards() -> None:
+    bad = sorted(f"{mod} imports {dep}" for mod, deps in import_graph().items()
+                 for below, banned in BELOW.items() if mod.startswith(below)
+                 for dep in deps if dep.startswith(banned))
+    assert not bad, "executor layering broken:\n" + "\n".join(bad)
+
+
+def test_no_module_is_past_the_line_limit() -> None:
+    long = sorted(f"{name}: {n} lines" for name, path in all_modules().items()
+                  if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES)
+    assert not long, "split these:\n" + "\n".join(long)
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:

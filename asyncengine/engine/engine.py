@@ -22,7 +22,7 @@ import anyio.abc
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.limits import INT64_MAX, INT64_MIN, SamplingLimits, show
-from asyncengine.core.request import LoRARequest, Request, RequestStatus
+from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.core.sched.interface import SchedulerStats
 from asyncengine.engine.aborts import Aborts
@@ -34,6 +34,7 @@ from asyncengine.engine.errors import (
     RequestFailed,
 )
 from asyncengine.engine.kv_transfer import KVTransfer
+from asyncengine.engine.lora_adapters import LoRAAdapters
 from asyncengine.engine.output_processor import Emitted, OutputProcessor
 from asyncengine.engine.outputs import RequestOutput
 from asyncengine.engine.prompts import check_length, tokenize_prompt
@@ -52,7 +53,7 @@ __all__ = ["AsyncEngine", "EngineDeadError", "EngineOverloaded", "EngineShutting
 KV_SAVE_DRAIN_TIMEOUT = 30.0
 
 
-class AsyncEngine:
+class AsyncEngine(LoRAAdapters):
     def __init__(self, config: EngineConfig | None = None, *, plugin_manager: Any = None,
                  metrics: Any = None) -> None:
         self.config = config or EngineConfig()
@@ -268,46 +269,6 @@ class AsyncEngine:
                 yield out
         finally:
             stream.close()
-
-    # -- LoRA adapters (--enable-lora) ----------------------------------------------------------
-    @property
-    def lora(self) -> Any:
-        """The adapters' registry (``executor/lora/manager.LoRAManager``), None without
-        --enable-lora."""
-        return self.runner.lora
-
-    def lora_names(self) -> list[str]:
-        return [] if self.lora is None else list(self.lora.adapters)
-
-    def lora_request(self, name: str | None) -> LoRARequest | None:
-        """The adapter ``name`` runs with (None: the base model); ValueError when unknown."""
-        if name is None:
-            return None
-        if self.lora is None:
-            from asyncengine.executor.lora.manager import LoRANotFound
-
-            raise LoRANotFound(f"The model `{name}` does not exist (LoRA adapters are not "
-                               "enabled: --enable-lora).")
-        return self.lora.request(name)
-
-    async def load_lora_adapter(self, name: str, path: str,
-                                base_model_name: str | None = None) -> None:
-        """Read the PEFT adapter at ``path`` (off the loop) and serve it as ``name``.
-        ValueError: LoRA not enabled, the name taken, or the adapter unreadable or too big."""
-        lora = self.lora
-        if lora is None:
-            raise ValueError("LoRA is not enabled (--enable-lora)")
-        if name in lora.adapters:
-            raise ValueError(f"The LoRA adapter `{name}` is already loaded.")
-        weights, key = await anyio.to_thread.run_sync(lora.read, path)
-        lora.register(name, path, weights, key, base_model_name)
-
-    def unload_lora_adapter(self, name: str) -> None:
-        """Stop serving ``name``; KeyError when unknown. Requests already queued with it
-        finish with it."""
-        if self.lora is None:
-            raise KeyError(name)
-        self.lora.unregister(name)
 
     async def embed(self, prompts: list[list[int]], **kwargs: Any) -> Any:
         """Pooled, normalized hidden states of token-id prompts (``engine/embedding.py``)."""

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import atexit
 import logging
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -34,6 +32,8 @@ from asyncengine.executor.kv.sizing import (
     num_kv_blocks,
 )
 from asyncengine.executor.models.registry import architecture_of
+from asyncengine.executor.paths.base import PathContext
+from asyncengine.executor.paths.choose import choose
 from asyncengine.executor.runner import ModelRunner
 from asyncengine.executor.runtime.device import Device, make_device
 from asyncengine.executor.weights import kquants
@@ -45,8 +45,6 @@ from asyncengine.text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger("asyncengine")
 
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -148,11 +146,11 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
             device.eager_on_thread = True  # collectives block: never on the event loop
         parallel = start_tensor_parallel(config, device.type)
         started.append(parallel)
-        model = _off_the_loop_thread(device, lambda: load_tp_model(
+        model = device.run_at_start_up(lambda: load_tp_model(
             source, config.load.load_format, dtype, device.torch_device, parallel.tp,
             seed=mc.seed, model_cls=model_cls, quantization=mc.quantization))
     else:
-        model = _off_the_loop_thread(device, lambda: load_model(
+        model = device.run_at_start_up(lambda: load_model(
             source, config.load.load_format, dtype, device.torch_device, seed=mc.seed,
             model_cls=model_cls, quantization=mc.quantization))
     model.eval()
@@ -186,14 +184,12 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
         lora = LoRAManager(model, config.lora, device.torch_device, dtype)
     num_blocks = num_kv_blocks(config, model, attn_backend, kv_dtype, device, max_model_len,
                              at_start)
-    kv_caches = _off_the_loop_thread(device, lambda: attn_backend.allocate_kv_cache(
+    kv_caches = device.run_at_start_up(lambda: attn_backend.allocate_kv_cache(
         model.num_layers, num_blocks, block_size, model.num_kv_heads,
         model.head_dim, kv_dtype, device.torch_device))
     attn_backend.bind_kv_cache(kv_caches)
     if device.type == "cuda":  # weights and cache were made on the default stream
         torch.cuda.synchronize()
-    if config.device.compile:
-        model = _compile_model(config, model, device)
     runner_cls, runner_kwargs = ModelRunner, {}
     if parallel is not None:
         from asyncengine.executor.parallel.runner import TPModelRunner
@@ -209,8 +205,9 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
     runner.lora = lora
     if parallel is not None:  # stop the workers at exit, unless engine.shutdown() did
         atexit.register(parallel.shutdown, runner)
-    if device.type == "cuda" and parallel is None:  # graphs cannot hold the collectives yet
-        _capture_cuda_graphs(config, runner, device)
+    # the way each phase's steps run (compiling, capturing CUDA graphs happen here)
+    runner.paths = choose(PathContext(runner, device, config,
+                                      tp=None if parallel is None else parallel.tp))
     kv_connector = None
     if kv_connector_cls is not None:
         layout = KVCacheLayout(
@@ -233,41 +230,6 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
         structured_output_backend_cls=so_backend_cls, kv_connector=kv_connector,
         generation_defaults=generation_defaults, parallel=parallel,
         sliding_window=getattr(model, "sliding_window", None))
-
-
-def _off_the_loop_thread(device: Device, fn: Callable[[], T]) -> T:
-    """``fn()`` in a thread that ends when it returns, on the CPU.
-
-    OpenMP gives every thread that runs a parallel region its own team of threads, kept
-    until that thread exits. The forward pass runs on the device's worker thread; had the
-    loop's thread (this one) started a team too, the two teams would overcommit the cores
-    and libgomp would put idle team threads to sleep after very short spins: measured on
-    2 cores, every parallel kernel then pays a wake-up, and a batch-1 decode step of
-    SmolLM2-135M takes ~26 ms instead of ~18 ms. Loading the weights and filling the KV
-    cache are the parallel work done at start-up, so they run here.
-    """
-    if device.type != "cpu":
-        return fn()
-    with ThreadPoolExecutor(1, thread_name_prefix="asyncengine-load") as pool:
-        return pool.submit(fn).result()
-
-
-def _compile_model(config: EngineConfig, model: torch.nn.Module,
-                   device: Device) -> torch.nn.Module:
-    """--compile: the model behind ``compiled.CompiledModel``, every bucket compiled now."""
-    if device.type != "cpu":
-        logger.warning("--compile is for the CPU (CUDA replays CUDA graphs): ignored")
-        return model
-    from asyncengine.executor.paths.compiled import CompiledModel
-
-    spec = getattr(model, "spec", None)
-    if spec is not None and "compile" in spec.lacks():
-        logger.warning("--compile: %s; the model runs eagerly", spec.lacks()["compile"])
-        return model
-    max_tokens = min(config.device.compile_max_tokens, config.scheduler.max_num_batched_tokens)
-    compiled = CompiledModel(model, max_tokens)
-    _off_the_loop_thread(device, compiled.warm_up)
-    return compiled
 
 
 def _resolve_kv_connector(config: EngineConfig, scheduler_cls: type,
@@ -324,20 +286,3 @@ def backend_names(runner: Any) -> dict[str, str]:
     attention = getattr(getattr(runner, "attn_backend", None), "name", "unknown")
     sampling = getattr(runner, "sampling_method", None) or "torch"
     return {"attention": attention, "sampling": sampling}
-
-
-def _capture_cuda_graphs(config: EngineConfig, runner: ModelRunner, device: Device) -> None:
-    if config.model.enforce_eager:
-        logger.info("--enforce-eager: decode steps run without CUDA graphs")
-        return
-    if not runner.attn_backend.supports_cuda_graphs:
-        logger.info("the %s attention backend cannot be captured in CUDA graphs: decode steps "
-                    "run eagerly", runner.attn_backend.name)
-        return
-    from asyncengine.executor.paths.cuda_graphs import CUDAGraphRunner, capture_sizes
-
-    graphs = CUDAGraphRunner(runner.model, runner.attn_backend, runner.kv_caches,
-                             capture_sizes(config.scheduler.max_num_seqs),
-                             config.cache.block_size, device.torch_device)
-    graphs.capture(device.stream)
-    runner.graphs = graphs

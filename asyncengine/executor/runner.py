@@ -7,21 +7,23 @@ Split in two so the loop never waits on the device:
   numpy (no torch kernels on the loop's thread: a thread that runs a parallel torch kernel
   keeps its own OpenMP team, and two teams on the cores slow every forward pass). It is the
   only place the runner reads ``Request`` objects.
-* ``execute(inputs)`` runs on the device, in step order. It touches only ``inputs``, the
-  model, the KV cache and the device-side state (the previous step's sampled ids, penalty
-  counts), so the loop may go on changing requests (aborts, stop strings) and prepare the next
-  step while it runs.
+* ``execute(inputs)`` runs on the device, in step order: the forward pass through the path the
+  step's phase gives it (``executor/paths/``: chosen once, at build), then sampling. It
+  touches only ``inputs``, the model, the KV cache and the device-side state (the previous
+  step's sampled ids, penalty counts), so the loop may go on changing requests (aborts, stop
+  strings) and prepare the next step while it runs.
 
 Async scheduling: step N+1 is prepared before step N's tokens reach the host. A request that
 sampled in step N decodes that token in N+1: ``prepare`` leaves its input id blank and records
 where it is in step N's sampled ids; ``execute`` copies it from there on the device.
 
-On CUDA, ``enqueue(inputs)`` replaces ``execute``: it enqueues the same work on the device's
-stream (a CUDA graph replay for a decode step that fits a captured batch size) without any host
-synchronization, and returns a :class:`~asyncengine.executor.step.output.PendingOutput` that
-becomes the step's ``ModelRunnerOutput`` once the device's event says the sampled ids have
-reached pinned host memory. ``prepare`` is the same on both; its tensors come from the device's
-staging (``staging.py``: ``torch.from_numpy`` on the CPU, one packed pinned upload on CUDA).
+A step ends one way on every device: ``execute`` returns a
+:class:`~asyncengine.executor.step.output.PendingOutput` without reading anything back, and
+it becomes the step's ``ModelRunnerOutput`` (``finish()``, on the loop) once the device says
+the sampled ids are in host memory: the CPU's worker thread has finished the step, or, on
+CUDA, where ``execute`` only enqueues work on the device's stream, the step's event has
+fired. ``prepare`` is the same on both; its tensors come from the device's staging
+(``staging.py``: ``torch.from_numpy`` on the CPU, one packed pinned upload on CUDA).
 
 ``read_kv_blocks`` / ``write_kv_blocks`` copy whole KV blocks (all layers) out of and into
 the cache for a KV connector.
@@ -35,16 +37,18 @@ import numpy as np
 import torch
 
 from asyncengine.core.request import PositionLogprobs, Request
-from asyncengine.core.sched.interface import ModelRunnerOutput, SchedulerOutput
+from asyncengine.core.sched.interface import SchedulerOutput
 from asyncengine.executor.attention.base import AttentionBackend, AttentionMetadata
 from asyncengine.executor.kv.blocks import BlockCopy, read_blocks, write_blocks
+from asyncengine.executor.paths.base import DECODE, MIXED, PREFILL
+from asyncengine.executor.paths.choose import PathPlan, eager_only
 from asyncengine.executor.runtime.staging import DirectStaging
-from asyncengine.executor.sampler import NO_TOKEN, prompt_logprobs, sample, sample_ids
+from asyncengine.executor.sampler import NO_TOKEN, prompt_logprobs, sample_ids
 from asyncengine.executor.sampler.greedy_head import MIN_ROWS as GREEDY_HEAD_MIN_ROWS
 from asyncengine.executor.sampler.greedy_head import greedy_from_hidden
 from asyncengine.executor.sampler.inputs import gather_sampling_batch
 from asyncengine.executor.sampler.penalty_state import PenaltyState
-from asyncengine.executor.spec.accept import SpecGroup, accept_into
+from asyncengine.executor.spec.accept import SpecGroup
 from asyncengine.executor.step.input_batch import InputBatch
 from asyncengine.executor.step.inputs import (
     BitmaskSlot,
@@ -84,7 +88,13 @@ class ModelRunner:
                                 self.vocab_size, eos_token_ids)
         self.staging = staging or DirectStaging()
         self.sampling_method = sampling_method  # None: the device's default
-        # CUDA graphs for decode steps (``cuda_graphs.CUDAGraphRunner``), set after capture.
+        # The CPU's sliced greedy head (``sampler/greedy_head.py``) for all-greedy steps, and
+        # how each phase's steps run (``paths/choose.py``): the per-layer decoder until the
+        # chooser has run (``build``).
+        self.greedy_head = False
+        self.paths: PathPlan = eager_only(self)
+        # CUDA graphs for decode steps (``paths/cuda_graphs.CUDAGraphRunner``): ``prepare``
+        # pads a decode step to a captured batch size (set by that path).
         self.graphs: Any = None
         # --enable-lora: the adapters' registry and slots (``lora/manager.LoRAManager``).
         self.lora: Any = None
@@ -199,6 +209,7 @@ class ModelRunner:
         width = int((seq_lens.max() + bs - 1) // bs) if num_reqs else 0
         table = ib.block_table[rows, :width]
         decode_only = total == num_reqs
+        phase = DECODE if decode_only else (MIXED if (lens == 1).any() else PREFILL)
         lora_slots, lora_writes = (None, None) if self.lora is None else \
             self.lora.prepare(out.scheduled)
         graph_batch = (self.graphs.bucket_for(num_reqs)
@@ -228,6 +239,7 @@ class ModelRunner:
             bitmask=BitmaskSlot() if with_bitmask else None,
             num_tokens=total,
             decode_only=decode_only,
+            phase=phase,
             graph_batch=graph_batch,
         )
         if spec:
@@ -264,81 +276,46 @@ class ModelRunner:
 
     # -- on the device ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> ModelRunnerOutput:
-        """Run the step and read its results back (the CPU; the worker thread)."""
+    def execute(self, inputs: StepInputs) -> PendingOutput:
+        """Run the step: its forward pass through the path its phase's chain gives it
+        (``executor/paths/``), then sampling, on the device and in step order. Nothing here
+        reads the results back: the sampled ids (and logprobs) go to host memory on the
+        device's own stream, and ``finish()`` reads them once the device says they are
+        there (the CPU's worker has finished the step; CUDA's event has fired): the device
+        (``runtime/device.py``) decides how that is awaited."""
         # its requests pick the CPU matmul kernels (int4.TILE_REQUESTS), the head's included
         with step_requests(inputs.attn_metadata.num_requests):
-            return self._execute(inputs)
-
-    def _execute(self, inputs: StepInputs) -> ModelRunnerOutput:
-        result = ModelRunnerOutput()
-        hidden = self._forward(inputs)
-        ids = self._greedy_from_hidden(inputs, hidden, result.prompt_logprobs)
-        if ids is not None:  # the common all-greedy step: no logits at all
+            prompt: dict[str, list[PositionLogprobs | None]] = {}
+            hidden = self._forward(inputs)
+            ids = self._greedy_from_hidden(inputs, hidden, prompt)
+            if ids is not None:  # the common all-greedy step on the CPU: no logits at all
+                self._last_sampled = ids.clamp(min=0)
+                return PendingOutput(req_ids=inputs.sample_req_ids, token_ids=ids,
+                                     prompt_logprobs=prompt, spec=inputs.spec)
+            logits = self._sampling_logits(inputs, hidden, prompt)
+            if logits is None:
+                return PendingOutput(prompt_logprobs=prompt)
+            batch = inputs.sampling_batch
+            ids = sample_ids(logits, batch)
+            if batch.penalties is not None:
+                self.penalty_state.count_no_sync(inputs.penalty_rows, ids[batch.penalties.rows])
+            # Next step's in-flight inputs; a row with no token feeds id 0 to a step whose
+            # result is dropped (the request has ended with an error by then).
             self._last_sampled = ids.clamp(min=0)
-            id_list = ids.tolist()
-            result.sampled_token_ids = dict(zip(inputs.sample_req_ids, id_list, strict=True))
-            if inputs.spec:
-                accept_into(result, inputs.spec, id_list, None)
-            return result
-        logits = self._sampling_logits(inputs, hidden, result.prompt_logprobs)
-        if logits is None:
-            return result
-        batch = inputs.sampling_batch
-        sampled = sample(logits, batch)
-        ids = sampled.token_ids_tensor
-        if batch.penalties is not None:
-            self.penalty_state.count(inputs.penalty_rows, ids[batch.penalties.rows])
-        # Next step's in-flight inputs; a row with no token feeds id 0 to a step whose result
-        # is dropped (the request has ended with an error by then).
-        self._last_sampled = ids.clamp(min=0)
-        for i, rid in enumerate(inputs.sample_req_ids):
-            result.sampled_token_ids[rid] = sampled.token_ids[i]
-            lp = sampled.logprobs[i]
-            if lp is not None:
-                result.logprobs[rid] = lp
-        if inputs.spec:
-            accept_into(result, inputs.spec, sampled.token_ids, sampled.logprobs)
-        return result
-
-    @torch.inference_mode()
-    def enqueue(self, inputs: StepInputs) -> PendingOutput:
-        """Enqueue the step on the current stream and return without waiting for the device
-        (CUDA). Nothing here synchronizes with the device unless the step ``blocks_host``
-        (then the device calls this from its launcher thread). The sampled ids and logprobs
-        are copied to pinned host memory on the same stream; ``finish()`` reads them."""
-        prompt: dict[str, list[PositionLogprobs | None]] = {}
-        hidden = self._forward(inputs)
-        logits = self._sampling_logits(inputs, hidden, prompt)
-        if logits is None:
-            return PendingOutput(prompt_logprobs=prompt)
-        batch = inputs.sampling_batch
-        ids = sample_ids(logits, batch)
-        if batch.penalties is not None:
-            self.penalty_state.count_no_sync(inputs.penalty_rows, ids[batch.penalties.rows])
-        self._last_sampled = ids.clamp(min=0)
-        out = pending_output(logits, ids, batch, inputs.sample_req_ids, prompt)
-        out.spec = inputs.spec
-        return out
+            out = pending_output(logits, ids, batch, inputs.sample_req_ids, prompt)
+            out.spec = inputs.spec
+            return out
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states of the step's (real) tokens."""
         if inputs.resets:
             self.penalty_state.reset(inputs.resets, self.batch.capacity)
-        if inputs.graph_batch is not None:
-            return self.graphs.run(inputs, self._last_sampled)
-        if inputs.from_previous is not None:
-            dst, src = inputs.from_previous
-            inputs.input_ids[dst] = self._last_sampled[src]
-        self.attn_backend.plan(inputs.attn_metadata)
         if inputs.lora is None:
-            return self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                              inputs.attn_metadata, self.attn_backend)
+            return self.paths.forward(inputs, self._last_sampled)
         tables = self.lora.tables
         tables.begin(inputs.lora)
         try:
-            return self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                              inputs.attn_metadata, self.attn_backend)
+            return self.paths.forward(inputs, self._last_sampled)
         finally:
             tables.end()
 
@@ -349,8 +326,8 @@ class ModelRunner:
         grammar) on the CPU: their ids from the head a vocabulary slice at a time
         (``sampler/greedy_head.py``). None: the step takes the general path."""
         batch = inputs.sampling_batch
-        if (batch is None or not batch.all_greedy or batch.needs_processing
-                or inputs.bitmask is not None or hidden.device.type != "cpu"
+        if (not self.greedy_head or batch is None or not batch.all_greedy
+                or batch.needs_processing or inputs.bitmask is not None
                 or len(inputs.sample_req_ids) < GREEDY_HEAD_MIN_ROWS
                 or any(k is not None for k in batch.logprobs)):
             return None

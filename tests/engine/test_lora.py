@@ -156,7 +156,8 @@ def test_mixed_batch_gives_pefts_greedy_tokens(lora_families, family, quantizati
     assert engine.num_unfinished_requests == 0
     if quantization == "int4" and packed_kernels.available("int4"):
         # the decode steps with adapter rows ran in the C++ decode stack, with its LoRA
-        stack = engine.runner.model._stack
+        path = engine.runner.paths.path("cpu_stack")
+        stack = None if path is None else path.stack
         assert stack is not None and stack.lora_table is not None and stack.lora_steps > 0
 
 

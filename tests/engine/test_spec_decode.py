@@ -192,7 +192,7 @@ def test_greedy_output_is_identical_with_drafts_accepted_and_rejected(tiny_llama
 def test_greedy_output_is_identical_on_the_embedded_model_with_ngram_drafts(monkeypatch):
     """Also: the verification steps (one request, 1 + drafts query tokens) run through the
     C++ decode stack, every draft a query row of its own, with no fallback."""
-    from asyncengine.executor.paths.decode_stack import DecodeStack
+    from asyncengine.executor.paths.cpu_stack import DecodeStack
     from tests.utils import embedded_gguf_path
 
     real_run = DecodeStack.run
@@ -260,7 +260,7 @@ def test_drafts_past_tile_requests_rows_keep_the_row_kernel_in_bfloat16(monkeypa
     kernels, the layers' and the int8 head's, and are computed as the one-token steps compute
     them: the same tokens, and the same logprobs to the bit, with and without the drafts."""
     from asyncengine.executor.kernels import packed
-    from asyncengine.executor.paths.decode_stack import DecodeStack
+    from asyncengine.executor.paths.cpu_stack import DecodeStack
     from asyncengine.executor.weights.int4 import TILE_REQUESTS
     from tests.utils import embedded_gguf_path
 

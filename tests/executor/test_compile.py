@@ -35,7 +35,11 @@ def test_tiny_model_compiled_matches_transformers(tiny_llama):
     llm = LLM(tiny_llama, dtype="float32", compile=True, compile_max_tokens=4,
               max_num_batched_tokens=32, max_num_seqs=3, num_gpu_blocks_override=12,
               block_size=8, max_model_len=128)
-    model = llm.engine.runner.model
+    plan = llm.engine.runner.paths
+    # every phase offers its steps to the compiled forward first; larger ones run eagerly
+    assert [[p.name for p in plan.chains[ph]] for ph in ("decode", "prefill", "mixed")] == \
+        [["compiled", "eager"]] * 3
+    model = plan.path("compiled").model
     assert isinstance(model, CompiledModel) and model.buckets == [1, 2, 4]
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     check_against_hf(llm, hf, prompts, 16)
@@ -51,7 +55,7 @@ def test_embedded_model_compiled_matches_transformers():
     llm = LLM(None, dtype="float32", compile=True, compile_max_tokens=1, max_num_seqs=1,
               max_num_batched_tokens=64, num_gpu_blocks_override=16, block_size=16,
               max_model_len=256)
-    model = llm.engine.runner.model
+    model = llm.engine.runner.paths.path("compiled").model
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
     check_against_hf(llm, hf, prompts, 12)
     assert model.compiled_steps >= 3 * 11

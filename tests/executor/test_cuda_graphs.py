@@ -14,12 +14,16 @@ from asyncengine import SamplingParams
 from asyncengine.config import EngineConfig
 from asyncengine.engine.engine import AsyncEngine
 from asyncengine.executor.attention.flashinfer import FlashInferBackend
+from asyncengine.executor.paths.base import PathContext
+from asyncengine.executor.paths.choose import plan_of
 from asyncengine.executor.paths.cuda_graphs import (
     CUDAGraphRunner,
+    CUDAGraphs,
     bucket_for,
     capture_sizes,
     fill_static,
 )
+from asyncengine.executor.paths.eager import Eager
 from tests.executor.test_cuda_path import cuda_path
 from tests.fake_flashinfer import make_module
 
@@ -121,7 +125,10 @@ def gpu_path(engine: AsyncEngine, graphs: bool) -> FlashInferBackend:
                                         capture_sizes(engine.config.scheduler.max_num_seqs),
                                         bs, "cpu")
         emulate_capture(runner.graphs)
-    cuda_path(engine, "thread")
+    device = cuda_path(engine, "thread")
+    if graphs:  # as the chooser makes it on CUDA: decode steps replay, the rest run eagerly
+        ctx = PathContext(runner, device, engine.config)
+        runner.paths = plan_of(CUDAGraphs(ctx, runner.graphs), Eager(ctx))
     return backend
 
 

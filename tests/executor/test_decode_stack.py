@@ -1,4 +1,4 @@
-"""The decode step's layers in one C++ call (``models/decode_stack.py``): the very numbers of
+"""The decode step's layers in one C++ call (``paths/cpu_stack.py``): the very numbers of
 the per-layer path, and only where it applies."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from asyncengine.executor.kernels import layer_ops
 from asyncengine.executor.kernels import packed as packed_kernels
-from asyncengine.executor.paths.decode_stack import DecodeStack
+from asyncengine.executor.paths.cpu_stack import DecodeStack
 from asyncengine.executor.weights.int4 import TILE_REQUESTS
 from asyncengine.executor.weights.loader import load_model, resolve_model
 from tests.executor.test_models import PagedRunner
@@ -23,9 +23,8 @@ def _run(model, stack: DecodeStack | None, prompts: dict[str, torch.Tensor],
     """Prefill ``prompts``, then one decode step per entry of ``decodes`` (the requests in
     it each feed their last greedy token), the KV cache in ``kv_dtype`` (None: the model's).
     Returns every step's logits."""
-    model._stack = stack
     runner = PagedRunner(model, num_blocks=320, block_size=4,
-                         dtype=kv_dtype or model.model.norm.weight.dtype)
+                         dtype=kv_dtype or model.model.norm.weight.dtype, stack=stack)
     out = [runner.step(prompts)]
     last = {r: int(out[0][r][-1].argmax()) for r in prompts}
     for reqs in decodes:
@@ -152,8 +151,7 @@ def test_stack_only_where_it_applies(tiny_models, monkeypatch):
     ran = _count_runs(stack, monkeypatch)
     gen = torch.Generator().manual_seed(4)
     a, b = (torch.randint(0, 49152, (n,), generator=gen) for n in (7, 5))
-    model._stack = stack
-    runner = PagedRunner(model, block_size=4)
+    runner = PagedRunner(model, block_size=4, stack=stack)
     runner.step({"a": a})
     runner.step({"a": a[:1], "b": b})  # a decode next to a prefill: the per-layer path
     runner.step({"a": a[:1], "b": b[:1]})

@@ -46,8 +46,10 @@ class PagedRunner:
     """Drives our model by hand: requests' tokens go through a paged cache with shuffled blocks."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int = 64, block_size: int = 4,
-                 dtype: torch.dtype = torch.float32):
-        self.model, self.bs = model, block_size
+                 dtype: torch.dtype = torch.float32, stack=None):
+        # ``stack``: a ``paths.cpu_stack.DecodeStack`` offered every all-decode step first, as
+        # the cpu_stack path does (the per-layer decoder runs the steps it declines)
+        self.model, self.bs, self.stack = model, block_size, stack
         self.backend = TorchPagedBackend()
         self.kv = self.backend.allocate_kv_cache(model.num_layers, num_blocks, block_size,
                                                  model.num_kv_heads, model.head_dim,
@@ -79,9 +81,16 @@ class PagedRunner:
         meta = AttentionMetadata(query_start_loc=starts, seq_lens=seq_lens, block_tables=tables,
                                  slot_mapping=torch.tensor(slots), block_size=self.bs)
         self.backend.prepare(meta)
+        ids, positions = torch.cat(ids), torch.tensor(positions)
         with torch.inference_mode():
-            hidden = self.model(torch.cat(ids), torch.tensor(positions), self.kv, meta,
-                                self.backend)
+            hidden = None
+            if self.stack is not None and len(ids) == len(chunks):
+                h = self.model.embed(ids)
+                lora = None if self.model.lora is None else self.model.lora.step
+                hidden = self.stack.run(h, self.model.rope_tables(positions, h.dtype), self.kv,
+                                        meta, self.backend, lora)
+            if hidden is None:
+                hidden = self.model(ids, positions, self.kv, meta, self.backend)
             logits = self.model.compute_logits(hidden)
         assert logits.dtype == torch.float32
         return {r: logits[starts[i]:starts[i + 1]] for i, r in enumerate(chunks)}

@@ -317,17 +317,17 @@ def test_step_marks_measure_the_gpu_s_idle_between_steps(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
 
-    def enqueue(inputs):  # 1 ms of GPU work per step, then 1.5 ms waiting for the host
+    def execute(inputs):  # 1 ms of GPU work per step, then 1.5 ms waiting for the host
         clock[0] += 1.0
         return "out"
 
-    runner = types.SimpleNamespace(enqueue=enqueue)
+    runner = types.SimpleNamespace(execute=execute)
     marks = bench.StepMarks(runner)
     for n in (7, 1, 1, 1, 1):  # a prefill, then four decode steps
-        assert runner.enqueue(types.SimpleNamespace(num_tokens=n)) == "out"
+        assert runner.execute(types.SimpleNamespace(num_tokens=n)) == "out"
         clock[0] += 1.5
     marks.restore()
-    assert runner.enqueue is enqueue
+    assert runner.execute is execute
     spans, gaps = marks.spans_and_gaps(1)
     assert spans == [1.0, 1.0, 1.0] and gaps == [1.5, 1.5, 1.5]
     assert bench.idle_percent(spans, gaps) == pytest.approx(60.0)

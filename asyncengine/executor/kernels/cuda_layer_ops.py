@@ -108,6 +108,11 @@ def usable(x: torch.Tensor) -> bool:
             and x.dtype in DTYPES and not torch.compiler.is_compiling())
 
 
+def active() -> bool:
+    """Prewarmed and on: the layers' norms, RoPE and activations take FlashInfer's kernels."""
+    return _state.module is not None
+
+
 def has_activation(name: str) -> bool:
     return name in _state.activations
 

@@ -85,6 +85,11 @@ def usable_kv(x: torch.Tensor, kv_dtype: torch.dtype) -> bool:
     return usable(x) and _kv_kernels(x.dtype, kv_dtype) is not None
 
 
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """On, and every op built for activations of ``dtype`` (a compiler is there)."""
+    return ENABLED and _kernels(dtype) is not None
+
+
 def usable(x: torch.Tensor) -> bool:
     """Whether the ops run for activations like ``x``: CPU, float32 or bfloat16, eager, on."""
     if not ENABLED or x.is_cuda or torch.compiler.is_compiling():

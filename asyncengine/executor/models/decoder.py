@@ -47,13 +47,9 @@ from asyncengine.executor.models.layers import (
 )
 from asyncengine.executor.models.rope import RotaryEmbedding
 from asyncengine.executor.models.small_matmul import small_matmuls
-from asyncengine.executor.paths.decode_stack import DecodeStack
 from asyncengine.executor.weights.int4 import step_requests
 
 logger = logging.getLogger(__name__)
-
-_UNSET = object()
-
 
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer: LayerSpec) -> None:
@@ -176,11 +172,6 @@ class CausalLM(nn.Module):
         self.ropes = nn.ModuleDict({name: self._rope_table(name) for name in spec.ropes})
         self.rotary = self.ropes[spec.layers[0].rope]  # the first layer's table
         self.lm_head = None if self.tie_word_embeddings else Linear(spec.hidden, spec.vocab)
-        self._stack: DecodeStack | None | object = _UNSET
-        lacks = spec.lacks()
-        if lacks:  # one line: what this family runs without, and why
-            logger.info("%s: fast paths it runs without: %s", spec.family,
-                        "; ".join(f"{path} ({why})" for path, why in lacks.items()))
         # --enable-lora: the adapters' tables (``executor/lora/tables.py``); the decode stack
         # adds their updates too.
         self.lora: Any = None
@@ -213,24 +204,25 @@ class CausalLM(nn.Module):
         """Each layer's attention options, for ``AttentionBackend.configure_layers``."""
         return [layer.attention for layer in self.spec.layers]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] -> the first layer's input [T, hidden] (Gemma: scaled)."""
+        h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        if self.spec.embed_scale is not None:
+            h = h * torch.tensor(self.spec.embed_scale, dtype=h.dtype)
+        return h
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype
+                    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Each RoPE table's (cos, sin) at ``positions`` [T], by the name layers use
+        (``LayerSpec.rope``): [T, 1, 2, rotary_dim / 2] each."""
+        return {name: table(positions, dtype) for name, table in self.ropes.items()}
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
                 attn_backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
-        h = self.model.embed_tokens(input_ids)  # [T, hidden]
-        if self.spec.embed_scale is not None:
-            h = h * torch.tensor(self.spec.embed_scale, dtype=h.dtype)
-        tables = {name: table(positions, h.dtype) for name, table in self.ropes.items()}
-        if h.device.type == "cpu" and not torch.compiler.is_compiling():
-            if self._stack is _UNSET:  # built at the first step: the weights are final then
-                self._stack = DecodeStack.for_model(self)
-            if self._stack is not None:  # every layer in one C++ call (decode_stack.py)
-                cos, sin = tables[self.spec.layers[0].rope]
-                lora = None if self.lora is None else self.lora.step
-                out = self._stack.run(h, cos, sin, kv_caches, attn_metadata, attn_backend,
-                                      lora)
-                if out is not None:
-                    return out
+        h = self.embed(input_ids)
+        tables = self.rope_tables(positions, h.dtype)
         residual = None
         with small_matmuls(h), step_requests(attn_metadata.num_requests):
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from asyncengine.executor.attention.base import AttentionBackend, AttentionMetadata
+from asyncengine.executor.paths.base import PathContext, StepPath, begin
 
 logger = logging.getLogger(__name__)
 
@@ -222,3 +223,48 @@ def configure_inductor(cache_dir: str | None = None) -> str:
     inductor_config.autotune_local_cache = True
     torch._functorch.config.enable_autograd_cache = True
     return path
+
+
+class Compiled(StepPath):
+    """``--compile``: steps up to the largest bucket through the compiled forward; a larger
+    step is declined (the per-layer path runs it)."""
+
+    name = "compiled"
+
+    @classmethod
+    def requested(cls, ctx: PathContext) -> bool:
+        return ctx.config is not None and ctx.config.device.compile
+
+    @classmethod
+    def why_not(cls, ctx: PathContext) -> str | None:
+        if not cls.requested(ctx):
+            return "--compile not given"
+        if ctx.device_type != "cpu":
+            return "--compile is for the CPU (CUDA replays CUDA graphs)"
+        if ctx.tp is not None:
+            return "not with tensor parallelism"
+        spec = getattr(ctx.model, "spec", None)
+        if spec is not None and "compile" in spec.lacks():
+            return spec.lacks()["compile"]
+        if not supports_compile(ctx.model):
+            return f"{type(ctx.model).__name__} is not a Llama-family model"
+        return None
+
+    def __init__(self, ctx: PathContext) -> None:
+        super().__init__(ctx)
+        config = ctx.config
+        max_tokens = min(config.device.compile_max_tokens,
+                         config.scheduler.max_num_batched_tokens)
+        self.model = CompiledModel(ctx.model, max_tokens)
+        ctx.device.run_at_start_up(self.model.warm_up)
+
+    def forward(self, inputs: Any, last_sampled: torch.Tensor | None) -> torch.Tensor | None:
+        if self.model.bucket_for(inputs.num_tokens) is None:
+            return None
+        r = self.runner
+        begin(inputs, last_sampled, r.attn_backend)
+        return self.model(inputs.input_ids, inputs.positions, r.kv_caches,
+                          inputs.attn_metadata, r.attn_backend)
+
+    def describe(self) -> str:
+        return f"compiled (token buckets up to {self.model.buckets[-1]})"

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from asyncengine.executor.attention.base import AttentionBackend
+from asyncengine.executor.paths.base import DECODE, PathContext, StepPath
 
 logger = logging.getLogger("asyncengine")
 
@@ -137,3 +138,47 @@ class CUDAGraphRunner:
         graph, out = entry
         graph.replay()
         return out[:n]
+
+
+class CUDAGraphs(StepPath):
+    """Decode steps that fit a captured batch size replay its graph. ``prepare`` pads such a
+    step to its bucket (``runner.graphs.bucket_for``); a step it did not pad is declined."""
+
+    name = "cuda_graphs"
+    phases = (DECODE,)
+
+    @classmethod
+    def why_not(cls, ctx: PathContext) -> str | None:
+        if ctx.device_type != "cuda":
+            return "CUDA's"
+        if ctx.config is None:
+            return "captured for an engine's --max-num-seqs"
+        if ctx.config.model.enforce_eager:
+            return "--enforce-eager"
+        if ctx.tp is not None:
+            return "graphs cannot hold the tensor-parallel collectives yet"
+        backend = ctx.runner.attn_backend
+        if not backend.supports_cuda_graphs:
+            return f"the {backend.name} attention backend cannot be captured"
+        return None
+
+    def __init__(self, ctx: PathContext, graphs: CUDAGraphRunner | None = None) -> None:
+        """Captures every bucket, unless ``graphs`` are given (captured already)."""
+        super().__init__(ctx)
+        r = ctx.runner
+        if graphs is None:
+            graphs = CUDAGraphRunner(r.model, r.attn_backend, r.kv_caches,
+                                     capture_sizes(ctx.config.scheduler.max_num_seqs),
+                                     r.block_size, ctx.device.torch_device)
+            graphs.capture(ctx.device.stream)
+        self.graphs = graphs
+        r.graphs = graphs  # ``prepare`` pads decode steps to a captured size
+
+    def forward(self, inputs: Any, last_sampled: torch.Tensor | None) -> torch.Tensor | None:
+        if inputs.graph_batch is None:
+            return None
+        return self.graphs.run(inputs, last_sampled)
+
+    def describe(self) -> str:
+        sizes = self.graphs.sizes
+        return f"cuda_graphs (batch sizes {sizes[0]}..{sizes[-1]})"

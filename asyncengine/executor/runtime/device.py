@@ -23,14 +23,17 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
 
 from asyncengine.executor.runtime.cuda_await import EventAwaiter, make_event_awaiter
 from asyncengine.executor.runtime.thread_policy import as_compute_thread
+
+T = TypeVar("T")
 
 #: Where eager (not graph-replayed) CUDA steps are enqueued from: loop (default) or thread.
 EAGER_LAUNCH_ENV = "ASYNCENGINE_CUDA_EAGER_LAUNCH"
@@ -57,7 +60,8 @@ class StepHandle:
         await self._done.wait()
         if self._error is not None:
             raise self._error
-        return self._result
+        result = self._result
+        return result.finish() if isinstance(result, HostResult) else result
 
 
 class HostResult:
@@ -97,8 +101,22 @@ class Device:
         return handle
 
     def launch_step(self, runner: Any, inputs: Any) -> StepHandle:
-        """Queue a prepared step, ``runner.execute(inputs)``, behind the ones launched."""
+        """Queue a prepared step, ``runner.execute(inputs)``, behind the ones launched; its
+        handle's ``wait()`` gives the step's output once the worker has run it."""
         return self.launch(partial(runner.execute, inputs))
+
+    def run_at_start_up(self, fn: Callable[[], T]) -> T:
+        """``fn()`` in a thread that ends when it returns (start-up work on the CPU).
+
+        OpenMP gives every thread that runs a parallel region its own team of threads, kept
+        until that thread exits. The forward pass runs on the device's worker thread; had the
+        loop's thread started a team too, the two teams would overcommit the cores and
+        libgomp would put idle team threads to sleep after very short spins: measured on 2
+        cores, every parallel kernel then pays a wake-up, and a batch-1 decode step of
+        SmolLM2-135M takes ~26 ms instead of ~18 ms. Loading the weights, filling the KV
+        cache and compiling are the parallel work done at start-up, so they run here."""
+        with ThreadPoolExecutor(1, thread_name_prefix="asyncengine-load") as pool:
+            return pool.submit(fn).result()
 
     def make_staging(self) -> Any:
         """How ``runner.prepare`` turns the step's numpy arrays into tensors."""
@@ -223,7 +241,7 @@ class CUDADevice(Device):
 
     Where a step is enqueued from:
 
-    * the event loop (the default): ``launch_step`` runs ``runner.enqueue(inputs)`` right
+    * the event loop (the default): ``launch_step`` runs ``runner.execute(inputs)`` right
       there: a decode step is a CUDA graph replay (a handful of launches), an eager step a few
       hundred kernel launches. No thread hop.
     * the launcher thread (this class's worker, bound to the same stream): steps that must
@@ -254,6 +272,10 @@ class CUDADevice(Device):
         self.num_loop_launches = 0
         self.num_thread_launches = 0
 
+    def run_at_start_up(self, fn: Callable[[], T]) -> T:
+        """``fn()`` here: CUDA's start-up work runs no OpenMP team."""
+        return fn()
+
     def make_staging(self) -> Any:
         from asyncengine.executor.runtime.staging import PinnedStaging
 
@@ -265,7 +287,7 @@ class CUDADevice(Device):
         return self._via_thread(fn)
 
     def launch_step(self, runner: Any, inputs: Any) -> StepHandle:
-        fn = partial(runner.enqueue, inputs)
+        fn = partial(runner.execute, inputs)
         if (self._pending_on_thread or inputs.blocks_host
                 or (self.eager_on_thread and inputs.graph_batch is None)):
             return self._via_thread(fn)

@@ -78,6 +78,11 @@ class StepInputs:
     bitmask: BitmaskSlot | None = None
     num_tokens: int = 0  # real tokens (before any padding)
     decode_only: bool = False  # every request computes one token
+    # decode (every request one token), prefill (prompt chunks only) or mixed: which chain of
+    # paths runs the step (``executor/paths/choose.py``).
+    phase: str = "mixed"
+    # The in-flight ids are in and the attention backend planned (``paths/base.begin``).
+    begun: bool = False
     # CUDA: the decode step replays the CUDA graph captured for this many rows (padded).
     graph_batch: int | None = None
     # Speculative decoding: per request with drafts, (request id, index of its first sampled

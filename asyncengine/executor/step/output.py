@@ -1,11 +1,12 @@
-"""The tail of a step enqueued on CUDA: results copied to pinned host memory, read later.
+"""The tail of every step: its results on their way to the host, read once they are there.
 
-``runner.enqueue`` samples on the device and, instead of reading the ids back (a host sync),
+``runner.execute`` samples on the device and, instead of reading the ids back (a host sync),
 copies them, and the logprob tensors of the rows that asked for logprobs, into pinned host
 memory with ``non_blocking`` copies on the same stream. The device records its event after
 those copies, so once the event has completed ``PendingOutput.finish()`` (on the loop) reads
 plain host memory and builds the ``ModelRunnerOutput``; nothing here waits for the device.
-On the CPU (tests) the "copies" are the tensors themselves.
+On the CPU the "copies" are the tensors themselves, complete once the device's worker has
+run the step.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ import torch
 
 from asyncengine.executor.kernels import layer_ops
 from asyncengine.executor.kernels.build import DTYPE_CODES, KV_CODES, load
+from asyncengine.executor.paths.base import DECODE, PathContext, StepPath, begin
 from asyncengine.executor.weights import kquants
 from asyncengine.executor.weights.int4 import DEQUANT_ROWS, TILE_REQUESTS, Int4Linear
 
@@ -66,6 +67,7 @@ class DecodeStack:
         # (never, where they are not compiled in: Int4Linear then keeps the row kernel)
         self.tile_requests = TILE_REQUESTS if tiles else 1 << 62
         self.num_layers = model.num_layers
+        self.rope = model.spec.layers[0].rope  # the one RoPE table of the Llama layout
         self.num_heads, self.num_kv_heads = model.num_heads, model.num_kv_heads
         self.head_dim, self.hidden = model.head_dim, model.hidden_size
         self.intermediate = model.config.intermediate_size
@@ -116,27 +118,30 @@ class DecodeStack:
                 self.lora_r = torch.tensor(widths, dtype=torch.int64)
 
     @classmethod
-    def for_model(cls, model: Any) -> DecodeStack | None:
-        """The stack for ``model``, or None where it does not apply (see the module doc)."""
+    def why_not(cls, model: Any) -> str | None:
+        """None when the stack can run ``model``'s decode steps, else why not (see the module
+        doc)."""
         spec = getattr(model, "spec", None)
-        if not layer_ops.ENABLED or spec is None or "decode_stack" in spec.lacks():
-            return None
-        linears = [lin for layer in model.model.layers
-                   for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if spec is None:
+            return "not a built-in family's decoder"
+        if not layer_ops.ENABLED:
+            return f"{layer_ops.ENV}=0"
+        if "decode_stack" in spec.lacks():
+            return spec.lacks()["decode_stack"]
+        linears = _linears(model)
         kquant = all(_kq_ok(lin) for lin in linears)
         if not kquant and not all(isinstance(lin, Int4Linear) and lin._direct
                                   and lin.packed.is_contiguous()
                                   and lin.scale_min.is_contiguous() for lin in linears):
-            return None
+            return "its projections are not all int4 or GGUF blocks kept packed"
         # float32 or bfloat16 (a GGUF model's matmuls take float32 copies, as GGUFLinear's
         # do, biases included)
         # int4 in bfloat16: Int4Linear's bfloat16 kernel (AVX-512 BF16) for every projection
         dtype = model.model.norm.weight.dtype
         if dtype not in (torch.float32, torch.bfloat16):
-            return None
+            return f"{str(dtype).removeprefix('torch.')} activations"
         if dtype == torch.bfloat16 and not kquant and not all(lin._bf16 for lin in linears):
-            return None
+            return "int4 in bfloat16 needs the CPU's AVX-512 BF16"
         for layer in model.model.layers:
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             if kquant:
@@ -144,17 +149,32 @@ class DecodeStack:
                                                  layer.mlp.gate_up_proj, layer.mlp.down_proj)
                             if lin.bias is not None]
             if any(w.dtype != dtype or w.device.type != "cpu" for w in tensors):
-                return None
+                return "its norms or biases are not in the activations' dtype on the CPU"
+        if load("decode_stack_kq" if kquant else "decode_stack", _ARGS,
+                DTYPE_CODES[dtype]) is None:
+            return "the C++ stack did not build"
+        return None
+
+    @classmethod
+    def for_model(cls, model: Any) -> DecodeStack | None:
+        """The stack for ``model``, or None where it does not apply (:meth:`why_not`)."""
+        if cls.why_not(model) is not None:
+            return None
+        linears = _linears(model)
+        kquant = all(_kq_ok(lin) for lin in linears)
+        dtype = model.model.norm.weight.dtype
         fn = load("decode_stack_kq" if kquant else "decode_stack", _ARGS, DTYPE_CODES[dtype])
         tiles = dtype == torch.bfloat16 and not kquant and all(lin._tile8 for lin in linears)
-        return None if fn is None else cls(model, fn, kquant, dtype, tiles)
+        return cls(model, fn, kquant, dtype, tiles)
 
-    def run(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def run(self, h: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
             kv_caches: list[torch.Tensor], meta: Any, backend: Any,
             lora: Any = None) -> torch.Tensor | None:
         """h: the step's embeddings [T, hidden] -> the final normed hidden states, or None
         when this step is not one the stack runs (the caller takes the per-layer path).
-        ``lora``: the step's ``lora.ops.LoRAStep`` when it has adapter rows."""
+        ``tables``: each RoPE table's (cos, sin) at the step's positions, by the name the
+        layers' ``LayerSpec.rope`` give. ``lora``: the step's ``lora.ops.LoRAStep`` when it
+        has adapter rows."""
         T = h.shape[0]
         if T >= self.max_rows or h.dtype != self.dtype or not layer_ops.usable(h):
             return None
@@ -165,6 +185,7 @@ class DecodeStack:
         plan = plan_of(meta, h, self.num_kv_heads) if plan_of is not None else None
         if plan is None:
             return None
+        cos, sin = tables[self.rope]
         kv = kv_caches[0]
         fn = self.fn if kv.dtype == self.dtype else self._fp8_fn(kv.dtype)
         if fn is None or kv.stride(0) != kv_caches[-1].stride(0):
@@ -204,6 +225,12 @@ class DecodeStack:
             self._caches, self._cache_tensors = ptrs, list(kv_caches)
 
 
+def _linears(model: Any) -> list[Any]:
+    return [lin for layer in model.model.layers
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+
 def _int4(lin: Int4Linear) -> tuple[torch.Tensor, torch.Tensor]:
     return lin.packed, lin.scale_min
 
@@ -232,3 +259,42 @@ def _kq_proj(lin: kquants.GGUFLinear, pointed: list[torch.Tensor], dtype: torch.
         out += [raw.data_ptr(), qtype | flag, raw.shape[0]]
         pointed.append(raw)
     return out + [0] * (_KQ_PROJ - len(out))
+
+
+class CpuStack(StepPath):
+    """Decode steps through every layer in one C++ call (the module doc says which)."""
+
+    name = "cpu_stack"
+    phases = (DECODE,)
+
+    @classmethod
+    def why_not(cls, ctx: PathContext) -> str | None:
+        if ctx.device_type != "cpu":
+            return "the CPU's"
+        if ctx.tp is not None:
+            return "rank 0's shard runs with the workers' collectives (tensor_parallel)"
+        return DecodeStack.why_not(ctx.model)
+
+    def __init__(self, ctx: PathContext) -> None:
+        super().__init__(ctx)
+        stack = DecodeStack.for_model(ctx.model)
+        if stack is None:
+            raise ValueError(f"cpu_stack: {DecodeStack.why_not(ctx.model)}")
+        self.stack = stack
+
+    def forward(self, inputs: Any, last_sampled: torch.Tensor | None) -> torch.Tensor | None:
+        if inputs.num_tokens >= self.stack.max_rows:
+            return None
+        r = self.runner
+        model = r.model
+        begin(inputs, last_sampled, r.attn_backend)
+        h = model.embed(inputs.input_ids)
+        tables = model.rope_tables(inputs.positions, h.dtype)
+        lora = None if model.lora is None else model.lora.step
+        return self.stack.run(h, tables, r.kv_caches, inputs.attn_metadata, r.attn_backend,
+                              lora)
+
+    def describe(self) -> str:
+        kind = "GGUF blocks" if self.stack.kquant else "int4"
+        return (f"cpu_stack ({kind}, {str(self.stack.dtype).removeprefix('torch.')}, "
+                f"below {self.stack.max_rows} tokens)")
