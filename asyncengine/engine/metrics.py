@@ -2,7 +2,9 @@
 
 Every series a vLLM dashboard, autoscaler or router reads is here as ``vllm:*`` with vLLM's
 labels (``model_name``, ``engine``) and semantics; the older ``asyncengine:*`` names are kept
-as aliases of the same numbers (see docs/serving.md, "Coming from vLLM").
+as aliases of the same numbers (see docs/serving.md, "Coming from vLLM"). Which series exist,
+and under which names, is the table ``SERIES`` (``engine/metrics_table.py``): one row per series
+(name, kind, HELP text, getter), from which ``collect`` emits both names, then the info gauges.
 
 The engine calls the ``on_*`` methods from its event loop, once per step or per finished
 request, never per token: every update is O(1) (``on_token(itl, count)`` adds ``count``
@@ -32,6 +34,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.utils import floatToGoString
 
 from asyncengine.core.sched.interface import SchedulerStats
+from asyncengine.engine.metrics_table import SERIES
 
 if TYPE_CHECKING:
     from asyncengine.config import CacheConfig
@@ -40,6 +43,8 @@ if TYPE_CHECKING:
 #: Finish reasons of ``vllm:request_success`` (an abort is not a success: never counted).
 SUCCESS_REASONS = ("stop", "length")
 FINISH_REASONS = ("stop", "length", "abort")
+_FAMILIES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily,
+             "histogram": HistogramMetricFamily}
 
 # Bucket edges as vLLM uses them.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -216,114 +221,26 @@ class EngineMetrics:
         return self.prompt_tokens_computed + self.stats.prefix_cache_hits
 
     def collect(self) -> Iterator[Metric]:
-        s = self.stats
-        v_labels, v_values = ["model_name", "engine"], [self.model_name, "0"]
-        a_labels, a_values = ["model_name"], [self.model_name]
-
-        def gauge(name: str, doc: str, value: float, vllm: bool = True,
-                  alias: bool = True) -> Iterator[Metric]:
-            for prefix, labels, values, on in (("vllm:", v_labels, v_values, vllm),
-                                               ("asyncengine:", a_labels, a_values, alias)):
-                if on:
-                    g = GaugeMetricFamily(prefix + name, doc, labels=labels)
-                    g.add_metric(values, value)
-                    yield g
-
-        def counter(name: str, doc: str, value: float, vllm: bool = True,
-                    alias: bool = True) -> Iterator[Metric]:
-            for prefix, labels, values, on in (("vllm:", v_labels, v_values, vllm),
-                                               ("asyncengine:", a_labels, a_values, alias)):
-                if on:
-                    c = CounterMetricFamily(prefix + name, doc, labels=labels)
-                    c.add_metric(values, value)
-                    yield c
-
-        def histogram(name: str, doc: str, h: Histogram, alias: bool = False,
-                      also: str | None = None) -> Iterator[Metric]:
-            names = [("vllm:" + name, v_labels, v_values)]
-            if also:
-                names.append(("vllm:" + also, v_labels, v_values))
-            if alias:
-                names.append(("asyncengine:" + name, a_labels, a_values))
-            for full, labels, values in names:
-                f = HistogramMetricFamily(full, doc, labels=labels)
-                h.add_to(f, values)
-                yield f
-
-        yield from gauge("num_requests_running", "Number of requests in model execution "
-                         "batches.", s.num_running)
-        yield from gauge("num_requests_waiting", "Number of requests waiting to be processed.",
-                         s.num_waiting)
-        yield from gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                         s.kv_cache_usage)
-        yield from gauge("kv_cache_free_blocks", "KV-cache blocks free or evictable.",
-                         s.num_free_blocks, vllm=False)
-        yield from gauge("kv_cache_total_blocks", "KV-cache blocks in the pool.",
-                         s.num_total_blocks, vllm=False)
-        rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-        yield from gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries, in tokens, "
-                         "since start.", rate, vllm=False)
-        yield from counter("prefix_cache_queries", "Prefix cache queries, in terms of number "
-                           "of queried tokens.", s.prefix_cache_queries)
-        yield from counter("prefix_cache_hits", "Prefix cache hits, in terms of number of "
-                           "cached tokens.", s.prefix_cache_hits)
-        if self.kv_connector_hits is not None:
-            yield from counter("external_prefix_cache_hits", "Prompt tokens loaded from the KV "
-                               "connector's store (computed by another engine or an earlier "
-                               "run) instead of computed.", self.kv_connector_hits)
-        yield from counter("num_preemptions", "Cumulative number of preemption from the "
-                           "engine.", s.num_preemptions)
-        yield from counter("prompt_tokens", "Number of prefill tokens processed (computed or "
-                           "found in the prefix cache).", self.prompt_tokens, alias=False)
-        yield from counter("prompt_tokens", "Prompt tokens computed by a forward pass (prefix "
-                           "cache hits left out).", self.prompt_tokens_computed, vllm=False)
-        yield from counter("generation_tokens", "Number of generation tokens processed.",
-                           self.generation_tokens)
-        if self.spec_num_drafts:
-            yield from counter("spec_decode_num_drafts", "Number of spec decoding drafts.",
-                               self.spec_num_drafts)
-            yield from counter("spec_decode_num_draft_tokens", "Number of draft tokens.",
-                               self.spec_num_draft_tokens)
-            yield from counter("spec_decode_num_accepted_tokens", "Number of accepted "
-                               "tokens.", self.spec_num_accepted_tokens)
-            per_pos = CounterMetricFamily(
-                "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft "
-                "position.", labels=[*v_labels, "position"])
-            for pos, n in enumerate(self.spec_accepted_per_pos):
-                per_pos.add_metric([*v_values, str(pos)], n)
-            yield per_pos
-        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed "
-                                      "requests.", labels=[*v_labels, "finished_reason"])
-        for reason, n in self.success.items():
-            success.add_metric([*v_values, reason], n)
-        yield success
-        finished = CounterMetricFamily("asyncengine:request_finished", "Finished requests by "
-                                       "finish reason, aborts and failures included.",
-                                       labels=[*a_labels, "finished_reason"])
-        for reason, n in self.finished.items():
-            finished.add_metric([*a_values, reason], n)
-        yield finished
-        yield from histogram("time_to_first_token_seconds", "Histogram of time to first token "
-                             "in seconds.", self.ttft, alias=True)
-        yield from histogram("inter_token_latency_seconds", "Histogram of inter-token latency "
-                             "in seconds.", self.itl, alias=True,
-                             also="time_per_output_token_seconds")
-        yield from histogram("e2e_request_latency_seconds", "Histogram of e2e request latency "
-                             "in seconds.", self.e2e, alias=True)
-        yield from histogram("request_queue_time_seconds", "Histogram of time spent in WAITING "
-                             "phase for request.", self.queue_time)
-        yield from histogram("request_prefill_time_seconds", "Histogram of time spent in "
-                             "PREFILL phase for request.", self.prefill_time)
-        yield from histogram("request_decode_time_seconds", "Histogram of time spent in DECODE "
-                             "phase for request.", self.decode_time)
-        yield from histogram("request_inference_time_seconds", "Histogram of time spent in "
-                             "RUNNING phase for request.", self.inference_time)
-        yield from histogram("request_prompt_tokens", "Number of prefill tokens processed.",
-                             self.request_prompt_tokens, alias=True)
-        yield from histogram("request_generation_tokens", "Number of generation tokens "
-                             "processed.", self.request_generation_tokens, alias=True)
-        yield from histogram("iteration_tokens_total", "Histogram of number of tokens per "
-                             "engine_step.", self.iteration_tokens)
+        vllm = (["model_name", "engine"], [self.model_name, "0"])
+        alias = (["model_name"], [self.model_name])
+        for row in SERIES:
+            value = row.get(self)
+            if value is None:
+                continue
+            names = [("vllm:" + n, *vllm) for n in (row.name, row.also) if n and row.vllm]
+            if row.alias:
+                names.append(("asyncengine:" + row.name, *alias))
+            extra = [row.label] if row.label else []
+            for name, labels, values in names:
+                family = _FAMILIES[row.kind](name, row.doc, labels=[*labels, *extra])
+                if isinstance(value, Histogram):
+                    value.add_to(family, values)
+                elif isinstance(value, dict):
+                    for key, n in value.items():
+                        family.add_metric([*values, key], n)
+                else:
+                    family.add_metric(values, value)
+                yield family
         if self.lora_info is not None:
             running, waiting, max_lora, stamp = self.lora_info
             g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
