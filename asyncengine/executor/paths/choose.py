@@ -92,7 +92,7 @@ def greedy_head_why_not(ctx: PathContext) -> str | None:
     """The CPU's sliced greedy head (``sampler/greedy_head.py``: all-greedy steps never
     materialize their logits), or why not."""
     if ctx.device_type != "cpu":
-        return "the CPU's"
+        return "not on the CPU"
     spec = getattr(ctx.model, "spec", None)
     lacks = {} if spec is None else spec.lacks()
     return lacks.get("greedy_head")

@@ -270,7 +270,7 @@ class CpuStack(StepPath):
     @classmethod
     def why_not(cls, ctx: PathContext) -> str | None:
         if ctx.device_type != "cpu":
-            return "the CPU's"
+            return "not on the CPU"
         if ctx.tp is not None:
             return "rank 0's shard runs with the workers' collectives (tensor_parallel)"
         return DecodeStack.why_not(ctx.model)

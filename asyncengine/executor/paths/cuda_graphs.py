@@ -150,7 +150,7 @@ class CUDAGraphs(StepPath):
     @classmethod
     def why_not(cls, ctx: PathContext) -> str | None:
         if ctx.device_type != "cuda":
-            return "CUDA's"
+            return "not on CUDA"
         if ctx.config is None:
             return "captured for an engine's --max-num-seqs"
         if ctx.config.model.enforce_eager:
