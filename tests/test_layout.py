@@ -12,6 +12,7 @@ Every import in the package is read from the AST, including imports inside funct
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,25 @@ def test_no_module_is_past_the_line_limit() -> None:
     long = sorted(f"{name}: {n} lines" for name, path in all_modules().items()
                   if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES)
     assert not long, "split these:\n" + "\n".join(long)
+
+
+def test_the_environment_is_read_in_one_place() -> None:
+    """``config/environment.py`` lists every variable the package reads, with what it does;
+    nothing else reads ``os.environ`` (passing it on to a child process, or setting a
+    variable for a library, is fine)."""
+    from asyncengine.config.environment import VARIABLES
+
+    reads, unknown = [], []
+    for name, path in all_modules().items():
+        text = path.read_text(encoding="utf-8")
+        if name != "asyncengine.config.environment":
+            reads += [f"{name}: {m}" for m in re.findall(
+                r"os\.environ\.get\([^)]*|os\.environ\[[^\]]*\](?!\s*=)|in os\.environ", text)]
+        for var in re.findall(r"environment\.(?:get|on|is_set)\(\s*\"(\w+)\"", text):
+            if var not in VARIABLES:
+                unknown.append(f"{name}: {var}")
+    assert not reads, "read these through config/environment.py:\n" + "\n".join(reads)
+    assert not unknown, "not in config/environment.VARIABLES:\n" + "\n".join(unknown)
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:

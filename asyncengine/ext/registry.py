@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
-import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from typing import Any
 
 import pluggy
 
+from asyncengine.config import environment
 from asyncengine.ext.contracts import hooks as hookspecs
 from asyncengine.ext.kinds import KINDS, check_contract, qualname
 
@@ -81,9 +81,9 @@ def get_plugin_manager() -> PluginManager:
 
 
 def _allowlist() -> set[str] | None:
-    value = os.environ.get(ALLOWLIST_ENV)
-    if value is None:
+    if not environment.is_set(ALLOWLIST_ENV):
         return None
+    value = environment.get(ALLOWLIST_ENV)
     return {name.strip() for name in value.split(",") if name.strip()}
 
 

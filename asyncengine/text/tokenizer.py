@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncengine.config import environment
+
 __all__ = ["Tokenizer", "load_tokenizer", "resolve_chat_template"]
 
 
@@ -142,7 +144,7 @@ def resolve_chat_template(chat_template: str | None) -> str | None:
 
 
 def _cache_root() -> Path:
-    root = os.environ.get("ASYNCENGINE_CACHE")
+    root = environment.get("ASYNCENGINE_CACHE")
     base = Path(root) if root else Path.home() / ".cache" / "asyncengine"
     return base / "tokenizers"
 

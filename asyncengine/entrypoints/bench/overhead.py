@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncengine.config import environment
+
 RUNNERS = ("null", "tiny")
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -98,7 +100,7 @@ async def _serve_engine(args: argparse.Namespace) -> None:
         "model": args.model_dir, "load_format": "dummy", "dtype": "float32",
         "max_num_seqs": n, "max_num_batched_tokens": max(2048, 16 * n),
         "max_model_len": 1024, "kv_cache_memory": "256MiB",
-        "num_threads": int(os.environ.get("ASYNCENGINE_BENCH_THREADS", "0")) or None})
+        "num_threads": int(environment.get("ASYNCENGINE_BENCH_THREADS")) or None})
     engine = AsyncEngine(config)
     if args.serve == "null":
         token = engine.tokenizer.encode(" the", add_special_tokens=False)[0]

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from asyncengine.config import environment
 from asyncengine.entrypoints.bench import spec_metrics
 
 # Common English words: nearly every one is a single token (with its leading space) in the
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ask the server to generate exactly --max-tokens (vLLM extension)")
     parser.add_argument("--temperature", type=float, default=0.0, help="default: 0 (greedy)")
     parser.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals")
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+    parser.add_argument("--api-key", default=environment.get("OPENAI_API_KEY") or None,
                         help="bearer token (default: $OPENAI_API_KEY)")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds one request may take (default: 600)")

@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 
-from asyncengine.config import parse_size
+from asyncengine.config import environment, parse_size
 from asyncengine.entrypoints.http.state import DEFAULT_MAX_REQUEST_BODY, ServerSettings
 from asyncengine.text.tool_parsers import TOOL_PARSERS
 
@@ -122,8 +122,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         resolve_reasoning_parser(reasoning_parser)  # ValueError names --reasoning-parser
     template_kwargs = _json_object(getattr(args, "default_chat_template_kwargs", None),
                                    "default_chat_template_kwargs")
-    api_key = args.api_key or next((os.environ[e] for e in API_KEY_ENVS if os.environ.get(e)),
-                                   None)
+    api_key = args.api_key or next((environment.get(e) for e in API_KEY_ENVS
+                                    if environment.get(e)), None)
     return ServerSettings(
         host=args.host,
         port=args.port,

@@ -7,10 +7,9 @@ Both answer only when runtime updating is enabled (``--allow-runtime-lora-updati
 
 from __future__ import annotations
 
-import os
-
 from aiohttp import web
 
+from asyncengine.config import environment
 from asyncengine.entrypoints.http.errors import APIError, bad_request
 from asyncengine.entrypoints.http.protocol import Body, Count
 from asyncengine.entrypoints.http.serving import read_body, served_model_names
@@ -32,7 +31,7 @@ class UnloadLoRAAdapterRequest(Body, kw_only=True):
 def runtime_updating(engine) -> bool:
     lc = getattr(getattr(engine, "config", None), "lora", None)
     flag = bool(lc is not None and lc.allow_runtime_lora_updating)
-    return flag or os.environ.get(ENV, "").strip().lower() in ("1", "true")
+    return flag or environment.get(ENV).lower() in ("1", "true")
 
 
 def updating_enabled(engine) -> bool:

@@ -37,6 +37,8 @@ from collections.abc import Callable
 
 import torch
 
+from asyncengine.config import environment
+
 logger = logging.getLogger("asyncengine.entrypoints.http")
 
 _OPEN, _SUBMIT, _POLL, _RESUME, _CLOSE = range(5)
@@ -49,7 +51,7 @@ KEY_SIZE = 16
 
 
 def enabled() -> bool:
-    return os.environ.get("ASYNCENGINE_BATCH_SEND", "1") != "0"
+    return environment.on("ASYNCENGINE_BATCH_SEND")
 
 
 def _native() -> Callable[..., None] | None:

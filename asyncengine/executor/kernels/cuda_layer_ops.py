@@ -24,10 +24,11 @@ with the attention kernels; a failure leaves the PyTorch path, with one warning.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, NamedTuple
 
 import torch
+
+from asyncengine.config import environment
 
 logger = logging.getLogger("asyncengine")
 
@@ -47,7 +48,7 @@ _state = _State()
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+    return environment.on(ENV)
 
 
 def prewarm(device: torch.device | str, dtype: torch.dtype,

@@ -26,14 +26,13 @@ turns them off (the PyTorch path runs: for comparisons).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from asyncengine.config import environment
 from asyncengine.executor.kernels.build import DTYPE_CODES, KV_CODES, load
 
 ENV = "ASYNCENGINE_CPU_KERNELS"
-ENABLED = os.environ.get(ENV, "1") != "0"
+ENABLED = environment.on(ENV)
 
 _ARGS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("const ae_t*", "ae_t*", "const ae_t*", "ae_t*", "int64_t", "int64_t",

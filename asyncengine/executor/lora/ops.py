@@ -21,11 +21,11 @@ loop over adapters:
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from asyncengine.config import environment
 from asyncengine.executor.kernels.build import DTYPE_CODES, load
 from asyncengine.executor.lora.segment import SegmentPlan, segment_add
 
@@ -36,7 +36,7 @@ _ARGS = ("const ae_t*", "ae_t*", "const float*", "const float*", "const int64_t*
          "int64_t", "int64_t")
 _KERNELS: dict[torch.dtype, object | None] = {}
 #: ``ASYNCENGINE_LORA_KERNEL=0`` takes the PyTorch path on the CPU too (for comparisons).
-USE_KERNEL = os.environ.get("ASYNCENGINE_LORA_KERNEL", "1") != "0"
+USE_KERNEL = environment.on("ASYNCENGINE_LORA_KERNEL")
 
 
 def kernel(dtype: torch.dtype) -> object | None:

@@ -16,7 +16,6 @@ start-up, on the loading thread; never on the event loop.
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -25,9 +24,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from asyncengine.config import environment
+
 #: Seconds a model-group collective may wait for a peer before the step fails.
 TIMEOUT_ENV = "ASYNCENGINE_TP_TIMEOUT"
-DEFAULT_TIMEOUT_S = 30.0
 #: How long the control group waits (an idle server sends nothing).
 CONTROL_TIMEOUT = timedelta(days=7)
 #: How long the ranks wait for each other at start-up.
@@ -42,9 +42,9 @@ def free_init_method() -> str:
 
 
 def model_timeout() -> timedelta:
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    raw = environment.get(TIMEOUT_ENV)
     try:
-        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+        seconds = float(raw)
     except ValueError:
         raise ValueError(f"{TIMEOUT_ENV}={raw!r}: must be a number of seconds") from None
     return timedelta(seconds=seconds)

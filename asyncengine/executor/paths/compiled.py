@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncengine.config import environment
 from asyncengine.executor.attention.base import AttentionBackend, AttentionMetadata
 from asyncengine.executor.paths.base import PathContext, StepPath, begin
 
@@ -214,7 +215,7 @@ class CompiledModel(nn.Module):
 def configure_inductor(cache_dir: str | None = None) -> str:
     """Point inductor's on-disk caches at ``cache_dir`` (default: ``$TORCHINDUCTOR_CACHE_DIR``
     or ``~/.cache/asyncengine/inductor``) and turn the FX graph / AOT caches on."""
-    path = cache_dir or os.environ.get(CACHE_DIR_ENV) or default_cache_dir()
+    path = cache_dir or environment.get(CACHE_DIR_ENV) or default_cache_dir()
     os.makedirs(path, exist_ok=True)
     os.environ[CACHE_DIR_ENV] = path
     import torch._inductor.config as inductor_config

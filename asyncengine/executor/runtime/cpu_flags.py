@@ -4,14 +4,15 @@ and the GGUF path choice read it."""
 from __future__ import annotations
 
 import functools
-import os
+
+from asyncengine.config import environment
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_has_bf16() -> bool:
     """Whether the CPU has bfloat16 dot products; ``ASYNCENGINE_CPU_BF16=0`` says no (``auto``
     then means float32 on any CPU, as the test suite runs)."""
-    if os.environ.get("ASYNCENGINE_CPU_BF16") == "0":
+    if environment.get("ASYNCENGINE_CPU_BF16") == "0":
         return False
     try:
         with open("/proc/cpuinfo") as f:

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import platform
+
+from asyncengine.config import environment
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def keep_step_buffers() -> bool:
         return _DONE[0]
     ok = False
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc" \
-            and "GLIBC_TUNABLES" not in os.environ:
+            and not environment.is_set("GLIBC_TUNABLES"):
         try:
             libc = ctypes.CDLL(None)
             ok = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) \

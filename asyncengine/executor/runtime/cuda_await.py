@@ -27,12 +27,13 @@ tests drive both mechanisms with fake events on the CPU). Nothing here imports t
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
 import threading
 from typing import Protocol
 
 import anyio
+
+from asyncengine.config import environment
 
 ENV = "ASYNCENGINE_CUDA_AWAIT"
 MECHANISMS = ("thread", "poll")
@@ -141,7 +142,7 @@ class PollEventAwaiter:
 
 def make_event_awaiter(name: str | None = None) -> EventAwaiter:
     """The mechanism named by ``name``, else by ``$ASYNCENGINE_CUDA_AWAIT``, else ``thread``."""
-    chosen = name or os.environ.get(ENV, "").strip() or "thread"
+    chosen = name or environment.get(ENV)
     if chosen == "thread":
         return ThreadEventAwaiter()
     if chosen == "poll":

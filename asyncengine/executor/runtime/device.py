@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 
+from asyncengine.config import environment
 from asyncengine.executor.runtime.cuda_await import EventAwaiter, make_event_awaiter
 from asyncengine.executor.runtime.thread_policy import as_compute_thread
 
@@ -264,7 +265,7 @@ class CUDADevice(Device):
         self.cuda = cuda or TorchCUDA()
         self.stream = self.cuda.new_stream()
         self.awaiter = make_event_awaiter(awaiter)
-        where = eager_launch or os.environ.get(EAGER_LAUNCH_ENV, "").strip() or "loop"
+        where = eager_launch or environment.get(EAGER_LAUNCH_ENV)
         if where not in ("loop", "thread"):
             raise ValueError(f"{EAGER_LAUNCH_ENV}={where!r}: must be loop or thread")
         self.eager_on_thread = where == "thread"

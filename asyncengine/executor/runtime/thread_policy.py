@@ -15,12 +15,13 @@ from __future__ import annotations
 import logging
 import os
 
+from asyncengine.config import environment
+
 logger = logging.getLogger("asyncengine")
 
 
 def _available() -> bool:
-    return hasattr(os, "SCHED_BATCH") and \
-        os.environ.get("ASYNCENGINE_LOOP_SCHED_BATCH", "1") != "0"
+    return hasattr(os, "SCHED_BATCH") and environment.on("ASYNCENGINE_LOOP_SCHED_BATCH")
 
 
 class BatchScheduled:

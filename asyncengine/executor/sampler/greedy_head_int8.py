@@ -23,15 +23,15 @@ Figures: sampler/greedy_head.py.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from asyncengine.config import environment
 from asyncengine.executor.kernels import layer_ops
 from asyncengine.executor.kernels.build import load
 
 #: ``ASYNCENGINE_GREEDY_INT8=0`` turns the screen off (comparisons).
-ENABLED = os.environ.get("ASYNCENGINE_GREEDY_INT8", "1") != "0"
+ENABLED = environment.on("ASYNCENGINE_GREEDY_INT8")
 
 _ARGS = ("const float*", "const float*", "const float*", "const int8_t*", "const float*",
          "const int32_t*", "const float*", "int64_t*", "int64_t*", "int64_t", "int64_t",

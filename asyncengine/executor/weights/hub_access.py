@@ -5,15 +5,16 @@ snapshots (``loader.py``) and the GGUF files chosen by quantization (``hub_gguf.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
+
+from asyncengine.config import environment
 
 
 def offline() -> bool:
     """``HF_HUB_OFFLINE`` set, in the environment or in huggingface_hub's constants."""
     from huggingface_hub import constants
 
-    flag = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    flag = environment.get("HF_HUB_OFFLINE").upper() in ("1", "ON", "YES", "TRUE")
     return flag or bool(constants.HF_HUB_OFFLINE)
 
 
