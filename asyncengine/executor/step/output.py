@@ -56,8 +56,7 @@ class PendingOutput(HostResult):
         if self.token_ids is None:
             return result
         ids = self.token_ids.tolist()
-        for rid, tok in zip(self.req_ids, ids, strict=True):
-            result.sampled_token_ids[rid] = tok
+        result.sampled_token_ids = dict(zip(self.req_ids, ids, strict=True))
         row_lps: list[PositionLogprobs | None] | None = None
         if self.spec and self.logprobs is not None:
             row_lps = [None] * len(ids)
