@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from asyncengine.config.observability import ObservabilityConfig, validate_observability
 from asyncengine.config.sections import (
     DEVICES,
     DTYPES,
@@ -48,8 +49,8 @@ from asyncengine.config.values import flag, flatten, json_object, parse_size
 __all__ = [
     "ALIASES", "DEVICES", "DTYPES", "GENERATION_CONFIG_HELP", "LOAD_FORMATS", "POOLING_TYPES",
     "QUANTIZATIONS", "SECTIONS", "SECTION_TITLES", "CacheConfig", "DeviceConfig", "EngineConfig",
-    "VLLM_QUANTIZATIONS", "LoRAConfig", "LoadConfig", "ModelConfig", "ParallelConfig",
-    "PluginConfig", "SchedulerConfig", "SpeculativeConfig", "SpeculativeSettings",
+    "VLLM_QUANTIZATIONS", "LoRAConfig", "LoadConfig", "ModelConfig", "ObservabilityConfig",
+    "ParallelConfig", "PluginConfig", "SchedulerConfig", "SpeculativeConfig", "SpeculativeSettings",
     "kv_connector_extra_config", "parse_size",
 ]
 
@@ -65,6 +66,7 @@ class EngineConfig:
     plugins: PluginConfig = field(default_factory=PluginConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -188,6 +190,7 @@ class EngineConfig:
         self.speculative_settings: SpeculativeSettings | None = parse_speculative(
             self.speculative.speculative_config)
         validate_kv_transfer(self.plugins)
+        validate_observability(self.observability)
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with some leaf fields changed, by flat name."""

@@ -52,6 +52,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "",
              "1 or true: /v1/load_lora_adapter and /v1/unload_lora_adapter are served, as "
              "--allow-runtime-lora-updating does"),
+    Variable("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc",
+             "the OTLP protocol of --otlp-traces-endpoint: grpc or http/protobuf (vLLM's and "
+             "OpenTelemetry's name; the SDK reads its other OTEL_* variables itself)"),
     # -- the machine and other tools' names
     Variable("HF_HUB_OFFLINE", "",
              "1, on, yes or true: never reach the model hub (only its cache is read)"),

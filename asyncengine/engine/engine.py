@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -35,12 +35,13 @@ from asyncengine.engine.errors import (
 )
 from asyncengine.engine.kv_transfer import KVTransfer
 from asyncengine.engine.lora_adapters import LoRAAdapters
-from asyncengine.engine.output_processor import Emitted, OutputProcessor
+from asyncengine.engine.output_processor import Emitted
 from asyncengine.engine.outputs import RequestOutput
 from asyncengine.engine.prompts import check_length, tokenize_prompt
 from asyncengine.engine.step_loop import StepLoop
 from asyncengine.engine.streams import RequestStream
 from asyncengine.engine.structured_output import StructuredOutputManager
+from asyncengine.engine.tracing import make_output_processor
 from asyncengine.executor.build import build
 from asyncengine.executor.runtime.thread_policy import BatchScheduled
 
@@ -68,7 +69,8 @@ class AsyncEngine(LoRAAdapters):
         self.kv_transfer = (KVTransfer(parts.kv_connector, parts.runner,
                                        self.config.cache.block_size)
                             if parts.kv_connector is not None else None)
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = make_output_processor(self.tokenizer, self.config.observability,
+                                             self.model_name)  # traced with the flag
         # Called after each step's emission: a server flushes the stream writes it batched.
         self.emit_listeners: list[Callable[[], None]] = []
         self.metrics = metrics
@@ -143,21 +145,23 @@ class AsyncEngine(LoRAAdapters):
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                           request_id: str | None = None, priority: int = 0,
                           deltas_only: bool = False, tenant: str | None = None,
-                          lora_name: str | None = None) -> RequestStream:
+                          lora_name: str | None = None,
+                          trace_headers: Mapping[str, str] | None = None) -> RequestStream:
         """Validate and queue a request; return its output stream. Raises ValueError for
         invalid input (an unknown ``lora_name`` too), EngineShuttingDown when draining,
-        EngineDeadError after a failure. ``lora_name``: the LoRA adapter to run with."""
+        EngineDeadError after a failure. ``lora_name``: the LoRA adapter to run with;
+        ``trace_headers``: the caller's W3C trace context (traceparent, tracestate)."""
         self._check_open()
         self.check_queue()
         prepared = await self._prepare(prompt, params or SamplingParams(),
                                        request_id or uuid.uuid4().hex, priority, deltas_only,
                                        tenant, lora_name)
-        return self._submit(prepared)
+        return self._submit(prepared, trace_headers)
 
     async def add_requests(self, prompts: list[str | list[int]], params: SamplingParams, *,
                            request_id: str, priority: int = 0, deltas_only: bool = False,
-                           tenant: str | None = None,
-                           lora_name: str | None = None) -> list[RequestStream]:
+                           tenant: str | None = None, lora_name: str | None = None,
+                           trace_headers: Mapping[str, str] | None = None) -> list[RequestStream]:
         """The engine requests of one API call (one per prompt, ids ``request_id-i`` when there
         are several), all or none: every prompt is tokenized and checked, and every grammar
         compiled, before the first one is queued, so a call refused for any of its prompts
@@ -172,7 +176,7 @@ class AsyncEngine(LoRAAdapters):
         streams: list[RequestStream] = []
         try:
             for p in prepared:
-                streams.append(self._submit(p))
+                streams.append(self._submit(p, trace_headers))
         except BaseException:
             for stream in streams:
                 stream.close()
@@ -233,7 +237,8 @@ class AsyncEngine(LoRAAdapters):
         return RequestStream(request_id, text, token_ids, samples, self.aborts.now,
                              deltas_only=deltas_only)
 
-    def _submit(self, stream: RequestStream) -> RequestStream:
+    def _submit(self, stream: RequestStream,
+                trace_headers: Mapping[str, str] | None = None) -> RequestStream:
         """Queue a prepared request's samples and register its stream."""
         if not self._accepting:  # drain began while the grammar compiled
             raise EngineShuttingDown("the engine is not accepting requests")
@@ -247,20 +252,24 @@ class AsyncEngine(LoRAAdapters):
         except Exception:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
+        if trace_headers is not None:
+            stream.trace_headers = trace_headers
         self.outputs.add(stream)
         self._wake.set()
         return stream
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0,
-                       tenant: str | None = None,
-                       lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
+                       tenant: str | None = None, lora_name: str | None = None,
+                       trace_headers: Mapping[str, str] | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs, each as ``params.output_kind`` says (cumulative, the
         deltas, or only the final one). Leaving the loop early aborts the request."""
         kind = params.output_kind if params is not None else RequestOutputKind.CUMULATIVE
         stream = await self.add_request(prompt, params, request_id=request_id, priority=priority,
                                         tenant=tenant, lora_name=lora_name,
-                                        deltas_only=kind == RequestOutputKind.DELTA)
+                                        deltas_only=kind == RequestOutputKind.DELTA,
+                                        trace_headers=trace_headers)
         try:
             if kind == RequestOutputKind.FINAL_ONLY:
                 yield await stream.final()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from asyncengine.core.request import Request
@@ -49,6 +49,9 @@ class RequestStream:
     streaming routes use it. Otherwise (the default) they are cumulative, as the offline API
     returns them, and ``delta_*`` hold what is new.
     """
+
+    #: The request's W3C trace context headers, set only when it is traced (tracing.py).
+    trace_headers: Mapping[str, str] | None = None
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  samples: list[SampleState], on_abort: Callable[[str], None], *,

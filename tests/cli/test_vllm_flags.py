@@ -55,3 +55,13 @@ def test_the_cli_exits_2_naming_the_flag():
     r = run_cli("serve", "--tokenizer-mode", "mistral", timeout=120)
     assert r.returncode == 2 and "--tokenizer-mode mistral" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_tracing_flags_are_asyncengines_own():
+    argv = ("--otlp-traces-endpoint", "http://collector:4317", "--collect-detailed-traces",
+            "model,worker")
+    out, said = _translate(*argv)
+    assert out == list(argv) and said == []
+    args = build_parser().parse_args(["serve", *argv])
+    assert args.otlp_traces_endpoint == "http://collector:4317"
+    assert args.collect_detailed_traces == ["model,worker"]

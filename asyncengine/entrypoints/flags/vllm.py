@@ -84,8 +84,8 @@ FLAGS: tuple[Flag, ...] = (
          "message contents are read in either format"),
     Flag(("--code-revision",), "value", None, "no remote code ever runs"),
     Flag(("--tokenizer-revision",), "value", None, "the tokenizer is read at --revision"),
-    Flag(("--show-hidden-metrics-for-version", "--max-log-len", "--otlp-traces-endpoint",
-          "--log-config-file"), "value", None, "logging and metrics are asyncengine's own"),
+    Flag(("--show-hidden-metrics-for-version", "--max-log-len", "--log-config-file"), "value",
+         None, "logging and metrics are asyncengine's own"),
     Flag(("--limit-mm-per-prompt", "--mm-processor-kwargs", "--allowed-local-media-path"),
          "value", None, "text models only"),
     Flag(("--tokenizer-mode",), "value", _one_of(

@@ -58,6 +58,7 @@ from asyncengine.entrypoints.http.sender import BatchSender
 from asyncengine.entrypoints.http.serving import REQUEST_ID_HEADER, to_api_error
 from asyncengine.entrypoints.http.state import STATE, ServerSettings, ServerState
 from asyncengine.entrypoints.http.tenancy import make_tenant_middleware
+from asyncengine.entrypoints.http.trace_context import trace_context_middleware, tracing_enabled
 from asyncengine.entrypoints.http.web import add_root_redirect, add_web_routes
 
 if TYPE_CHECKING:
@@ -170,6 +171,8 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None,
     middlewares.append(overload_middleware)
     middlewares.append(make_tenant_middleware(
         not settings.api_key or settings.trust_tenant_header))
+    if tracing_enabled(engine):  # --otlp-traces-endpoint: requests carry their traceparent
+        middlewares.append(trace_context_middleware)
     app = web.Application(client_max_size=settings.max_request_body, middlewares=middlewares)
     app[STATE] = ServerState(engine, metrics, settings)
     app[ROUTES] = list(BUILTIN_ROUTES)

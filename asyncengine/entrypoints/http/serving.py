@@ -43,6 +43,7 @@ from asyncengine.entrypoints.http.protocol import Body, unsupported
 from asyncengine.entrypoints.http.sse import ClientGone, SSEStream, encode_json
 from asyncengine.entrypoints.http.state import STATE, served_model_names
 from asyncengine.entrypoints.http.tenancy import current_tenant
+from asyncengine.entrypoints.http.trace_context import current_trace_headers
 from asyncengine.executor.lora.manager import LoRANotFound
 
 B = TypeVar("B", bound=Body)
@@ -152,7 +153,10 @@ async def open_streams(engine: AsyncEngine, prompts: list[str | list[int]],
     ``lora_name``: the LoRA adapter the requests run with (None: the base model)."""
     if request_logger.isEnabledFor(logging.INFO):
         request_logger.info("request %s: %d prompt(s), %s", base_id, len(prompts), params)
-    extra = {} if lora_name is None else {"lora_name": lora_name}
+    extra: dict[str, object] = {} if lora_name is None else {"lora_name": lora_name}
+    trace = current_trace_headers.get()  # None unless traced (trace_context.py)
+    if trace is not None:
+        extra["trace_headers"] = trace
     try:
         streams = await engine.add_requests(prompts, params, request_id=base_id,
                                             priority=priority, deltas_only=deltas_only,
