@@ -23,7 +23,7 @@ from asyncengine.executor.runtime.cuda_await import (
     ThreadEventAwaiter,
     make_event_awaiter,
 )
-from asyncengine.executor.runtime.device import CUDADevice
+from asyncengine.executor.runtime.device import CUDADevice, HostResult
 from asyncengine.executor.runtime.staging import ALIGN, PinnedStaging
 
 MECHANISMS = ["thread", "poll"]
@@ -243,6 +243,37 @@ def test_cuda_device_delivers_errors_to_the_awaiting_loop():
         return await device.launch_step(runner, ok).wait()  # the device goes on
 
     assert anyio.run(main) == 3
+    anyio.run(device.aclose)
+
+
+@pytest.mark.parametrize("awaiter", MECHANISMS)
+def test_a_cuda_step_s_results_are_read_only_after_its_event(awaiter):
+    """``finish()`` reads the pinned copies of the sampled ids: only once the step's event,
+    recorded after those copies, has completed (from the loop and from the launcher
+    thread)."""
+    events: list[FakeEvent] = []
+
+    class SlowCUDA(FakeCUDA):
+        def record_event(self, stream: object) -> FakeEvent:
+            events.append(FakeEvent(delay=0.05))
+            return events[-1]
+
+    class Pending(HostResult):
+        def finish(self) -> bool:
+            return events[-1]._done.is_set()
+
+    class PendingRunner:
+        def execute(self, inputs) -> Pending:
+            return Pending()
+
+    device = CUDADevice(awaiter=awaiter, cuda=SlowCUDA())
+
+    async def main():
+        from_loop = await device.launch_step(PendingRunner(), Inputs()).wait()
+        from_thread = await device.launch_step(PendingRunner(), Inputs(blocks_host=True)).wait()
+        return from_loop, from_thread
+
+    assert anyio.run(main) == (True, True)
     anyio.run(device.aclose)
 
 

@@ -58,11 +58,19 @@ class StepHandle:
         return self._done.is_set()
 
     async def wait(self) -> Any:
+        """The step's output: its ``HostResult`` finished (the device has run it)."""
+        return _finished(await self._launched())
+
+    async def _launched(self) -> Any:
+        """What the launch returned (raising what it raised)."""
         await self._done.wait()
         if self._error is not None:
             raise self._error
-        result = self._result
-        return result.finish() if isinstance(result, HostResult) else result
+        return self._result
+
+
+def _finished(value: Any) -> Any:
+    return value.finish() if isinstance(value, HostResult) else value
 
 
 class HostResult:
@@ -207,10 +215,10 @@ class CUDAStepHandle(StepHandle):
         super()._finish(result, error)
 
     async def wait(self) -> Any:
-        value = await super().wait()  # enqueued (an error while enqueueing is raised here)
-        if self._event is not None:
+        value = await self._launched()  # enqueued (an error while enqueueing is raised here)
+        if self._event is not None:  # the step's copies to pinned memory are done after it
             await self._awaiter.wait(self._event)
-        return value.finish() if isinstance(value, HostResult) else value
+        return _finished(value)
 
 
 class TorchCUDA:
