@@ -13,19 +13,8 @@ import torch
 from asyncengine import SamplingParams
 from asyncengine.config import EngineConfig
 from asyncengine.engine.engine import AsyncEngine
-from asyncengine.executor.attention.flashinfer import FlashInferBackend
-from asyncengine.executor.paths.base import PathContext
-from asyncengine.executor.paths.choose import plan_of
-from asyncengine.executor.paths.cuda_graphs import (
-    CUDAGraphRunner,
-    CUDAGraphs,
-    bucket_for,
-    capture_sizes,
-    fill_static,
-)
-from asyncengine.executor.paths.eager import Eager
-from tests.executor.test_cuda_path import cuda_path
-from tests.fake_flashinfer import make_module
+from asyncengine.executor.paths.cuda_graphs import bucket_for, capture_sizes, fill_static
+from asyncengine.executor.runtime.simulated_gpu import on_simulated_gpu as gpu_path
 
 
 @pytest.mark.parametrize("max_num_seqs, sizes", [
@@ -73,64 +62,6 @@ def test_fill_static_pads_the_tail_of_the_bucket():
 
 
 # -- the engine on the GPU path, with stand-ins -----------------------------------------------
-
-class RerunGraph:
-    """A stand-in CUDA graph: replaying re-runs the captured forward on the same static
-    buffers and metadata (what a real replay computes)."""
-
-    def __init__(self, forward, out: torch.Tensor) -> None:
-        self.forward, self.out = forward, out
-        self.replays = 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        self.out.copy_(self.forward())
-
-
-@torch.inference_mode()
-def emulate_capture(graphs: CUDAGraphRunner) -> None:
-    backend = graphs.backend
-    for batch in reversed(graphs.sizes):
-        meta = backend.graph_capture_metadata(batch, graphs.slots[:batch])
-        backend.prepare(meta)
-        backend.plan(meta)
-
-        def forward(batch=batch, meta=meta):
-            return graphs.model(graphs.input_ids[:batch], graphs.positions[:batch],
-                                graphs.kv_caches, meta, backend)
-
-        out = forward().clone()  # the "capture": the graph's output buffer
-        graphs.graphs[batch] = (RerunGraph(forward, out), out)
-
-
-def gpu_path(engine: AsyncEngine, graphs: bool) -> FlashInferBackend:
-    """The engine's runner on FlashInfer (stand-in) with emulated CUDA graphs, on the CUDA
-    device (fake CUDA)."""
-    runner = engine.runner
-    model = runner.model
-    bs = runner.block_size
-    fi, _ = make_module()
-    backend = FlashInferBackend(model.num_heads, model.num_kv_heads, model.head_dim, bs,
-                                torch.float32, "cpu", max_pages_per_seq=runner.batch.max_blocks,
-                                module=fi, workspace_bytes=64)
-    runner.kv_caches = backend.allocate_kv_cache(model.num_layers, engine.parts.num_blocks, bs,
-                                                 model.num_kv_heads, model.head_dim,
-                                                 torch.float32, "cpu")
-    backend.bind_kv_cache(runner.kv_caches)
-    if hasattr(model, "attention_options"):  # as build() does: the layers' variants
-        backend.configure_layers(model.attention_options())
-    runner.attn_backend = backend
-    if graphs:
-        runner.graphs = CUDAGraphRunner(model, backend, runner.kv_caches,
-                                        capture_sizes(engine.config.scheduler.max_num_seqs),
-                                        bs, "cpu")
-        emulate_capture(runner.graphs)
-    device = cuda_path(engine, "thread")
-    if graphs:  # as the chooser makes it on CUDA: decode steps replay, the rest run eagerly
-        ctx = PathContext(runner, device, engine.config)
-        runner.paths = plan_of(CUDAGraphs(ctx, runner.graphs), Eager(ctx))
-    return backend
-
 
 CONFIG = {"dtype": "float32", "max_num_batched_tokens": 32, "max_num_seqs": 6,
           "num_gpu_blocks_override": 16, "block_size": 8, "max_model_len": 128}

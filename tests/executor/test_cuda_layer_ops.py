@@ -1,6 +1,6 @@
 """FlashInfer's fused layer ops (``executor/kernels/cuda_layer_ops.py``) on the CPU, through
-the stand-in modules of ``fake_flashinfer.py`` (FlashInfer's documented semantics: float32,
-one rounding): which op each layer calls, in place where FlashInfer works in place, and a
+the stand-in modules of ``runtime/flashinfer_standin.py`` (FlashInfer's documented semantics:
+float32, one rounding): which op each layer calls, in place where FlashInfer works in place, and a
 bfloat16 model's logits through them as close to its float32 logits as the PyTorch path's.
 That the real kernels agree is for ``tests/gpu/test_gpu.py``'s bfloat16 tests on a GPU."""
 
@@ -14,9 +14,9 @@ import torch
 
 from asyncengine.executor.kernels import cuda_layer_ops, layer_ops
 from asyncengine.executor.models.rope import apply_rope
+from asyncengine.executor.runtime.flashinfer_standin import layer_op_modules
 from asyncengine.executor.weights.loader import load_model, resolve_model
 from tests.executor.test_models import PagedRunner
-from tests.fake_flashinfer import layer_op_modules
 from tests.utils import make_tiny_model
 
 FAMILIES = ["llama", "qwen3", "gemma2"]

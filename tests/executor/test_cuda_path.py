@@ -17,44 +17,18 @@ import torch
 from asyncengine import SamplingParams
 from asyncengine.config import EngineConfig
 from asyncengine.engine.engine import AsyncEngine
-from asyncengine.engine.step_loop import StepLoop
 from asyncengine.executor.runtime.cuda_await import (
     PollEventAwaiter,
     ThreadEventAwaiter,
     make_event_awaiter,
 )
 from asyncengine.executor.runtime.device import CUDADevice, HostResult
+from asyncengine.executor.runtime.simulated import SimulatedCUDA as FakeCUDA
+from asyncengine.executor.runtime.simulated import SimulatedEvent as FakeEvent
+from asyncengine.executor.runtime.simulated import on_simulated_cuda as cuda_path
 from asyncengine.executor.runtime.staging import ALIGN, PinnedStaging
 
 MECHANISMS = ["thread", "poll"]
-
-
-class FakeEvent:
-    """Completes ``delay`` seconds after it is made, or when ``release()`` is called."""
-
-    def __init__(self, delay: float | None = 0.0, error: BaseException | None = None) -> None:
-        self._done = threading.Event()
-        self.error = error
-        self.sync_threads: list[int] = []
-        self.queries = 0
-        if delay is not None:
-            threading.Timer(delay, self._done.set).start() if delay > 0 else self._done.set()
-
-    def release(self) -> None:
-        self._done.set()
-
-    def query(self) -> bool:
-        self.queries += 1
-        done = self._done.is_set()
-        if done and self.error is not None:
-            raise self.error
-        return done
-
-    def synchronize(self) -> None:
-        self.sync_threads.append(threading.get_ident())
-        self._done.wait()
-        if self.error is not None:
-            raise self.error
 
 
 async def wait_while_ticking(awaiter, event) -> tuple[int, float]:
@@ -151,27 +125,6 @@ def test_await_mechanism_from_the_environment(monkeypatch):
 
 
 # -- the CUDA device's launch logic, with a fake CUDA ---------------------------------------------
-
-class FakeCUDA:
-    """The CUDA calls of ``CUDADevice``, on the CPU: events complete after ``delay``."""
-
-    def __init__(self, delay: float = 0.001) -> None:
-        self.delay = delay
-        self.enqueued_on: list[str] = []  # thread name of each enqueue
-
-    def new_stream(self) -> object:
-        return object()
-
-    def on_stream(self, stream: object):
-        self.enqueued_on.append(threading.current_thread().name)
-        return contextlib.nullcontext()
-
-    def set_stream(self, stream: object) -> None:
-        pass
-
-    def record_event(self, stream: object) -> FakeEvent:
-        return FakeEvent(delay=self.delay)
-
 
 class Inputs:
     def __init__(self, blocks_host: bool = False, graph_batch: int | None = 1) -> None:
@@ -330,15 +283,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,",
            "Once upon a time, in a land far away, there lived a"]
 
 
-def cuda_path(engine: AsyncEngine, awaiter: str) -> CUDADevice:
-    """Put ``engine`` on the CUDA step path: CUDA device (fake CUDA), pinned-style staging."""
-    device = CUDADevice(awaiter=awaiter, cuda=FakeCUDA())
-    engine.device = engine.parts.device = device
-    engine.runner.staging = PinnedStaging("cpu", pin=False)
-    engine.loop = StepLoop(engine)
-    return device
-
-
 async def generate_all(engine: AsyncEngine) -> list:
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True),
@@ -426,7 +370,6 @@ class _LogCUDA:
         return _LogStream("side", self.log)
 
     def stream(self, s):
-        import contextlib
 
         @contextlib.contextmanager
         def on():

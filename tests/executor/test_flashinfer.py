@@ -1,7 +1,7 @@
 """The FlashInfer path on the CPU: planning from the persistent batch (against hand-computed
 arrays and against the runner's slot mapping), the backend's plan/run wiring through a
-stand-in module (``fake_flashinfer.py``) against torch_paged, and the routing of sampling to
-FlashInfer's kernels. The real kernels run only in ``test_gpu.py``."""
+stand-in module (``runtime/flashinfer_standin.py``) against torch_paged, and the routing of
+sampling to FlashInfer's kernels. The real kernels run only in ``test_gpu.py``."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from asyncengine.executor.attention.flashinfer import FlashInferBackend
 from asyncengine.executor.attention.paged_plan import PagedKVPlan, pad_decode_plan, plan_paged_kv
 from asyncengine.executor.attention.torch_paged import TorchPagedBackend
 from asyncengine.executor.runner import ModelRunner
+from asyncengine.executor.runtime.flashinfer_standin import make_module
 from asyncengine.executor.sampler import NO_TOKEN, SamplingBatch, sample_ids
 from asyncengine.executor.sampler.flashinfer_sampling import unsupported_reason
-from tests.fake_flashinfer import make_module
 
 
 def token_slots(plan: PagedKVPlan, page_size: int) -> list[list[int]]:

@@ -1,5 +1,5 @@
 """The CUDA LoRA path (FlashInfer's segment GEMM, ``executor/lora/segment.py``) on the CPU,
-through the stand-in ``fake_flashinfer.SegmentGEMMWrapper``: the host's segment plan, the
+through the stand-in ``flashinfer_standin.SegmentGEMMWrapper``: the host's segment plan, the
 path's y against the C++ kernel's and the dense path's, the reasons it is not chosen, and a
 whole engine on it giving PEFT's greedy tokens for a mixed batch. The real kernels run in
 ``test_gpu_lora.py`` on a GPU."""
@@ -20,9 +20,9 @@ from asyncengine.executor.lora.segment import (
     plan_segments,
     segment_gemm_unusable,
 )
+from asyncengine.executor.runtime.flashinfer_standin import SegmentGEMMWrapper
 from tests.engine import test_lora
 from tests.engine.test_lora import ADAPTERS, PROMPTS, engine_for, peft_reference, run_mixed
-from tests.fake_flashinfer import SegmentGEMMWrapper
 
 lora_families = test_lora.lora_families  # the fixture: tiny models with PEFT adapters
 
@@ -179,7 +179,7 @@ def test_engine_on_the_cuda_step_path_with_the_segment_gemm(lora_families, monke
     """The CUDA device's step path (fake CUDA: steps enqueued, packed pinned-style staging, event
     awaits) with the segment GEMM: the segments travel with the step's staged inputs and the
     tokens equal the CPU kernel's engine's."""
-    from tests.executor.test_cuda_path import cuda_path
+    from asyncengine.executor.runtime.simulated import on_simulated_cuda as cuda_path
 
     paths = lora_families("llama")
     reference = engine_for(paths, max_loras=3)

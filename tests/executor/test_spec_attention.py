@@ -1,7 +1,7 @@
 """A request's last token and its drafts as decode query rows of their own (the layout the
 runner gives a verification step) attend exactly as the same tokens as one causal query
 (the chunked-prefill path): on torch_paged (the C++ decode kernel on the CPU) and on the
-FlashInfer backend (through the CPU stand-in, ``fake_flashinfer.py``)."""
+FlashInfer backend (through the CPU stand-in, ``runtime/flashinfer_standin.py``)."""
 
 from __future__ import annotations
 

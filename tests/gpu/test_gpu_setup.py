@@ -175,7 +175,7 @@ def test_sampling_backend_falls_back_with_one_warning(monkeypatch, caplog):
     import logging
     import sys
 
-    from tests.fake_flashinfer import make_module
+    from asyncengine.executor.runtime.flashinfer_standin import make_module
 
     cuda = SimpleNamespace(type="cuda", torch_device=torch.device("cpu"))
     fi, sampling = make_module()
@@ -235,7 +235,7 @@ def test_prewarm_command_compiles_each_spec_then_sampling():
     spec's prefill, decode and graph-mode decode kernels, then sampling, then LoRA's segment
     GEMM, then the fused layer ops, driven through the stand-in module on the CPU."""
     from asyncengine.executor.runtime import prewarm
-    from tests.fake_flashinfer import make_module
+    from asyncengine.executor.runtime.flashinfer_standin import make_module
 
     fi, sampling = make_module()
     specs = prewarm.parse_specs("64,256+window+softcap,128+tc")

@@ -1,4 +1,5 @@
-"""A stand-in for the ``flashinfer`` package on the CPU, for tests.
+"""A stand-in for the ``flashinfer`` package on the CPU, for tests and ``asyncengine bench
+host`` (the host-side proxy of a GPU: ``runtime/simulated_gpu.py``).
 
 It implements the slice of FlashInfer's Python API the engine uses, with FlashInfer's
 documented semantics and naive torch code: paged prefill/decode wrappers (``plan`` then
