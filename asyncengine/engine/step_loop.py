@@ -45,6 +45,12 @@ from asyncengine.executor.runtime.device import Device, StepHandle
 
 logger = logging.getLogger("asyncengine")
 
+#: The step path's phases, as ``StepLoop.phase_cpu_s`` splits the loop thread's CPU: the
+#: scheduler, the runner's ``prepare``, the launch (``runner.execute`` where the device
+#: enqueues from the loop), ``update_from_output`` with the bitmask, KV saves and metrics,
+#: and emission (detokenization, streams, SSE writes and their flush).
+PHASES = ("schedule", "prepare", "enqueue", "update", "emit")
+
 
 @dataclass
 class Step:
@@ -80,11 +86,16 @@ class StepLoop:
         self.in_flight: list[Step] = []
         self.num_steps = 0
         self.num_stream_steps = 0  # sum over steps of the requests in them
-        # CPU seconds of this thread in the step path proper: schedule, prepare and launch,
-        # then update and emission (pushed SSE writes included), never the awaits between.
-        self.step_cpu_s = 0.0
+        # CPU seconds of this thread in each phase of the step path, never the awaits between.
+        self.phase_cpu_s = dict.fromkeys(PHASES, 0.0)
         # Speculative decoding: proposes drafts between steps (None: off).
         self.drafting = make_drafting(engine)
+
+    @property
+    def step_cpu_s(self) -> float:
+        """CPU seconds of this thread in the step path proper: schedule, prepare and launch,
+        then update and emission (pushed SSE writes included), never the awaits between."""
+        return sum(self.phase_cpu_s.values())
 
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
         prev: Step | None = None
@@ -116,15 +127,18 @@ class StepLoop:
     async def _launch_next(self, tg: anyio.abc.TaskGroup) -> Step | None:
         if not self.scheduler.has_unfinished_requests():
             return None
+        phases = self.phase_cpu_s
         cpu = time.thread_time()
         out = self.scheduler.schedule()
         if out.is_empty:
             self.runner.release(out)  # its leavers' rows, though nothing runs
-            self.step_cpu_s += time.thread_time() - cpu
+            phases["schedule"] += time.thread_time() - cpu
             return None
+        now = time.thread_time()
+        phases["schedule"] += now - cpu
+        cpu = now
         engine = self.engine
         if engine.kv_transfer is not None:  # before prepare(): a failed load widens the step
-            self.step_cpu_s += time.thread_time() - cpu
             await engine.kv_transfer.load(out)
             cpu = time.thread_time()
         grammars = None
@@ -136,11 +150,13 @@ class StepLoop:
             if all(g is None for g in grammars):
                 grammars = None
         inputs = self.runner.prepare(out, with_bitmask=grammars is not None)
+        now = time.thread_time()
+        phases["prepare"] += now - cpu
         step = Step(out, inputs, self.device.launch_step(self.runner, inputs), grammars)
         self.in_flight.append(step)
         self.num_steps += 1
         self.num_stream_steps += len(out.scheduled)
-        self.step_cpu_s += time.thread_time() - cpu
+        phases["enqueue"] += time.thread_time() - now
         return step
 
     async def _process(self, step: Step, nxt: Step | None, tg: anyio.abc.TaskGroup) -> None:
@@ -149,13 +165,14 @@ class StepLoop:
             result = await step.handle.wait()
         finally:
             self.in_flight.remove(step)
+        phases = self.phase_cpu_s
         cpu = time.thread_time()
         updated = self.scheduler.update_from_output(step.out, result)
         if self.drafting is not None:
             wanting = self.drafting.after_update(
                 updated, self.scheduler.get_num_unfinished_requests())
             if wanting:  # a draft model: its steps queue on the device behind this one
-                self.step_cpu_s += time.thread_time() - cpu
+                phases["update"] += time.thread_time() - cpu
                 await self.drafting.proposer.propose_batch(wanting)
                 cpu = time.thread_time()
         if nxt is not None and nxt.grammars is not None:
@@ -173,8 +190,10 @@ class StepLoop:
             if step.inputs.spec:
                 generated += record_spec(metrics, step.inputs.spec, result)
             metrics.on_step(self.scheduler.make_stats(), prompt_tokens, generated)
+        now = time.thread_time()
+        phases["update"] += now - cpu
         engine.emit(updated)
-        self.step_cpu_s += time.thread_time() - cpu
+        phases["emit"] += time.thread_time() - now
 
     # -- grammar bitmasks ------------------------------------------------------------------
     def _fill_bitmask(self, step: Step) -> None:
