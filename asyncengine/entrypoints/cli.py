@@ -1,4 +1,5 @@
-"""The ``asyncengine`` command: serve | generate | bench {serve, throughput, overhead, peers}."""
+"""The ``asyncengine`` command: serve | generate | bench {serve, throughput, overhead, peers,
+host}."""
 
 from __future__ import annotations
 
@@ -105,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     from asyncengine.entrypoints.bench import peers as bench_peers
 
     bench_peers.add_arguments(bpeers)
+    bhost = bsub.add_parser("host", help="the host's work per step against a simulated GPU",
+                            description="The engine on its CUDA step path, with CUDA, "
+                                        "FlashInfer and CUDA graphs simulated: the loop "
+                                        "thread's CPU per step and per stream by phase, and "
+                                        "the simulated GPU's idle time.")
+    from asyncengine.entrypoints.bench import host as bench_host
+
+    bench_host.add_arguments(bhost)
     return parser
 
 
@@ -158,6 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from asyncengine.entrypoints.bench import peers as bench_peers
 
                 return bench_peers.main(args)
+            if args.bench_command == "host":
+                from asyncengine.entrypoints.bench import host as bench_host
+
+                return bench_host.main(args)
             from asyncengine.entrypoints.bench import throughput as bench_throughput
 
             return bench_throughput.main(args)

@@ -64,14 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # -- the model directory -------------------------------------------------------------------------
-def make_model_dir(root: Path) -> str:
-    """Config of the tiny model plus SmolLM2's tokenizer, from the embedded GGUF."""
+def make_model_dir(root: Path, config: dict[str, Any] = TINY_CONFIG) -> str:
+    """A model's config (the tiny model's by default) plus SmolLM2's tokenizer, from the
+    embedded GGUF."""
     from asyncengine.executor.weights.loader import embedded_model_path
     from asyncengine.text.tokenizer import load_tokenizer
 
     root.mkdir(parents=True, exist_ok=True)
     load_tokenizer(embedded_model_path()).hf.save_pretrained(str(root))
-    (root / "config.json").write_text(json.dumps(TINY_CONFIG))
+    (root / "config.json").write_text(json.dumps(config))
     return str(root)
 
 
