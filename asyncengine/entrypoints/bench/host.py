@@ -194,7 +194,8 @@ def format_row(r: dict[str, Any]) -> str:
             f"GPU idle {g['idle_percent']:.1f}% (full batch, T_gpu {g['t_gpu_ms']:.2f} ms, "
             f"period {g['period_ms']:.2f} ms), {g['run_idle_percent']:.1f}% (run), "
             f"{g['one_core_idle_percent']:.1f}% (a core for the loop); "
-            f"{r['tokens_per_s']:.0f} tok/s; {r['delivered']}/{r['expected']} tokens")
+            f"{r['tokens_per_s']:.0f} tok/s; {r['delivered']}/{r['expected']} tokens; "
+            f"gc {r['gc_ms_per_step']:.3f} ms/step")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -208,18 +209,19 @@ def table(rows: list[dict[str, Any]]) -> str:
                   f"{'us per stream per step':^47} | {'simulated GPU, full-batch steps':^37}",
                   f"{'streams':>7} | " + " ".join(f"{h:>6}" for h in heads) + " | "
                   + " ".join(f"{h:>5}" for h in heads)
-                  + " | T_gpu ms period ms idle % 1 core % | tok/s"]
+                  + " | T_gpu ms period ms idle % 1 core % | tok/s  gc ms"]
         for r in (r for r in rows if r["consumers"] == mode):
             ms, us, g = r["ms_per_step"], r["us_per_stream_step"], r["gpu"]
             lines.append(f"{r['streams']:>7} | " + " ".join(f"{ms[k]:>6.3f}" for k in names)
                          + " | " + " ".join(f"{us[k]:>5.1f}" for k in names)
                          + f" | {g['t_gpu_ms']:>8.2f} {g['period_ms']:>9.2f} "
                            f"{g['idle_percent']:>6.1f} {g['one_core_idle_percent']:>8.1f} | "
-                           f"{r['tokens_per_s']:>6.0f}")
+                           f"{r['tokens_per_s']:>6.0f} {r['gc_ms_per_step']:>6.3f}")
         lines.append("")
     lines.append("emit: emission with the SSE writes and their flush; cons: every task but the "
                  "step loop's; idle %: measured between full-batch steps; 1 core %: "
-                 "1 - T_gpu / the loop's CPU per step")
+                 "1 - T_gpu / the loop's CPU per step; gc ms: the loop thread's garbage "
+                 "collections per step, inside the phases")
     for m, why in NOT_BUILT.items():
         lines.append(f"consumers: {m}: not measured, {why}")
     return "\n".join(lines)
