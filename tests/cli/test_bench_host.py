@@ -23,15 +23,15 @@ def test_host_benchmark_rows_add_up(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(host, "make_model_dir", _model_dir)
     out = tmp_path / "host.json"
     args = build_parser().parse_args([
-        "bench", "host", "--streams", "3", "--tokens", "6", "--prompt-tokens", "20",
+        "bench", "host", "--streams", "3", "--tokens", "8", "--prompt-tokens", "20",
         "--consumers", "http", "generate", "batch", "--t-gpu-ms", "1", "--json", str(out)])
     assert host.main(args) == 0
     rows = json.loads(out.read_text())
     assert [r["consumers"] for r in rows] == ["http", "generate"]
     for r in rows:
-        assert r["streams"] == 3 and r["delivered"] == r["expected"] == 18
+        assert r["streams"] == 3 and r["delivered"] == r["expected"] == 24
         assert r["blocks_free_after"]
-        assert r["steps"] >= 6 and r["stream_steps"] >= 18
+        assert r["steps"] >= 8 and r["stream_steps"] >= 24
         cpu = r["cpu_s"]
         assert set(cpu) == {*PHASES, "consumers", "rest", "total", "timing"}
         assert all(cpu[k] >= 0 for k in (*PHASES, "consumers"))
@@ -42,7 +42,8 @@ def test_host_benchmark_rows_add_up(tmp_path, capsys, monkeypatch):
         assert abs(per_step - cpu["total"]) < 1e-9
         gpu = r["gpu"]
         assert gpu["t_gpu_ms"] == 1.0  # --t-gpu-ms alone: a constant
-        assert gpu["full_batch_steps"] >= 3
+        # Requests that arrive a step apart decode together for fewer steps: at least one.
+        assert gpu["full_batch_steps"] >= 1
         for key in ("idle_percent", "run_idle_percent", "one_core_idle_percent"):
             assert 0 <= gpu[key] <= 100
     assert rows[0]["client_cpu_us_per_token"] > 0
