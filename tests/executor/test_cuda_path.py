@@ -213,7 +213,7 @@ def test_a_cuda_step_s_results_are_read_only_after_its_event(awaiter):
 
     class Pending(HostResult):
         def finish(self) -> bool:
-            return events[-1]._done.is_set()
+            return events[-1].query()
 
     class PendingRunner:
         def execute(self, inputs) -> Pending:
