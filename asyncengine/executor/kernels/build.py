@@ -4,8 +4,8 @@ The sources are data, not Python: they live in the repository's top-level ``kern
 folder, and a wheel carries them as ``asyncengine/_kernels/`` (``setup.py`` copies them in).
 :func:`kernel_dir` finds them either way. Each ``<name>.cpp`` defines one
 ``extern "C" void kernel(...)``; ``load`` inlines the files of that folder it includes,
-``common.h`` at least (ISA detection, float16 / bfloat16 conversion, a vectorized exp),
-optionally fixes the element type (``AE_DTYPE``), and compiles it through
+``common.h`` at least (the headers of the CPU's features, float conversions, the vector exp,
+threads), optionally fixes the element type (``AE_DTYPE``), and compiles it through
 ``CppPythonBindingsCodeCache``, the code cache ``--compile`` already uses: the compiler flags
 are inductor's for this CPU (AVX2 / AVX-512 where present), the build takes a few seconds
 once, and the shared object is cached on disk across restarts. The returned function takes
