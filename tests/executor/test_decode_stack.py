@@ -135,6 +135,26 @@ def test_gguf_stack_takes_fused_tile_batches(monkeypatch, tmp_path):
             assert torch.equal(got[r], want[r]), r
 
 
+def test_the_structs_layout_is_checked_when_the_stack_loads():
+    """The structs are declared once (kernels/stack_layout.h); the compiled stack reports
+    their layout, which must be what Python reads from the header: a header that no longer
+    matches the build (two fields swapped) is refused, loudly."""
+    from asyncengine.executor.kernels.build import kernel_dir
+    from asyncengine.executor.paths import cpu_stack, stack_layout
+
+    fn = cpu_stack._load("decode_stack", torch.float32)
+    if fn is None:
+        pytest.skip("the stack does not build here")
+    stack_layout.check(fn)
+    text = (kernel_dir() / stack_layout.HEADER).read_text()
+    swapped = text.replace("F(int64_t, n) \\\n    F(int64_t, k)",
+                           "F(int64_t, k) \\\n    F(int64_t, n)")
+    assert swapped != text
+    _, structs = stack_layout.parse(swapped)
+    with pytest.raises(RuntimeError, match="differ"):
+        stack_layout.check(fn, structs)
+
+
 def test_stack_only_where_it_applies(tiny_models, monkeypatch):
     # float weights, a model with per-head norms, or the own kernels turned off: no stack
     path = tiny_models["llama"]

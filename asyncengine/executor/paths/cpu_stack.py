@@ -22,36 +22,47 @@ range; from there GGUFLinear multiplies dequantized tiles), or, a bfloat16 model
 kernel multiplies those tiles itself (``kquants.fused_tiles``), up to ``kquants.FUSED_ROWS``.
 Anything else takes the per-layer path. ``ASYNCENGINE_CPU_KERNELS=0`` turns it off with the
 other own kernels.
+
+The stack's parameters are the structs of ``kernels/stack_layout.h`` (``stack_layout.py``):
+the model's (its layers', each projection with its weight format) built once here, the
+step's filled per call.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from asyncengine.executor.kernels import layer_ops
 from asyncengine.executor.kernels.build import DTYPE_CODES, KV_CODES, load
+from asyncengine.executor.paths import stack_layout
 from asyncengine.executor.paths.base import DECODE, PathContext, StepPath, begin
+from asyncengine.executor.paths.stack_layout import AeLayer, AeModel, AeStep
 from asyncengine.executor.weights import kquants
 from asyncengine.executor.weights.int4 import DEQUANT_ROWS, TILE_REQUESTS, Int4Linear
 
-_ARGS = ("const ae_t*", "ae_t*", "const int64_t*", "const ae_t*", "const ae_t*",
-         "const ae_t*", "const int64_t*", "const int64_t*", "const int64_t*", "const int64_t*",
-         "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
-         "int64_t", "int64_t", "int64_t", "float", "float", "const int64_t*", "const int64_t*",
-         "const int64_t*", "int64_t", "int64_t")
-# Addresses per layer, in decode_stack.cpp's order (its AE_STACK_PTRS); the KV cache's last.
-_PTRS = 11
-# decode_stack_kq.cpp's: the two norms, four projections of AE_KQ_PROJ (bias, parts, then
-# address, type, rows per part, up to AE_KQ_PARTS), the KV cache.
-_KQ_PARTS = 3
-_KQ_PROJ = 2 + 3 * _KQ_PARTS
-_KQ_PTRS = 2 + 4 * _KQ_PROJ + 1
+# the addresses of the model's and the step's structs of kernels/stack_layout.h
+# (``stack_layout.py``); or 0, 0 and where to write their layout
+_ARGS = ("uintptr_t", "uintptr_t", "uintptr_t")
+_PARTS = stack_layout.CONSTS["AE_STACK_PARTS"]
+_W_INT4, _W_GGUF = stack_layout.CONSTS["AE_W_INT4"], stack_layout.CONSTS["AE_W_GGUF"]
+
+
+@functools.cache
+def _load(name: str, dtype: torch.dtype, kv_code: int = 0) -> Any:
+    """The compiled stack ``name`` for activations of ``dtype`` and that KV cache, its struct
+    layout checked against ``stack_layout.py``'s (None where it does not build)."""
+    fn = load(name, _ARGS, DTYPE_CODES[dtype], kv_code=kv_code)
+    if fn is not None:
+        stack_layout.check(fn)
+    return fn
 
 
 class DecodeStack:
-    """The model's layers as one table of addresses, for ``decode_stack.cpp``."""
+    """The model's layers as the structs of ``kernels/stack_layout.h``, for
+    ``decode_stack.cpp``."""
 
     def __init__(self, model: Any, fn: Any, kquant: bool = False,
                  dtype: torch.dtype = torch.float32, tiles: bool = False) -> None:
@@ -68,54 +79,70 @@ class DecodeStack:
         self.tile_requests = TILE_REQUESTS if tiles else 1 << 62
         self.num_layers = model.num_layers
         self.rope = model.spec.layers[0].rope  # the one RoPE table of the Llama layout
-        self.num_heads, self.num_kv_heads = model.num_heads, model.num_kv_heads
-        self.head_dim, self.hidden = model.head_dim, model.hidden_size
-        self.intermediate = model.config.intermediate_size
-        self.final_norm = model.model.norm.weight
-        self.eps = float(model.model.norm.eps)
-        self.scale = float(model.model.layers[0].self_attn.scale)
-        rows, self._pointed = [], []  # the tensors the table points at, kept alive with it
-        for layer in model.model.layers:
+        self.num_kv_heads, self.hidden = model.num_kv_heads, model.hidden_size
+        self._pointed: list[torch.Tensor] = []  # what the structs point at, kept alive
+        m = self.model = AeModel()
+        m.num_layers, m.elem_size = model.num_layers, torch.empty(0, dtype=dtype).element_size()
+        m.hidden, m.heads, m.kv_heads = model.hidden_size, model.num_heads, model.num_kv_heads
+        m.head_dim, m.intermediate = model.head_dim, model.config.intermediate_size
+        m.eps = float(model.model.norm.eps)
+        m.final_norm.w = self._point(model.model.norm.weight)
+        self.layers = (AeLayer * model.num_layers)()
+        for layer, w in zip(model.model.layers, self.layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            if kquant:
-                projs = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-                norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-                row = [t.data_ptr() for t in norms]
-                self._pointed += norms
-                for lin in projs:
-                    row += _kq_proj(lin, self._pointed, dtype)
-                rows.append(row + [0])
-                continue
-            tensors = [layer.input_layernorm.weight, *_int4(attn.qkv_proj), *_int4(attn.o_proj),
-                       layer.post_attention_layernorm.weight, *_int4(mlp.gate_up_proj),
-                       *_int4(mlp.down_proj)]
-            rows.append([t.data_ptr() for t in tensors] + [0])
-            self._pointed += tensors
-        self.table = torch.tensor(rows, dtype=torch.int64)  # [L, _PTRS or _KQ_PTRS]
+            w.in_norm.w = self._point(layer.input_layernorm.weight)
+            w.post_attn_norm.w = self._point(layer.post_attention_layernorm.weight)
+            for name, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
+                              ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
+                self._proj(getattr(w, name), lin)
+            w.scale = float(attn.scale)
+        m.layers = stack_layout.address(self.layers)
+        self.step = AeStep()
+        self._args = (stack_layout.address(m), stack_layout.address(self.step), 0)
         self._caches: tuple[int, ...] = ()
         self._cache_tensors: list[torch.Tensor] = []
-        # --enable-lora: each layer's slot tables (qkv, o, gate_up, down: A, B, rows, span), so
-        # that steps with adapter rows stay in the stack (``executor/lora/tables.py``).
-        self.lora_table = self.lora_r = None
+        # --enable-lora: the adapters' slot tables (``executor/lora/tables.py``), which each
+        # projection's struct points at, so that steps with adapter rows stay in the stack
+        self.lora_table: Any = None
         self.lora_steps = 0  # steps run with adapter rows
-        self._no_lora = torch.zeros(1, dtype=torch.int64)
         tables = getattr(getattr(model, "lora", None), "tables", None)
         # GGUF, or int4 in bfloat16: steps with adapter rows go per layer
-        if tables is not None and not kquant and dtype == torch.float32:
-            rows, widths = [], None
-            for i in range(self.num_layers):
-                p = f"model.layers.{i}."
-                mods = [tables.get(p + n) for n in ("self_attn.qkv_proj", "self_attn.o_proj",
-                                                    "mlp.gate_up_proj", "mlp.down_proj")]
-                if any(t is None for t in mods):
-                    rows = None
-                    break
-                rows.append([x.data_ptr() for t in mods for x in (t.A, t.B, t.rows, t.span)])
-                self._pointed += [x for t in mods for x in (t.A, t.B, t.rows, t.span)]
-                widths = [t.A.shape[1] for t in mods]
-            if rows is not None:
-                self.lora_table = torch.tensor(rows, dtype=torch.int64)  # [L, 16]
-                self.lora_r = torch.tensor(widths, dtype=torch.int64)
+        if tables is not None and not kquant and dtype == torch.float32 and self._lora(tables):
+            self.lora_table = tables
+
+    def _point(self, t: torch.Tensor) -> int:
+        self._pointed.append(t)
+        return t.data_ptr()
+
+    def _proj(self, p: Any, lin: Any) -> None:
+        """``p`` (an AeProj) describes ``lin`` (int4 or GGUF blocks), as its forward takes
+        ``self.dtype`` rows."""
+        p.n, p.k = lin.out_features, lin.in_features
+        if isinstance(lin, Int4Linear):
+            p.kind = _W_INT4
+            p.data[0], p.aux[0] = self._point(lin.packed), self._point(lin.scale_min)
+            return
+        p.kind = _W_GGUF
+        if lin.bias is not None:
+            p.bias = self._point(lin.bias)
+        flag = lin.flag(self.dtype)  # each part's type with the flags its calls get
+        p.parts = len(lin.qtypes)
+        for i, (raw, qtype) in enumerate(lin.parts()):
+            p.data[i], p.aux[i], p.rows[i] = self._point(raw), qtype | flag, raw.shape[0]
+
+    def _lora(self, tables: Any) -> bool:
+        """Each projection's LoRA slot tables, when every layer's four have them."""
+        names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+        found = [[tables.get(f"model.layers.{i}.{n}") for n in names]
+                 for i in range(self.num_layers)]
+        if any(t is None for row in found for t in row):
+            return False
+        for row, w in zip(found, self.layers, strict=True):
+            for t, p in zip(row, (w.qkv, w.o, w.gate_up, w.down), strict=True):
+                p.lora_a, p.lora_b = self._point(t.A), self._point(t.B)
+                p.lora_rows, p.lora_span = self._point(t.rows), self._point(t.span)
+                p.lora_r = t.A.shape[1]
+        return True
 
     @classmethod
     def why_not(cls, model: Any) -> str | None:
@@ -150,8 +177,7 @@ class DecodeStack:
                             if lin.bias is not None]
             if any(w.dtype != dtype or w.device.type != "cpu" for w in tensors):
                 return "its norms or biases are not in the activations' dtype on the CPU"
-        if load("decode_stack_kq" if kquant else "decode_stack", _ARGS,
-                DTYPE_CODES[dtype]) is None:
+        if _load("decode_stack_kq" if kquant else "decode_stack", dtype) is None:
             return "the C++ stack did not build"
         return None
 
@@ -163,7 +189,7 @@ class DecodeStack:
         linears = _linears(model)
         kquant = all(_kq_ok(lin) for lin in linears)
         dtype = model.model.norm.weight.dtype
-        fn = load("decode_stack_kq" if kquant else "decode_stack", _ARGS, DTYPE_CODES[dtype])
+        fn = _load("decode_stack_kq" if kquant else "decode_stack", dtype)
         tiles = dtype == torch.bfloat16 and not kquant and all(lin._tile8 for lin in linears)
         return cls(model, fn, kquant, dtype, tiles)
 
@@ -191,37 +217,41 @@ class DecodeStack:
         if fn is None or kv.stride(0) != kv_caches[-1].stride(0):
             return None
         self._point_at(kv_caches)
+        h = h.contiguous()
         out = torch.empty(T, self.hidden, dtype=self.dtype)
-        fn(h.contiguous(), out, self.table, self.final_norm, cos, sin, meta.slot_mapping,
-           plan.tables, plan.lens, plan.rows, self.num_layers, T, self.hidden,
-           self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
-           meta.block_size, plan.tables.stride(0), plan.split, kv.stride(0), self.scale,
-           self.eps, *self._lora_args(lora), int(meta.num_requests >= self.tile_requests))
+        s = self.step
+        s.h, s.out, s.tokens = h.data_ptr(), out.data_ptr(), T
+        s.cos, s.sin = cos.data_ptr(), sin.data_ptr()
+        s.slots, s.tables = meta.slot_mapping.data_ptr(), plan.tables.data_ptr()
+        s.lens, s.rows = plan.lens.data_ptr(), plan.rows.data_ptr()
+        s.table_stride, s.split = plan.tables.stride(0), plan.split
+        s.block_size, s.v_off = meta.block_size, kv.stride(0)
+        s.tiles = int(meta.num_requests >= self.tile_requests)
+        slots = None
+        if lora is not None:
+            self.lora_steps += 1
+            slots = lora.slots.contiguous()
+        s.lora_slots = 0 if slots is None else slots.data_ptr()
+        fn(*self._args)
         return out
 
     def _fp8_fn(self, kv_dtype: torch.dtype) -> Any:
         """The stack built for a float8 KV cache of ``kv_dtype`` (``kv_fp8.h``), or None."""
         if kv_dtype not in self._fp8_fns:
             code = KV_CODES.get(kv_dtype)
-            self._fp8_fns[kv_dtype] = None if code is None else load(
-                "decode_stack_kq" if self.kquant else "decode_stack", _ARGS,
-                DTYPE_CODES[self.dtype], kv_code=code)
+            self._fp8_fns[kv_dtype] = None if code is None else _load(
+                "decode_stack_kq" if self.kquant else "decode_stack", self.dtype, code)
         return self._fp8_fns[kv_dtype]
 
-    def _lora_args(self, lora: Any) -> tuple[Any, ...]:
-        if lora is None:
-            return self._no_lora, self._no_lora, self._no_lora, 0
-        self.lora_steps += 1
-        return self.lora_table, self.lora_r, lora.slots.contiguous(), 1
-
     def _point_at(self, kv_caches: list[torch.Tensor]) -> None:
-        """The table's last column: each layer's KV cache (re-read if the caches moved)."""
+        """Each layer's KV cache (re-read if the caches moved)."""
         ptrs = tuple(c.data_ptr() for c in kv_caches)
         if ptrs != self._caches:
             if len(ptrs) != self.num_layers or any(c.dtype != kv_caches[0].dtype or
                                                    not c.is_contiguous() for c in kv_caches):
                 raise ValueError("the KV caches do not match the model's layers")
-            self.table[:, -1] = torch.tensor(ptrs, dtype=torch.int64)
+            for w, ptr in zip(self.layers, ptrs, strict=True):
+                w.kv = ptr
             self._caches, self._cache_tensors = ptrs, list(kv_caches)
 
 
@@ -231,34 +261,17 @@ def _linears(model: Any) -> list[Any]:
                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
 
 
-def _int4(lin: Int4Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    return lin.packed, lin.scale_min
-
-
 def _kq_ok(lin: Any) -> bool:
     """Whether ``lin`` is a GGUFLinear that decode_stack_kq.cpp multiplies as GGUFLinear does:
-    through its kernel, at most _KQ_PARTS parts, contiguous rows, a contiguous bias or none."""
+    through its kernel, at most AE_STACK_PARTS parts, contiguous rows, a contiguous bias or
+    none."""
     if not (isinstance(lin, kquants.GGUFLinear) and lin.use_kernel
-            and len(lin.qtypes) <= _KQ_PARTS):
+            and len(lin.qtypes) <= _PARTS):
         return False
     bias = lin.bias
     if bias is not None and not bias.is_contiguous():
         return False
     return all(raw.is_contiguous() for raw, _ in lin.parts())
-
-
-def _kq_proj(lin: kquants.GGUFLinear, pointed: list[torch.Tensor], dtype: torch.dtype
-             ) -> list[int]:
-    """decode_stack_kq.cpp's AE_KQ_PROJ int64s of ``lin`` (its tensors kept in ``pointed``),
-    each part's type with the flags ``lin`` gives its calls on ``dtype`` rows."""
-    out = [0 if lin.bias is None else lin.bias.data_ptr(), len(lin.qtypes)]
-    if lin.bias is not None:
-        pointed.append(lin.bias)
-    flag = lin.flag(dtype)
-    for raw, qtype in lin.parts():
-        out += [raw.data_ptr(), qtype | flag, raw.shape[0]]
-        pointed.append(raw)
-    return out + [0] * (_KQ_PROJ - len(out))
 
 
 class CpuStack(StepPath):
