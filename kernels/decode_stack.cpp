@@ -5,29 +5,26 @@
 // this folder, called in sequence from C++ instead of ~15 Python / PyTorch calls per layer.
 // Each is the same kernel the per-op path calls (included here under its own name), with the
 // same arguments, so the result is the per-op path's to the bit. T decode tokens (one per
-// request, rows 0 .. T-1 in order). Its parameters: the structs of stack_layout.h. The
-// matmuls: int4 weights (int4.cpp's layout; a bfloat16 model's through int4_bf16.cpp, as
-// Int4Linear's) here; decode_stack_kq.cpp defines AE_STACK_KQ and its own ae_stack_mm (GGUF
-// blocks kept packed, kquant.cpp, with a bias) and then includes this file.
-// Activations in the layer kernels' element type ae_t (common.h): float32 or bfloat16 (the
-// GGUF stack's matmuls then take float32 copies, as GGUFLinear's forward does).
-#ifndef AE_STACK_KQ
-#if AE_DTYPE == 0
+// request, rows 0 .. T-1 in order). Its parameters: the structs of stack_layout.h.
+// Activations in the layer kernels' element type ae_t (common.h): float32 or bfloat16.
+//
+// Each projection carries its weight format (AeProj.kind), dispatched per matmul by
+// ae_stack_mm, each as the per-op path's module multiplies it: int4 (Int4Linear: int4.cpp,
+// a bfloat16 model's through int4_bf16.cpp and, for steps of many requests, int4_tile8.cpp's
+// byte tiles) or GGUF blocks kept packed (GGUFLinear: kquant.cpp, a fused projection's parts
+// in their own types, a bias).
 #define kernel ae_int4_mm
 #include "int4.cpp"
 #undef kernel
-#else  // a bfloat16 model: Int4Linear's bfloat16 kernel (AVX-512 BF16; Python checks it runs)
+#if AE_DTYPE != 0
 #define kernel ae_int4_bf16_mm
 #include "int4_bf16.cpp"
 #undef kernel
-// ... and, for steps of many requests, int4_tile8.cpp's byte tiles (AE_KQ_TILE8 where the
-// CPU has AVX-512 VNNI and BITALG)
-#include "kquant.h"
-#include "kquant_small.h"
-#include "kquant_q32.h"
-#include "kquant_tile8.h"
 #endif
-#endif
+// kquant.cpp brings kquant_tile8.h's kq_tile8 too (AE_KQ_TILE8, where it is compiled in)
+#define kernel ae_kquant_mm
+#include "kquant.cpp"
+#undef kernel
 #define kernel ae_rms_norm
 #include "rms_norm.cpp"
 #undef kernel
@@ -52,40 +49,107 @@
 #include "lora.cpp"
 #undef kernel
 
-#ifndef AE_STACK_KQ
-// y [T, N] = x [T, K] @ W.T for int4 projection p (int4.cpp's packed rows data[0], float16
-// (scale, min) aux[0]). A bfloat16 model: the float32 result rounded once to bfloat16, as
-// Int4Linear's forward does (int4_bf16_mm(x).to(bfloat16)); where `tiles` (a step of
-// int4.TILE_REQUESTS requests or more), int4_tile8.cpp's byte tiles over activations rounded
-// to int8, as Int4Linear's forward takes them for such a step.
-static inline void ae_stack_mm(const AeProj& p, const ae_t* x, ae_t* y, int64_t T, bool tiles) {
-    const int64_t N = p.n, K = p.k;
-    const uint8_t* q = reinterpret_cast<const uint8_t*>(p.data[0]);
-    const uint16_t* sm = reinterpret_cast<const uint16_t*>(p.aux[0]);
+// ae_t rows x [T, K] as float32, in scratch of the calling thread (a float32 model: x).
+static inline const float* ae_stack_widen(const ae_t* x, int64_t n) {
 #if AE_DTYPE == 0
-    (void)tiles;
-    ae_int4_mm(x, q, sm, y, T, N, K);
+    (void)n;
+    return x;
 #else
-#ifdef AE_KQ_TILE8
-    if (tiles) {
-        kq_tile8<KQ_INT4_SPLIT>(x, true, q, y, true, T, N, K, N, K / 2, sm);
-        return;
-    }
-#else
-    (void)tiles;
+    static thread_local ae_vec<float> buf;
+    if ((int64_t)buf.size() < n) buf.resize(n);
+    for (int64_t i = 0; i < n; ++i) buf[i] = ae_get(x + i);
+    return buf.data();
 #endif
-    static thread_local ae_vec<float> ybuf;
-    if ((int64_t)ybuf.size() < T * N) ybuf.resize(T * N);
-    float* yf = ybuf.data();
-    ae_int4_bf16_mm(x, q, sm, yf, T, N, K);
+}
+
+// float32 results yf [T, N] (+ bias, in float32) to y in ae_t, each rounded once.
+static inline void ae_stack_finish(const AeProj& p, float* yf, ae_t* y, int64_t T) {
+    const int64_t N = p.n;
+    const ae_t* bias = reinterpret_cast<const ae_t*>(p.bias);
+    if (bias != nullptr) {
+        for (int64_t t = 0; t < T; ++t) {
+            float* yt = yf + t * N;
+            #pragma omp simd
+            for (int64_t n = 0; n < N; ++n) yt[n] += ae_get(bias + n);
+        }
+    }
+#if AE_DTYPE != 0
     int64_t i = 0;
 #ifdef AE_AVX2
     for (; i + 8 <= T * N; i += 8) ae_store8(y + i, _mm256_loadu_ps(yf + i));
 #endif
     for (; i < T * N; ++i) ae_put(y + i, yf[i]);
+#else
+    (void)y;
 #endif
 }
+
+// Scratch of the calling thread for a projection's float32 results (a float32 model: y).
+static inline float* ae_stack_out(ae_t* y, int64_t n) {
+#if AE_DTYPE == 0
+    (void)n;
+    return y;
+#else
+    static thread_local ae_vec<float> buf;
+    if ((int64_t)buf.size() < n) buf.resize(n);
+    return buf.data();
 #endif
+}
+
+// int4 (data[0] packed rows, aux[0] float16 (scale, min)), as Int4Linear's forward takes
+// the step's rows: a bfloat16 model's through int4_bf16.cpp (AE_INT4_BF16), rounded once to
+// bfloat16, or, for a step of int4.TILE_REQUESTS requests or more (`tiles`), int4_tile8.cpp's
+// byte tiles over activations rounded to int8 (AE_INT4_TILE8); otherwise, and with a bias,
+// int4.cpp on float32 rows, the bias added in float32, rounded once (int4_linear(x.float())
+// + bias).
+static inline void ae_stack_int4(const AeProj& p, const ae_t* x, ae_t* y, int64_t T,
+                                 bool tiles) {
+    const int64_t N = p.n, K = p.k;
+    const uint8_t* q = reinterpret_cast<const uint8_t*>(p.data[0]);
+    const uint16_t* sm = reinterpret_cast<const uint16_t*>(p.aux[0]);
+    float* yf = ae_stack_out(y, T * N);
+#if AE_DTYPE != 0
+#ifdef AE_KQ_TILE8
+    if (tiles && (p.flags & AE_INT4_TILE8)) {
+        kq_tile8<KQ_INT4_SPLIT>(x, true, q, y, true, T, N, K, N, K / 2, sm);
+        return;
+    }
+#endif
+    if (p.flags & AE_INT4_BF16) {
+        ae_int4_bf16_mm(x, q, sm, yf, T, N, K);
+        ae_stack_finish(p, yf, y, T);
+        return;
+    }
+#endif
+    (void)tiles;
+    ae_int4_mm(ae_stack_widen(x, T * K), q, sm, yf, T, N, K);
+    ae_stack_finish(p, yf, y, T);
+}
+
+// GGUF parts (data[i]: rows[i] rows of GGML type | flag aux[i]), each writing its columns of
+// y in order, as GGUFLinear's forward multiplies them: float32 rows, the bias added in
+// float32, rounded once (x.float(), out += bias.float(), out.to(bfloat16)).
+static inline void ae_stack_gguf(const AeProj& p, const ae_t* x, ae_t* y, int64_t T) {
+    const int64_t N = p.n, K = p.k;
+    const float* xf = ae_stack_widen(x, T * K);
+    float* yf = ae_stack_out(y, T * N);
+    int64_t col = 0;
+    for (int64_t i = 0; i < p.parts; ++i) {
+        ae_kquant_mm(xf, reinterpret_cast<const uint8_t*>(p.data[i]), yf + col, T, p.rows[i], K,
+                     N, p.aux[i]);
+        col += p.rows[i];
+    }
+    ae_stack_finish(p, yf, y, T);
+}
+
+// y [T, n] = x [T, k] @ W.T (+ bias) for projection p, by its weight format.
+static inline void ae_stack_mm(const AeProj& p, const ae_t* x, ae_t* y, int64_t T, bool tiles) {
+    switch (p.kind) {
+        case AE_W_INT4: ae_stack_int4(p, x, y, T, tiles); return;
+        case AE_W_GGUF: ae_stack_gguf(p, x, y, T); return;
+        default: return;  // Python checks every projection has a format
+    }
+}
 
 template <typename P>
 static inline P* ae_ptr(int64_t address) { return reinterpret_cast<P*>(address); }

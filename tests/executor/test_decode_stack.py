@@ -83,7 +83,8 @@ def check_stack(source: str, kv_dtype: torch.dtype | None, tiny_models, monkeypa
         model = load_model(resolve_model(tiny_models["llama"]), "auto", dtype, "cpu",
                            quantization="int4")
     stack = DecodeStack.for_model(model)
-    assert stack is not None and stack.kquant == source.startswith("mixed-gguf")
+    assert stack is not None
+    assert stack.formats == (("GGUF blocks",) if source.startswith("mixed-gguf") else ("int4",))
     gen = torch.Generator().manual_seed(3)
     # Eighteen requests; "long" reaches past two attention splits of 128 positions when it
     # decodes alone (the split results are merged), the others are short. All of them: a step
@@ -102,6 +103,38 @@ def check_stack(source: str, kv_dtype: torch.dtype | None, tiny_models, monkeypa
     # every decode step in the stack's range ran fused (GGUF: fewer than 8 tokens), no prefill
     assert ran == [len(d) for d in decodes if len(d) < stack.max_rows]
     per_layer = _run(model, None, prompts, decodes, kv_dtype)
+    for got, want in zip(fused, per_layer, strict=True):
+        for r in want:
+            assert torch.equal(got[r], want[r]), r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_stack_takes_a_model_of_mixed_formats(dtype, monkeypatch, tmp_path):
+    """Each projection carries its own format: a GGUF model some of whose projections are
+    int4 (with a bias, Qwen2's q/k/v) runs in the one stack, each matmul dispatched on its
+    kind, to the bit the per-layer path's."""
+    from asyncengine.executor.weights.int4 import Int4Linear
+    from tests.executor.test_kquants import write_mixed_gguf
+
+    if dtype == torch.bfloat16 and not packed_kernels.int4_bf16_available():
+        pytest.skip("int4 in bfloat16 needs the AVX-512 BF16 kernel (int4_bf16.cpp)")
+    path = write_mixed_gguf(str(tmp_path / "tiny-Q4_K_M.gguf"))
+    model = load_model(resolve_model(path), "auto", dtype, "cpu", quantization="auto")
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for parent, name in ((attn, "qkv_proj"), (mlp, "down_proj"))[i % 2:]:
+            lin = getattr(parent, name)
+            setattr(parent, name, Int4Linear(lin.dequantized(), lin.bias))
+    stack = DecodeStack.for_model(model)
+    assert stack is not None and stack.formats == ("int4", "GGUF blocks")
+    gen = torch.Generator().manual_seed(5)
+    prompts = {f"r{i}": torch.randint(0, 49152, (2 + i,), generator=gen) for i in range(4)}
+    everyone = list(prompts)
+    decodes = [everyone, everyone[:1], everyone[1:]]
+    ran = _count_runs(stack, monkeypatch)
+    fused = _run(model, stack, prompts, decodes)
+    assert ran == [4, 1, 3]
+    per_layer = _run(model, None, prompts, decodes)
     for got, want in zip(fused, per_layer, strict=True):
         for r in want:
             assert torch.equal(got[r], want[r]), r
@@ -142,7 +175,7 @@ def test_the_structs_layout_is_checked_when_the_stack_loads():
     from asyncengine.executor.kernels.build import kernel_dir
     from asyncengine.executor.paths import cpu_stack, stack_layout
 
-    fn = cpu_stack._load("decode_stack", torch.float32)
+    fn = cpu_stack._load(torch.float32)
     if fn is None:
         pytest.skip("the stack does not build here")
     stack_layout.check(fn)

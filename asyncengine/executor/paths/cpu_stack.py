@@ -10,16 +10,14 @@ from C++, for every layer: the step's hidden states go in after the embedding an
 after the final norm, to the bit what the per-op path computes.
 
 It runs when a step is all decodes that ``torch_paged`` attends with its in-place kernel
-(``TorchPagedBackend.decode_plan``), with fewer than ``DEQUANT_ROWS`` tokens (the int4 kernel's
-own range), for a model of the plain Llama layout (``ModelSpec.lacks``) whose projections are
-all int4 without bias: the default for the embedded Q4_1 GGUF and for ``--quantization int4``
-(in bfloat16 through Int4Linear's bfloat16 kernel, where it runs, and, for steps of
-``int4.TILE_REQUESTS`` requests or more, its byte tiles, as Int4Linear takes them). Or,
-``kernels/decode_stack_kq.cpp``, whose projections are all ``GGUFLinear`` (a GGUF file kept
-packed, ``--quantization gguf``: Q4_K_M's mix of types, a fused projection's parts in their own
-types, Qwen2's q/k/v bias), with fewer than ``kquants.TILE_ROWS`` tokens (the packed kernel's
-range; from there GGUFLinear multiplies dequantized tiles), or, a bfloat16 model where the
-kernel multiplies those tiles itself (``kquants.fused_tiles``), up to ``kquants.FUSED_ROWS``.
+(``TorchPagedBackend.decode_plan``), for a model of the plain Llama layout
+(``ModelSpec.lacks``) whose projections are each of a weight format of ``stack_formats.py``,
+multiplied as its module multiplies them: int4 (``Int4Linear``: the default for the embedded
+Q4_1 GGUF and ``--quantization int4``; in bfloat16 through its bfloat16 kernel, where it
+runs, and, for steps of ``int4.TILE_REQUESTS`` requests or more, its byte tiles) or a GGUF
+file's blocks kept packed (``GGUFLinear``, ``--quantization gguf``: Q4_K_M's mix of types, a
+fused projection's parts in their own types, Qwen2's q/k/v bias); and when the step has
+fewer tokens than every projection's module keeps to its own kernel for (``max_rows``).
 Anything else takes the per-layer path. ``ASYNCENGINE_CPU_KERNELS=0`` turns it off with the
 other own kernels.
 
@@ -37,24 +35,22 @@ import torch
 
 from asyncengine.executor.kernels import layer_ops
 from asyncengine.executor.kernels.build import DTYPE_CODES, KV_CODES, load
-from asyncengine.executor.paths import stack_layout
+from asyncengine.executor.paths import stack_formats, stack_layout
 from asyncengine.executor.paths.base import DECODE, PathContext, StepPath, begin
 from asyncengine.executor.paths.stack_layout import AeLayer, AeModel, AeStep
-from asyncengine.executor.weights import kquants
-from asyncengine.executor.weights.int4 import DEQUANT_ROWS, TILE_REQUESTS, Int4Linear
 
 # the addresses of the model's and the step's structs of kernels/stack_layout.h
 # (``stack_layout.py``); or 0, 0 and where to write their layout
 _ARGS = ("uintptr_t", "uintptr_t", "uintptr_t")
-_PARTS = stack_layout.CONSTS["AE_STACK_PARTS"]
-_W_INT4, _W_GGUF = stack_layout.CONSTS["AE_W_INT4"], stack_layout.CONSTS["AE_W_GGUF"]
+_PROJS = (("qkv", "self_attn.qkv_proj"), ("o", "self_attn.o_proj"),
+          ("gate_up", "mlp.gate_up_proj"), ("down", "mlp.down_proj"))
 
 
 @functools.cache
-def _load(name: str, dtype: torch.dtype, kv_code: int = 0) -> Any:
-    """The compiled stack ``name`` for activations of ``dtype`` and that KV cache, its struct
-    layout checked against ``stack_layout.py``'s (None where it does not build)."""
-    fn = load(name, _ARGS, DTYPE_CODES[dtype], kv_code=kv_code)
+def _load(dtype: torch.dtype, kv_code: int = 0) -> Any:
+    """The compiled stack for activations of ``dtype`` and that KV cache, its struct layout
+    checked against ``stack_layout.py``'s (None where it does not build)."""
+    fn = load("decode_stack", _ARGS, DTYPE_CODES[dtype], kv_code=kv_code)
     if fn is not None:
         stack_layout.check(fn)
     return fn
@@ -64,19 +60,9 @@ class DecodeStack:
     """The model's layers as the structs of ``kernels/stack_layout.h``, for
     ``decode_stack.cpp``."""
 
-    def __init__(self, model: Any, fn: Any, kquant: bool = False,
-                 dtype: torch.dtype = torch.float32, tiles: bool = False) -> None:
-        self.fn = fn
-        self._fp8_fns: dict[torch.dtype, Any] = {}  # the stack for a float8 KV cache
-        self.kquant = kquant
+    def __init__(self, model: Any, dtype: torch.dtype = torch.float32) -> None:
+        self.fn = _load(dtype)
         self.dtype = dtype  # of the activations and norms (and the KV cache, but float8)
-        # the most tokens a step may have: the matmul kernels' packed range
-        # (a bfloat16 GGUF model where the kernel multiplies bfloat16 tiles: up to FUSED_ROWS)
-        self.max_rows = DEQUANT_ROWS if not kquant else (
-            kquants.FUSED_ROWS + 1 if kquants.fused_tiles(dtype) else kquants.TILE_ROWS)
-        # int4 in bfloat16: from this many requests a step's matmuls take the byte tiles
-        # (never, where they are not compiled in: Int4Linear then keeps the row kernel)
-        self.tile_requests = TILE_REQUESTS if tiles else 1 << 62
         self.num_layers = model.num_layers
         self.rope = model.spec.layers[0].rope  # the one RoPE table of the Llama layout
         self.num_kv_heads, self.hidden = model.num_kv_heads, model.hidden_size
@@ -88,17 +74,28 @@ class DecodeStack:
         m.eps = float(model.model.norm.eps)
         m.final_norm.w = self._point(model.model.norm.weight)
         self.layers = (AeLayer * model.num_layers)()
+        formats: set[type[stack_formats.Format]] = set()
+        # the most tokens a step may have: every projection's module keeps to its kernel
+        self.max_rows = 1 << 62
+        # int4 in bfloat16: from this many requests a step's matmuls take the byte tiles
+        # (never, where they are not compiled in: Int4Linear then keeps the row kernel)
+        self.tile_requests = 1 << 62
         for layer, w in zip(model.model.layers, self.layers, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
             w.in_norm.w = self._point(layer.input_layernorm.weight)
             w.post_attn_norm.w = self._point(layer.post_attention_layernorm.weight)
-            for name, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
-                              ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
-                self._proj(getattr(w, name), lin)
-            w.scale = float(attn.scale)
+            for field, name in _PROJS:
+                lin = layer.get_submodule(name)
+                fmt = stack_formats.fill(getattr(w, field), lin, dtype, self._point)
+                formats.add(fmt)
+                self.max_rows = min(self.max_rows, fmt.max_rows(lin, dtype))
+                self.tile_requests = min(self.tile_requests,
+                                         fmt.tile_requests(lin, dtype) or 1 << 62)
+            w.scale = float(layer.self_attn.scale)
+        self.formats = tuple(f.name for f in stack_formats.FORMATS if f in formats)
         m.layers = stack_layout.address(self.layers)
         self.step = AeStep()
         self._args = (stack_layout.address(m), stack_layout.address(self.step), 0)
+        self._fp8_fns: dict[torch.dtype, Any] = {}  # the stack for a float8 KV cache
         self._caches: tuple[int, ...] = ()
         self._cache_tensors: list[torch.Tensor] = []
         # --enable-lora: the adapters' slot tables (``executor/lora/tables.py``), which each
@@ -107,38 +104,23 @@ class DecodeStack:
         self.lora_steps = 0  # steps run with adapter rows
         tables = getattr(getattr(model, "lora", None), "tables", None)
         # GGUF, or int4 in bfloat16: steps with adapter rows go per layer
-        if tables is not None and not kquant and dtype == torch.float32 and self._lora(tables):
+        if (tables is not None and self.formats == (stack_formats.Int4.name,)
+                and dtype == torch.float32 and self._lora(tables)):
             self.lora_table = tables
 
     def _point(self, t: torch.Tensor) -> int:
         self._pointed.append(t)
         return t.data_ptr()
 
-    def _proj(self, p: Any, lin: Any) -> None:
-        """``p`` (an AeProj) describes ``lin`` (int4 or GGUF blocks), as its forward takes
-        ``self.dtype`` rows."""
-        p.n, p.k = lin.out_features, lin.in_features
-        if isinstance(lin, Int4Linear):
-            p.kind = _W_INT4
-            p.data[0], p.aux[0] = self._point(lin.packed), self._point(lin.scale_min)
-            return
-        p.kind = _W_GGUF
-        if lin.bias is not None:
-            p.bias = self._point(lin.bias)
-        flag = lin.flag(self.dtype)  # each part's type with the flags its calls get
-        p.parts = len(lin.qtypes)
-        for i, (raw, qtype) in enumerate(lin.parts()):
-            p.data[i], p.aux[i], p.rows[i] = self._point(raw), qtype | flag, raw.shape[0]
-
     def _lora(self, tables: Any) -> bool:
         """Each projection's LoRA slot tables, when every layer's four have them."""
-        names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-        found = [[tables.get(f"model.layers.{i}.{n}") for n in names]
+        found = [[tables.get(f"model.layers.{i}.{name}") for _, name in _PROJS]
                  for i in range(self.num_layers)]
         if any(t is None for row in found for t in row):
             return False
         for row, w in zip(found, self.layers, strict=True):
-            for t, p in zip(row, (w.qkv, w.o, w.gate_up, w.down), strict=True):
+            for t, (field, _) in zip(row, _PROJS, strict=True):
+                p = getattr(w, field)
                 p.lora_a, p.lora_b = self._point(t.A), self._point(t.B)
                 p.lora_rows, p.lora_span = self._point(t.rows), self._point(t.span)
                 p.lora_r = t.A.shape[1]
@@ -155,29 +137,18 @@ class DecodeStack:
             return f"{layer_ops.ENV}=0"
         if "decode_stack" in spec.lacks():
             return spec.lacks()["decode_stack"]
-        linears = _linears(model)
-        kquant = all(_kq_ok(lin) for lin in linears)
-        if not kquant and not all(isinstance(lin, Int4Linear) and lin._direct
-                                  and lin.packed.is_contiguous()
-                                  and lin.scale_min.is_contiguous() for lin in linears):
-            return "its projections are not all int4 or GGUF blocks kept packed"
-        # float32 or bfloat16 (a GGUF model's matmuls take float32 copies, as GGUFLinear's
-        # do, biases included)
-        # int4 in bfloat16: Int4Linear's bfloat16 kernel (AVX-512 BF16) for every projection
         dtype = model.model.norm.weight.dtype
         if dtype not in (torch.float32, torch.bfloat16):
             return f"{str(dtype).removeprefix('torch.')} activations"
-        if dtype == torch.bfloat16 and not kquant and not all(lin._bf16 for lin in linears):
-            return "int4 in bfloat16 needs the CPU's AVX-512 BF16"
         for layer in model.model.layers:
-            tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            if kquant:
-                tensors += [lin.bias for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)
-                            if lin.bias is not None]
-            if any(w.dtype != dtype or w.device.type != "cpu" for w in tensors):
-                return "its norms or biases are not in the activations' dtype on the CPU"
-        if _load("decode_stack_kq" if kquant else "decode_stack", dtype) is None:
+            for _, name in _PROJS:
+                why = stack_formats.why_not(layer.get_submodule(name), dtype)
+                if why is not None:
+                    return f"its projections are not all int4 or GGUF blocks kept packed ({why})"
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if any(w.dtype != dtype or w.device.type != "cpu" for w in norms):
+                return "its norms are not in the activations' dtype on the CPU"
+        if _load(dtype) is None:
             return "the C++ stack did not build"
         return None
 
@@ -186,12 +157,7 @@ class DecodeStack:
         """The stack for ``model``, or None where it does not apply (:meth:`why_not`)."""
         if cls.why_not(model) is not None:
             return None
-        linears = _linears(model)
-        kquant = all(_kq_ok(lin) for lin in linears)
-        dtype = model.model.norm.weight.dtype
-        fn = _load("decode_stack_kq" if kquant else "decode_stack", dtype)
-        tiles = dtype == torch.bfloat16 and not kquant and all(lin._tile8 for lin in linears)
-        return cls(model, fn, kquant, dtype, tiles)
+        return cls(model, model.model.norm.weight.dtype)
 
     def run(self, h: torch.Tensor, tables: dict[str, tuple[torch.Tensor, torch.Tensor]],
             kv_caches: list[torch.Tensor], meta: Any, backend: Any,
@@ -239,8 +205,7 @@ class DecodeStack:
         """The stack built for a float8 KV cache of ``kv_dtype`` (``kv_fp8.h``), or None."""
         if kv_dtype not in self._fp8_fns:
             code = KV_CODES.get(kv_dtype)
-            self._fp8_fns[kv_dtype] = None if code is None else _load(
-                "decode_stack_kq" if self.kquant else "decode_stack", self.dtype, code)
+            self._fp8_fns[kv_dtype] = None if code is None else _load(self.dtype, code)
         return self._fp8_fns[kv_dtype]
 
     def _point_at(self, kv_caches: list[torch.Tensor]) -> None:
@@ -253,25 +218,6 @@ class DecodeStack:
             for w, ptr in zip(self.layers, ptrs, strict=True):
                 w.kv = ptr
             self._caches, self._cache_tensors = ptrs, list(kv_caches)
-
-
-def _linears(model: Any) -> list[Any]:
-    return [lin for layer in model.model.layers
-            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-
-
-def _kq_ok(lin: Any) -> bool:
-    """Whether ``lin`` is a GGUFLinear that decode_stack_kq.cpp multiplies as GGUFLinear does:
-    through its kernel, at most AE_STACK_PARTS parts, contiguous rows, a contiguous bias or
-    none."""
-    if not (isinstance(lin, kquants.GGUFLinear) and lin.use_kernel
-            and len(lin.qtypes) <= _PARTS):
-        return False
-    bias = lin.bias
-    if bias is not None and not bias.is_contiguous():
-        return False
-    return all(raw.is_contiguous() for raw, _ in lin.parts())
 
 
 class CpuStack(StepPath):
@@ -308,6 +254,6 @@ class CpuStack(StepPath):
                               lora)
 
     def describe(self) -> str:
-        kind = "GGUF blocks" if self.stack.kquant else "int4"
+        kind = " + ".join(self.stack.formats)
         return (f"cpu_stack ({kind}, {str(self.stack.dtype).removeprefix('torch.')}, "
                 f"below {self.stack.max_rows} tokens)")
