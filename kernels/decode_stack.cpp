@@ -1,8 +1,9 @@
 #include "common.h"
 #include "stack_layout.h"
 
-// A Llama-family decode step through every decoder layer in one call: the layer kernels of
-// this folder, called in sequence from C++ instead of ~15 Python / PyTorch calls per layer.
+// A decode step through every decoder layer in one call, for any family the model's
+// description gives (the layer loop at the end follows models/decoder.py): the layer kernels
+// of this folder, called in sequence from C++ instead of ~15 Python / PyTorch calls per layer.
 // Each is the same kernel the per-op path calls (included here under its own name), with the
 // same arguments, so the result is the per-op path's to the bit. T decode tokens (one per
 // request, rows 0 .. T-1 in order). Its parameters: the structs of stack_layout.h.
@@ -47,6 +48,12 @@
 #undef kernel
 #define kernel ae_lora
 #include "lora.cpp"
+#undef kernel
+#define kernel ae_moe
+#include "moe.cpp"
+#undef kernel
+#define kernel ae_moe_route
+#include "moe_route.cpp"
 #undef kernel
 
 // ae_t rows x [T, K] as float32, in scratch of the calling thread (a float32 model: x).
@@ -165,9 +172,70 @@ static inline void ae_stack_lora(const AeProj& p, const int64_t* lora_slots, con
             p.lora_r, p.k, p.n);
 }
 
+// out = norm(x) (residual null), or residual += x, out = norm(residual); T tokens.
+static inline void ae_stack_norm(const AeNorm& n, const ae_t* x, ae_t* residual, ae_t* out,
+                                 int64_t T, int64_t N, float eps) {
+    ae_rms_norm(x, residual, ae_ptr<const ae_t>(n.w), out, T, N, N, residual != nullptr, eps, 1,
+                (float)n.offset);
+}
+
+// A mixture-of-experts MLP, as models/moe.py's SparseMoE computes it on the CPU: routed by
+// moe_route.cpp, the experts by moe.cpp over float32 rows, the sum rounded to ae_t; with a
+// shared expert (gate_up, down) weighted by its gate: out + gate * shared, each product and
+// sum rounded to ae_t as PyTorch's elementwise ops round them.
+static inline void ae_stack_moe(const AeModel& m, const AeLayer& w, const ae_t* x, ae_t* y,
+                                ae_t* gu, ae_t* act, int64_t T, bool tiles) {
+    const int64_t HD = m.hidden, E = m.experts, k = m.top_k;
+    static thread_local std::vector<int64_t> ibuf;
+    static thread_local ae_vec<float> fbuf;
+    static thread_local ae_vec<ae_t> gbuf;
+    ibuf.resize(T * k + E + 1);
+    fbuf.resize(T * k + T * HD);
+    gbuf.resize(T + T * HD);
+    int64_t* rows = ibuf.data();
+    int64_t* offs = rows + T * k;
+    float* wts = fbuf.data();
+    float* outf = wts + T * k;
+    ae_t* gate = gbuf.data();
+    ae_t* shared = gate + T;
+    const bool has_shared = w.shared_gate != 0;
+    ae_moe_route(x, ae_ptr<const ae_t>(w.router), ae_ptr<const ae_t>(w.shared_gate), rows, offs,
+                 wts, gate, T, HD, E, k, m.renormalize, has_shared);
+    ae_moe(ae_stack_widen(x, T * HD), rows, offs, wts, ae_ptr<const uint8_t>(w.w13),
+           ae_ptr<const uint8_t>(w.s13), ae_ptr<const uint8_t>(w.w2), ae_ptr<const uint8_t>(w.s2),
+           outf, T, k, E, HD, m.expert_inter, m.expert_kind, m.g13, m.g2);
+    if (!has_shared) {
+        for (int64_t i = 0; i < T * HD; ++i) ae_put(y + i, outf[i]);
+        return;
+    }
+    ae_stack_mm(w.gate_up, x, gu, T, tiles);
+    ae_silu_mul(gu, act, T, w.gate_up.n / 2, 0);
+    ae_stack_mm(w.down, act, shared, T, tiles);
+    for (int64_t t = 0; t < T; ++t) {
+        const float g = ae_get(gate + t);
+        for (int64_t i = t * HD; i < (t + 1) * HD; ++i) {
+            ae_t o, p;
+            ae_put(&o, outf[i]);
+            ae_put(&p, g * ae_get(shared + i));
+            ae_put(y + i, ae_get(&o) + ae_get(&p));
+        }
+    }
+}
+
 // model: the address of the AeModel (stack_layout.h) of the model's layers, built once; step:
 // this step's AeStep. With `layout` (not 0): only the structs' layout written there (int64s),
 // for Python to check against its reading of stack_layout.h.
+//
+// Per layer, as models/decoder.py's DecoderLayer (each norm fused with the residual add
+// before it):
+//   x = in_norm(residual += h)
+//   qkv = qkv_proj(x); q, k heads normed (q_norm, k_norm), then RoPE on their first
+//   rotary_dim (the layer's table); K, V into the cache; attention (window, soft cap)
+//   h = o_proj(attention)
+//   x = post_attn_norm(residual += h), or, with sandwich norms,
+//       x = pre_ff_norm(residual += post_attn_norm(h))
+//   h = down(act(gate_up(x))), or the mixture's experts; sandwich: h = post_ff_norm(h)
+// and at the end out = final_norm(residual += h).
 extern "C" void kernel(uintptr_t model, uintptr_t step, uintptr_t layout) {
     if (layout != 0) {
         ae_stack_layout(reinterpret_cast<int64_t*>(layout));
@@ -177,12 +245,10 @@ extern "C" void kernel(uintptr_t model, uintptr_t step, uintptr_t layout) {
     const AeStep& s = *reinterpret_cast<const AeStep*>(step);
     const AeLayer* layers = ae_ptr<const AeLayer>(m.layers);
     const int64_t T = s.tokens, HD = m.hidden, H = m.heads, KVH = m.kv_heads, D = m.head_dim;
-    const int64_t I = m.intermediate;
+    const int64_t I = m.intermediate, R = m.rotary_dim;
     const float eps = (float)m.eps;
     const int64_t* lora_slots = ae_ptr<const int64_t>(s.lora_slots);
     const bool tiles = s.tiles != 0;
-    const ae_t* cos = ae_ptr<const ae_t>(s.cos);
-    const ae_t* sin = ae_ptr<const ae_t>(s.sin);
     const int64_t* slots = ae_ptr<const int64_t>(s.slots);
     const int64_t* tables = ae_ptr<const int64_t>(s.tables);
     const int64_t* lens = ae_ptr<const int64_t>(s.lens);
@@ -190,13 +256,15 @@ extern "C" void kernel(uintptr_t model, uintptr_t step, uintptr_t layout) {
     const AeWithoutGil released;  // milliseconds of work: the event loop runs meanwhile
     const int64_t QKV = (H + 2 * KVH) * D;
     static thread_local ae_vec<ae_t> buf;
-    const int64_t need = T * (3 * HD + QKV + H * D + 3 * I);
+    const int64_t need = T * (4 * HD + 2 * QKV + H * D + 3 * I);
     if ((int64_t)buf.size() < need) buf.resize(need);
     ae_t* residual = buf.data();
     ae_t* x = residual + T * HD;       // a norm's output, the next matmul's input
     ae_t* hs = x + T * HD;             // a sublayer's output
-    ae_t* qkv = hs + T * HD;
-    ae_t* att = qkv + T * QKV;
+    ae_t* hn = hs + T * HD;            // its norm (sandwich norms)
+    ae_t* qkv = hn + T * HD;
+    ae_t* qk = qkv + T * QKV;          // q and k heads normed (q_norm, k_norm): [T, H + KVH, D]
+    ae_t* att = qk + T * QKV;
     ae_t* gu = att + T * H * D;
     ae_t* act = gu + T * 2 * I;
     const ae_t* h = ae_ptr<const ae_t>(s.h);
@@ -204,25 +272,54 @@ extern "C" void kernel(uintptr_t model, uintptr_t step, uintptr_t layout) {
     for (int64_t l = 0; l < m.num_layers; ++l) {
         const AeLayer& w = layers[l];
         ae_kv_t* kv = ae_ptr<ae_kv_t>(w.kv);
+        const ae_t* cos = ae_ptr<const ae_t>(s.cos[w.rope]);
+        const ae_t* sin = ae_ptr<const ae_t>(s.sin[w.rope]);
         if (l == 0)
-            ae_rms_norm(h, residual, ae_ptr<const ae_t>(w.in_norm.w), x, T, HD, HD, 0, eps);
+            ae_stack_norm(w.in_norm, h, nullptr, x, T, HD, eps);
         else  // residual += h; x = norm(residual)
-            ae_rms_norm(hs, residual, ae_ptr<const ae_t>(w.in_norm.w), x, T, HD, HD, 1, eps);
+            ae_stack_norm(w.in_norm, hs, residual, x, T, HD, eps);
         ae_stack_mm(w.qkv, x, qkv, T, tiles);
         ae_stack_lora(w.qkv, lora_slots, x, qkv, T);
-        ae_rope(qkv, cos, sin, T, H + KVH, D, QKV);  // q and k heads, in place
-        ae_kv_write(qkv + H * D, qkv + (H + KVH) * D, kv, slots, T, KVH * D, QKV, QKV, s.v_off);
-        ae_decode_attention(qkv, kv, tables, lens, rows, att, T, H, KVH, D, s.block_size,
-                            s.table_stride, QKV, s.split, (float)w.scale, s.v_off, 0, 0.f);
+        const ae_t* q = qkv;  // the queries, q_stride apart, and the new keys and values
+        const ae_t* k = qkv + H * D;
+        const ae_t* v = qkv + (H + KVH) * D;
+        int64_t q_stride = QKV, k_stride = QKV;
+        if (w.q_norm.w != 0) {  // per-head norms into their own rows, as the module's
+            ae_t* qn = qk;
+            ae_t* kn = qk + T * H * D;
+            ae_rms_norm(qkv, nullptr, ae_ptr<const ae_t>(w.q_norm.w), qn, T, D, QKV, 0, eps, H,
+                        (float)w.q_norm.offset);
+            ae_rms_norm(qkv + H * D, nullptr, ae_ptr<const ae_t>(w.k_norm.w), kn, T, D, QKV, 0,
+                        eps, KVH, (float)w.k_norm.offset);
+            ae_rope(qn, cos, sin, T, H, D, H * D, R);
+            ae_rope(kn, cos, sin, T, KVH, D, KVH * D, R);
+            q = qn, k = kn, q_stride = H * D, k_stride = KVH * D;
+        } else {
+            ae_rope(qkv, cos, sin, T, H + KVH, D, QKV, R);  // q and k heads, in place
+        }
+        ae_kv_write(k, v, kv, slots, T, KVH * D, k_stride, QKV, s.v_off);
+        ae_decode_attention(q, kv, tables, lens, rows, att, T, H, KVH, D, s.block_size,
+                            s.table_stride, q_stride, s.split, (float)w.scale, s.v_off,
+                            w.window, (float)w.soft_cap);
         ae_stack_mm(w.o, att, hs, T, tiles);
         ae_stack_lora(w.o, lora_slots, att, hs, T);
-        ae_rms_norm(hs, residual, ae_ptr<const ae_t>(w.post_attn_norm.w), x, T, HD, HD, 1, eps);
-        ae_stack_mm(w.gate_up, x, gu, T, tiles);
-        ae_stack_lora(w.gate_up, lora_slots, x, gu, T);
-        ae_silu_mul(gu, act, T, I);
-        ae_stack_mm(w.down, act, hs, T, tiles);
-        ae_stack_lora(w.down, lora_slots, act, hs, T);
+        if (m.sandwich) {  // residual += post_attn_norm(h); x = pre_ff_norm(residual)
+            ae_stack_norm(w.post_attn_norm, hs, nullptr, hn, T, HD, eps);
+            ae_stack_norm(w.pre_ff_norm, hn, residual, x, T, HD, eps);
+        } else {
+            ae_stack_norm(w.post_attn_norm, hs, residual, x, T, HD, eps);
+        }
+        ae_t* mlp_out = m.sandwich ? hn : hs;
+        if (w.router != 0) {
+            ae_stack_moe(m, w, x, mlp_out, gu, act, T, tiles);
+        } else {
+            ae_stack_mm(w.gate_up, x, gu, T, tiles);
+            ae_stack_lora(w.gate_up, lora_slots, x, gu, T);
+            ae_silu_mul(gu, act, T, w.gate_up.n / 2, m.gelu);
+            ae_stack_mm(w.down, act, mlp_out, T, tiles);
+            ae_stack_lora(w.down, lora_slots, act, mlp_out, T);
+        }
+        if (m.sandwich) ae_stack_norm(w.post_ff_norm, hn, nullptr, hs, T, HD, eps);
     }
-    ae_rms_norm(hs, residual, ae_ptr<const ae_t>(m.final_norm.w), ae_ptr<ae_t>(s.out), T, HD, HD,
-                1, eps);
+    ae_stack_norm(m.final_norm, hs, residual, ae_ptr<ae_t>(s.out), T, HD, eps);
 }

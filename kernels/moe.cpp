@@ -24,12 +24,15 @@
 // once into L1 and multiplied against the group's rows. int8 scales: one per row
 // (--quantization int8) or per block of 32 (a GGUF file's Q8_0 experts). bfloat16 experts
 // (the CPU's default dtype where it has bfloat16 dot products) take the 512-bit tiles only.
+#pragma push_macro("kernel")  // included by the decode stack under its own name
+#undef kernel
 #define kernel ae_int4_mm
 #include "int4.cpp"
 #undef kernel
 #define kernel ae_int8_mm
 #include "int8.cpp"
 #undef kernel
+#pragma pop_macro("kernel")
 #include "moe512.h"
 
 enum { AE_MOE_F32 = 0, AE_MOE_INT8 = 1, AE_MOE_INT4 = 2, AE_MOE_BF16 = 3 };

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #define AE_STACK_PARTS 3  // a projection's parts at most (a GGUF fused q/k/v: 3)
+#define AE_STACK_ROPES 4  // RoPE tables at most (Gemma 3: local and global)
 
 // A projection's weight format (AeProj.kind).
 #define AE_W_NONE 0  // no such projection in this layer
@@ -36,19 +37,33 @@
     F(int64_t, lora_span) \
     F(int64_t, lora_r)
 
-// RMSNorm: w * x / rms(x).
+// RMSNorm: w * x / rms(x) (offset 0), or round(x / rms(x) * (offset + w)) (Gemma's 1 + w).
 #define AE_NORM_FIELDS(F, A, S) \
-    F(int64_t, w)         /* ae_t [dim] */
+    F(int64_t, w)         /* ae_t [dim] */ \
+    F(double, offset)
 
 #define AE_LAYER_FIELDS(F, A, S) \
     S(AeNorm, in_norm) \
     S(AeNorm, post_attn_norm) \
+    S(AeNorm, pre_ff_norm)    /* sandwich norms: after attention, before and after the MLP */ \
+    S(AeNorm, post_ff_norm) \
+    S(AeNorm, q_norm)         /* per-head q / k norms (w 0: none) */ \
+    S(AeNorm, k_norm) \
     S(AeProj, qkv) \
     S(AeProj, o) \
-    S(AeProj, gate_up) \
+    S(AeProj, gate_up)        /* the dense MLP, or a mixture's shared expert */ \
     S(AeProj, down) \
+    F(int64_t, rope)          /* index of the layer's RoPE table in AeStep.cos / sin */ \
+    F(int64_t, window)        /* attend the last `window` keys (0: all) */ \
+    F(double, soft_cap)       /* scores capped by cap * tanh(s / cap) (0: none) */ \
     F(double, scale) \
-    F(int64_t, kv)            /* the layer's KV cache [2, blocks, BS, KVH, D] of ae_kv_t */
+    F(int64_t, kv)            /* the layer's KV cache [2, blocks, BS, KVH, D] of ae_kv_t */ \
+    F(int64_t, router)        /* a mixture's router ae_t [E, HD] (0: a dense MLP) */ \
+    F(int64_t, w13)           /* its experts (moe.cpp): weights and scales */ \
+    F(int64_t, s13) \
+    F(int64_t, w2) \
+    F(int64_t, s2) \
+    F(int64_t, shared_gate)   /* the shared expert's gate ae_t [HD] (0: none) */
 
 #define AE_MODEL_FIELDS(F, A, S) \
     F(int64_t, num_layers) \
@@ -58,16 +73,26 @@
     F(int64_t, heads) \
     F(int64_t, kv_heads) \
     F(int64_t, head_dim) \
-    F(int64_t, intermediate) \
+    F(int64_t, rotary_dim)    /* the first rotary_dim of each head turn */ \
+    F(int64_t, intermediate)  /* the widest dense MLP or shared expert of any layer */ \
+    F(int64_t, gelu)          /* the MLP's activation: GELU-tanh (1) or SiLU (0) */ \
+    F(int64_t, sandwich)      /* Gemma's norms after attention and around the MLP */ \
     F(double, eps) \
-    S(AeNorm, final_norm)
+    S(AeNorm, final_norm) \
+    F(int64_t, experts)       /* a mixture: E experts, top_k a token, moe.cpp's kind */ \
+    F(int64_t, top_k) \
+    F(int64_t, expert_inter) \
+    F(int64_t, renormalize) \
+    F(int64_t, expert_kind) \
+    F(int64_t, g13) \
+    F(int64_t, g2)
 
 #define AE_STEP_FIELDS(F, A, S) \
     F(int64_t, h)             /* ae_t [T, HD]: the embeddings */ \
     F(int64_t, out)           /* ae_t [T, HD]: the final normed hidden states */ \
     F(int64_t, tokens)        /* T, one decode token per request, rows in order */ \
-    F(int64_t, cos)           /* ae_t [T, head_dim]: RotaryEmbedding's */ \
-    F(int64_t, sin) \
+    A(int64_t, cos, AE_STACK_ROPES) /* ae_t [T, rotary_dim] per RoPE table */ \
+    A(int64_t, sin, AE_STACK_ROPES) \
     F(int64_t, slots)         /* int64 [T]: the new tokens' cache slots */ \
     F(int64_t, tables)        /* decode_attention.cpp's block tables, lens, rows, split */ \
     F(int64_t, lens) \

@@ -1,5 +1,5 @@
 """The decode step's layers in one C++ call (``paths/cpu_stack.py``): the very numbers of
-the per-layer path, and only where it applies."""
+the per-layer path, for every family and weight format, and only where it applies."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from asyncengine.executor.paths.cpu_stack import DecodeStack
 from asyncengine.executor.weights.int4 import TILE_REQUESTS
 from asyncengine.executor.weights.loader import load_model, resolve_model
 from tests.executor.test_models import PagedRunner
+from tests.utils import FAMILIES, make_tiny_gguf, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not packed_kernels.available("int4"),
                                 reason="the packed CPU kernel does not build here")
@@ -140,6 +141,87 @@ def test_one_stack_takes_a_model_of_mixed_formats(dtype, monkeypatch, tmp_path):
             assert torch.equal(got[r], want[r]), r
 
 
+# A GGUF type per family (the tiny models' rows are too short for the k-quants' 256): the
+# blocks of 32 each in some family.
+_GGUF_TYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1")
+
+
+class _FamilyModels:
+    """Each tiny family's safetensors directory and GGUF file, made when first asked for."""
+
+    def __init__(self, root) -> None:
+        self.root, self.made = root, {}
+
+    def __getitem__(self, family: str) -> tuple[str, str]:
+        if family not in self.made:
+            # std 0.1: attention sharp enough that the windows and soft caps matter
+            d = make_tiny_model(self.root / family, family, initializer_range=0.1)
+            qtype = _GGUF_TYPES[list(FAMILIES).index(family) % len(_GGUF_TYPES)]
+            self.made[family] = (d, make_tiny_gguf(d, self.root / f"{family}-{qtype}.gguf",
+                                                   quant=qtype))
+        return self.made[family]
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory) -> _FamilyModels:
+    return _FamilyModels(tmp_path_factory.mktemp("stack-families"))
+
+
+def _check_family(model, monkeypatch, kv_dtype: torch.dtype | None = None) -> DecodeStack:
+    """Stack and per-layer path through one schedule, logits equal to the bit: a request past
+    every window (8 in the tiny Gemma / Mistral / Qwen2 ones) decoding alone, small steps,
+    and a step of 18 requests (int4 in bfloat16: the byte tiles; GGUF in bfloat16: the
+    kernel's own tiles)."""
+    stack = DecodeStack.for_model(model)
+    assert stack is not None, DecodeStack.why_not(model)
+    gen = torch.Generator().manual_seed(3)
+    prompts = {f"r{i}": torch.randint(0, 49152, (3 + 2 * i,), generator=gen) for i in range(17)}
+    prompts["long"] = torch.randint(0, 49152, (40,), generator=gen)
+    everyone = list(prompts)
+    decodes = [["long"], everyone[:3], everyone, ["r4", "long"], ["long"]]
+    ran = _count_runs(stack, monkeypatch)
+    fused = _run(model, stack, prompts, decodes, kv_dtype)
+    assert ran == [len(d) for d in decodes if len(d) < stack.max_rows]
+    per_layer = _run(model, None, prompts, decodes, kv_dtype)
+    for got, want in zip(fused, per_layer, strict=True):
+        for r in want:
+            assert torch.equal(got[r], want[r]), r
+    return stack
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_on_the_stack_equals_its_per_layer_path(family, family_models,
+                                                              monkeypatch):
+    """Each family of tests/utils.py (Gemma 2 / 3's norms, soft caps, windows and RoPE
+    tables, Qwen3's q / k norms, Phi-4-mini's partial rotary, Qwen2's biases, the mixtures
+    of experts...) in int4 and as a GGUF file kept packed, float32 and bfloat16: the stack's
+    logits are the per-layer path's, bit for bit."""
+    from asyncengine.executor.runtime import cpu_flags
+
+    directory, gguf = family_models[family]
+    bf16 = packed_kernels.int4_bf16_available()
+    for path, quantization in ((directory, "int4"), (gguf, "gguf")):
+        for dtype in (torch.float32, torch.bfloat16):
+            if dtype == torch.bfloat16 and quantization == "gguf" and bf16:
+                # the kernel's bfloat16 tiles up to FUSED_ROWS (the suite runs without)
+                monkeypatch.setattr(cpu_flags, "cpu_has_bf16", lambda: True)
+            model = load_model(resolve_model(path), "auto", dtype, "cpu",
+                               quantization=quantization)
+            stack = _check_family(model, monkeypatch)
+            monkeypatch.undo()
+            assert stack.formats == (("int4",) if quantization == "int4" else ("GGUF blocks",))
+
+
+@pytest.mark.parametrize(("family", "kv_dtype"), [("gemma2", torch.float8_e4m3fn),
+                                                  ("qwen2_moe", torch.float8_e5m2)])
+def test_families_on_the_stack_with_a_float8_cache(family, kv_dtype, family_models,
+                                                   monkeypatch):
+    directory, _ = family_models[family]
+    model = load_model(resolve_model(directory), "auto", torch.float32, "cpu",
+                       quantization="int4")
+    _check_family(model, monkeypatch, kv_dtype)
+
+
 def test_gguf_stack_takes_fused_tile_batches(monkeypatch, tmp_path):
     """A bfloat16 GGUF model where the kernel multiplies bfloat16 tiles itself
     (``kquant_tile.h``): decode steps of 16 to 64 tokens run in the stack too, to the bit the
@@ -189,13 +271,14 @@ def test_the_structs_layout_is_checked_when_the_stack_loads():
 
 
 def test_stack_only_where_it_applies(tiny_models, monkeypatch):
-    # float weights, a model with per-head norms, or the own kernels turned off: no stack
+    # float weights, a format the stack does not take (int8), or the own kernels turned
+    # off: no stack
     path = tiny_models["llama"]
     assert DecodeStack.for_model(load_model(resolve_model(path), "auto", torch.float32,
                                             "cpu")) is None
-    qwen3 = load_model(resolve_model(tiny_models["qwen3"]), "auto", torch.float32, "cpu",
-                       quantization="int4")
-    assert DecodeStack.for_model(qwen3) is None
+    int8 = load_model(resolve_model(tiny_models["qwen3"]), "auto", torch.float32, "cpu",
+                      quantization="int8")
+    assert "Int8Linear" in DecodeStack.why_not(int8)
     model = load_model(resolve_model(path), "auto", torch.float32, "cpu", quantization="int4")
     monkeypatch.setattr(layer_ops, "ENABLED", False)
     assert DecodeStack.for_model(model) is None

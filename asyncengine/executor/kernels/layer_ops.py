@@ -5,9 +5,12 @@ OpenMP team; at one decode token a Llama layer is ~60 such ops around its 7 matm
 makes those costs most of a batch-1 step. Here each of these becomes one call of an own
 kernel (``<name>.cpp``, float32 and bfloat16):
 
-- ``rms_norm``: the residual add and the RMSNorm after it (``rms_norm.cpp``);
-- ``rope_``: RoPE on q and k, in place in the fused qkv output (``rope.cpp``);
-- ``silu_mul``: SiLU(gate) * up from the fused gate_up output (``silu_mul.cpp``);
+- ``rms_norm``: the residual add and the RMSNorm after it, Gemma's ``1 + w`` scale, per-head
+  q / k norms (``rms_norm.cpp``);
+- ``rope_``: RoPE on q and k, in place in the fused qkv output, whole heads or their first
+  rotary dims (``rope.cpp``);
+- ``act_mul``: SiLU(gate) * up, or GELU-tanh's, from the fused gate_up output
+  (``silu_mul.cpp``);
 - ``kv_write``: the step's K/V rows into their paged-cache slots (``kv_write.cpp``);
 - ``decode_attention``: one query token per request against the paged cache read in place,
   split across threads by (request, KV head, span of positions) and merged exactly
@@ -36,9 +39,10 @@ ENABLED = environment.on(ENV)
 
 _ARGS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("const ae_t*", "ae_t*", "const ae_t*", "ae_t*", "int64_t", "int64_t",
-                 "int64_t", "int64_t", "float"),
-    "rope": ("ae_t*", "const ae_t*", "const ae_t*", "int64_t", "int64_t", "int64_t", "int64_t"),
-    "silu_mul": ("const ae_t*", "ae_t*", "int64_t", "int64_t"),
+                 "int64_t", "int64_t", "float", "int64_t", "float"),
+    "rope": ("ae_t*", "const ae_t*", "const ae_t*", "int64_t", "int64_t", "int64_t", "int64_t",
+             "int64_t"),
+    "silu_mul": ("const ae_t*", "ae_t*", "int64_t", "int64_t", "int64_t"),
     "kv_write": ("const ae_t*", "const ae_t*", "ae_kv_t*", "const int64_t*", "int64_t", "int64_t",
                  "int64_t", "int64_t", "int64_t"),
     "decode_attention": ("const ae_t*", "const ae_kv_t*", "const int64_t*", "const int64_t*",
@@ -100,32 +104,48 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None
+             residual: torch.Tensor | None = None, offset: float = 0.0
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [T, N] (rows may be strided) -> ``weight * norm(x)``. With ``residual``
+    """``x`` [T, N] (rows may be strided) -> ``weight * norm(x)``, or with ``offset``
+    ``norm(x) * (offset + weight)`` (Gemma's, in float32, rounded once). With ``residual``
     ([T, N], contiguous): it becomes ``x + residual`` in place, and the result is
-    ``(weight * norm(x + residual), residual)``."""
-    T, N = x.shape
-    out = torch.empty(T, N, dtype=x.dtype)
+    ``(weight * norm(x + residual), residual)``. ``x`` may be [T, heads, N] (heads
+    contiguous, no residual): each head normed, a per-head q / k norm; the result contiguous."""
+    heads = x.shape[1] if x.dim() == 3 else 1
+    T, N = x.shape[0], x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype)
     _kernels(x.dtype)["rms_norm"](x, out if residual is None else residual, weight, out, T, N,
-                                  x.stride(0), int(residual is not None), float(eps))
+                                  x.stride(0), int(residual is not None), float(eps), heads,
+                                  float(offset))
     return out if residual is None else (out, residual)
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE in place on ``x`` [T, heads, D] (heads contiguous, rows may be strided); cos, sin
-    from ``RotaryEmbedding`` ([T, 1, 2, D / 2], contiguous). Returns ``x``."""
+    from ``RotaryEmbedding`` ([T, 1, 2, R / 2], contiguous): the first R of each head turn
+    (R = D, or fewer: partial rotary). Returns ``x``."""
     T, heads, D = x.shape
-    _kernels(x.dtype)["rope"](x, cos, sin, T, heads, D, x.stride(0))
+    _kernels(x.dtype)["rope"](x, cos, sin, T, heads, D, x.stride(0), 2 * cos.shape[-1])
     return x
+
+
+#: ``act_mul``'s activations, by the name ``ModelSpec.activation`` gives.
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``gate_up`` [T, 2 I] (contiguous) -> ``act(gate) * up`` [T, I], ``act`` SiLU or
+    GELU's tanh form (``ACTIVATIONS``)."""
+    T, two_i = gate_up.shape
+    out = torch.empty(T, two_i // 2, dtype=gate_up.dtype)
+    _kernels(gate_up.dtype)["silu_mul"](gate_up, out, T, two_i // 2,
+                                        ACTIVATIONS.index(activation))
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``gate_up`` [T, 2 I] (contiguous) -> ``silu(gate) * up`` [T, I]."""
-    T, two_i = gate_up.shape
-    out = torch.empty(T, two_i // 2, dtype=gate_up.dtype)
-    _kernels(gate_up.dtype)["silu_mul"](gate_up, out, T, two_i // 2)
-    return out
+    return act_mul(gate_up, "silu")
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -8,10 +8,11 @@ norms around attention and the MLP, embedding scale, soft-caps, partial rotary, 
 its attention window and its RoPE table. Adding a family is one describer below (usually a
 few lines over :func:`_base`) and its architecture names in ``registry.py``.
 
-The fast paths that know only the plain Llama layout (the C++ decode stack, ``--compile``,
-tensor parallelism, the sliced greedy head) read :meth:`ModelSpec.lacks`: a family that needs
-what they do not do runs the general path instead, and loading it says so in one log line
-(``--tensor-parallel-size`` on such a family is refused, naming the flag).
+The fast paths that know only the plain Llama layout (``--compile``, tensor parallelism, the
+sliced greedy head) read :meth:`ModelSpec.lacks`: a family that needs what they do not do
+runs the general path instead, and loading it says so in one log line
+(``--tensor-parallel-size`` on such a family is refused, naming the flag). The C++ decode
+stack reads the whole description (``paths/stack_model.py``) and takes every family.
 """
 
 from __future__ import annotations
@@ -82,12 +83,7 @@ class ModelSpec:
         """Fast paths this family cannot take, each with the reason (for one log line)."""
         one_pass = (self.embed_scale is None and self.moe is None and len(self.ropes) == 1
                     and all(layer.attention == AttentionOptions() for layer in self.layers))
-        plain = (one_pass and self.activation == "silu" and self.norm_offset == 0
-                 and not self.qk_norm and not self.sandwich_norms
-                 and self.final_soft_cap is None and self.rotary_dim == self.head_dim)
         out: dict[str, str] = {}
-        if not plain:
-            out["decode_stack"] = f"the {self.family} layout differs from Llama's"
         if not one_pass:  # the compiled forward traces one RoPE table and plain attention
             out["compile"] = (f"{self.family} has per-layer attention variants, experts or "
                               "scaled embeddings, which the compiled path does not trace")

@@ -44,7 +44,8 @@ class RMSNorm(nn.Module):
     """``w * x / rms(x)``; Gemma's variant (``offset=1``) scales by ``1 + w`` in float32.
 
     Gemma's norms in float32 weights are turned into the plain form at load
-    (``fold_offset``: ``w + 1`` stored), so that they take the C++ kernel too."""
+    (``fold_offset``: ``w + 1`` stored); in bfloat16 (where ``1 + w`` would round) the C++
+    kernel adds the offset itself."""
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
@@ -62,8 +63,9 @@ class RMSNorm(nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)`` (the
         residual add fused; the given ``residual`` tensor may be updated in place)."""
-        if not self.offset and x.dim() == 2 and layer_ops.usable(x):
-            return layer_ops.rms_norm(x, self.weight, self.eps, residual)
+        if (x.dim() == 2 or residual is None and x.dim() == 3 and x.stride(2) == 1
+                and x.stride(1) == x.shape[2]) and layer_ops.usable(x):
+            return layer_ops.rms_norm(x, self.weight, self.eps, residual, self.offset)
         if self.offset in (0.0, 1.0) and x.dim() == 2 and cuda_layer_ops.usable(x):
             return cuda_layer_ops.rms_norm(x, self.weight, self.eps, residual,
                                            gemma=self.offset == 1.0)
@@ -108,8 +110,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if self.activation == "silu" and layer_ops.usable(gate_up):
-            return self.down_proj(layer_ops.silu_mul(gate_up))
+        if layer_ops.usable(gate_up):
+            return self.down_proj(layer_ops.act_mul(gate_up, self.activation))
         if cuda_layer_ops.usable(gate_up) and cuda_layer_ops.has_activation(self.activation):
             return self.down_proj(cuda_layer_ops.act_mul(gate_up, self.activation))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
@@ -119,8 +121,8 @@ class MLP(nn.Module):
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``x`` [T, heads, head_dim]: in place by the CPU kernel (whole heads only),
-    else ``apply_rope``."""
-    if 2 * cos.shape[-1] == x.shape[-1] and layer_ops.usable(x):
+    """RoPE on ``x`` [T, heads, head_dim]: in place by the CPU kernel (whole heads or their
+    first rotary dims), else ``apply_rope``."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2] and layer_ops.usable(x):
         return layer_ops.rope_(x, cos, sin)
     return apply_rope(x, cos, sin)

@@ -12,7 +12,9 @@ The ``T * k`` (token, expert) assignments are sorted by expert, so that each exp
 form one contiguous group and every expert weight is read once per step: the experts of a
 layer are one call of the C++ kernel ``kernels/moe.cpp`` (float32, int8 or packed int4
 weights; bfloat16 ones with its AVX-512 tiles), or, where it cannot build, ``torch.nn.functional
-.grouped_mm`` over the same groups. Nothing loops over tokens or experts in Python.
+.grouped_mm`` over the same groups. Nothing loops over tokens or experts in Python. Where
+``moe.cpp`` runs, the routing (and the shared expert's gate) is one call of
+``kernels/moe_route.cpp`` too, the kernel the C++ decode stack routes with.
 
 Weights are stacked per expert: ``w13`` [E, 2 I, H] (gate rows, then up rows) and ``w2``
 [E, H, I]. A checkpoint's per-expert tensors (``experts.3.gate_proj.weight``, Mixtral's
@@ -34,7 +36,7 @@ from torch import nn
 
 from asyncengine.executor.kernels import build
 from asyncengine.executor.kernels import packed as packed_kernels
-from asyncengine.executor.models.layers import MLP
+from asyncengine.executor.models.layers import MLP, Linear
 
 if TYPE_CHECKING:
     from asyncengine.executor.models.family import ModelSpec
@@ -45,12 +47,20 @@ _ARGS = ("const float*", "const int64_t*", "const int64_t*", "const float*", "co
          "const uint8_t*", "const uint8_t*", "const uint8_t*", "float*", "int64_t", "int64_t",
          "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t")
 _KINDS = {"float32": 0, "int8": 1, "int4": 2, "bfloat16": 3}
+_ROUTE_ARGS = ("const ae_t*", "const ae_t*", "const ae_t*", "int64_t*", "int64_t*", "float*",
+               "ae_t*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t")
 _warned: set[str] = set()
 
 
 def kernel() -> object | None:
     """The compiled ``moe.cpp`` kernel, or None where it does not build."""
     return build.load("moe", _ARGS)
+
+
+def route_kernel(dtype: torch.dtype) -> object | None:
+    """The compiled ``moe_route.cpp`` for activations of ``dtype``, or None."""
+    code = build.DTYPE_CODES.get(dtype)
+    return None if code is None else build.load("moe_route", _ROUTE_ARGS, code)
 
 
 @functools.cache
@@ -156,10 +166,13 @@ class SparseMoE(nn.Module):
                     what = {("w13", 0): "gate_proj", ("w13", 1): "up_proj"}.get(
                         (stack, half), "down_proj")
                     missing.append(f"experts.{lost[0]}.{what}.weight")
-        if self.shared_expert is not None:
-            missing += [f"shared_expert.{n}" for n in ("gate_proj.weight", "up_proj.weight",
-                                                       "down_proj.weight")
-                        if f"shared_expert.{n}" not in self._loaded]
+        if self.shared_expert is not None:  # (a GGUF file's blocks kept packed: installed)
+            mlp = self.shared_expert
+            of = {"gate_proj": mlp.gate_up_proj, "up_proj": mlp.gate_up_proj,
+                  "down_proj": mlp.down_proj}
+            missing += [f"shared_expert.{n}.weight" for n in of
+                        if f"shared_expert.{n}.weight" not in self._loaded
+                        and isinstance(of[n], Linear)]
         return missing
 
     # -- quantization --------------------------------------------------------------------
@@ -241,19 +254,46 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        weights, experts = self.route(x)
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # assignments sorted by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        if self._use_kernel(x):
-            out = self._kernel(x, weights, order, counts)
+        gate = None
+        use_kernel = self._use_kernel(x)
+        route = route_kernel(x.dtype) if use_kernel else None
+        if route is not None:
+            rows, offs, wts, gate = self._route_cpu(route, x)
+            out = self._kernel(x, rows, offs, wts)
         else:
-            out = self._grouped(x, weights, order, counts)
+            weights, experts = self.route(x)
+            flat = experts.reshape(-1)
+            order = torch.argsort(flat, stable=True)  # assignments sorted by expert
+            counts = torch.bincount(flat, minlength=self.num_experts)
+            if use_kernel:
+                offs = torch.zeros(self.num_experts + 1, dtype=torch.int64)
+                torch.cumsum(counts, 0, out=offs[1:])
+                out = self._kernel(x, order // self.top_k, offs, weights.reshape(-1)[order])
+            else:
+                out = self._grouped(x, weights, order, counts)
         out = out.to(x.dtype)
         if self.shared_expert is not None:
-            gate = torch.sigmoid(F.linear(x, self.shared_expert_gate.to(x.dtype)))
+            if gate is None:
+                gate = torch.sigmoid(F.linear(x, self.shared_expert_gate.to(x.dtype)))
             out = out + gate * self.shared_expert(x)
         return out.view(T, self.hidden)
+
+    def _route_cpu(self, route: Any, x: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``moe_route.cpp``'s routing of ``x``: each assignment's token (sorted by expert),
+        where each expert's start, their weights; the shared expert's gate [T, 1] (or None)."""
+        T, k = x.shape[0], self.top_k
+        x = x.contiguous()
+        rows = torch.empty(T * k, dtype=torch.int64)
+        offs = torch.empty(self.num_experts + 1, dtype=torch.int64)
+        wts = torch.empty(T * k, dtype=torch.float32)
+        shared = self.shared_expert is not None
+        gate = torch.empty(T, 1, dtype=x.dtype)
+        route(x, self.router.to(x.dtype).contiguous(),
+              self.shared_expert_gate.to(x.dtype).contiguous() if shared else x, rows, offs,
+              wts, gate, T, self.hidden, self.num_experts, k, int(self.renormalize),
+              int(shared))
+        return rows, offs, wts, gate if shared else None
 
     def _use_kernel(self, x: torch.Tensor) -> bool:
         ok = (x.device.type == "cpu" and not torch.compiler.is_compiling()
@@ -269,21 +309,27 @@ class SparseMoE(nn.Module):
                         "no compiler" if kernel() is None else "shape")
         return ok
 
-    def _kernel(self, x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
-                counts: torch.Tensor) -> torch.Tensor:
-        T, k = weights.shape
-        offs = torch.zeros(self.num_experts + 1, dtype=torch.int64)
-        torch.cumsum(counts, 0, out=offs[1:])
+    def _kernel(self, x: torch.Tensor, rows: torch.Tensor, offs: torch.Tensor,
+                wts: torch.Tensor) -> torch.Tensor:
+        """``moe.cpp`` over the assignments sorted by expert: ``rows`` their tokens, ``offs``
+        [E + 1] where each expert's start, ``wts`` their weights."""
+        T, k = x.shape[0], self.top_k
         out = torch.empty(T, self.hidden, dtype=torch.float32)
+        w13, s13, w2, s2, kind, g13, g2 = self.kernel_weights()
+        kernel()(x.float().contiguous(), rows, offs, wts, w13, s13, w2, s2, out, T, k,
+                 self.num_experts, self.hidden, self.intermediate, kind, g13, g2)
+        return out
+
+    def kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      int, int, int]:
+        """``moe.cpp``'s weight arguments: w13, its scales, w2, its scales (a float expert's:
+        its weights again), the kind, and int8's group sizes of w13 and w2."""
         s13 = getattr(self, "w13_scale", self.w13)
         s2 = getattr(self, "w2_scale", self.w2)
         g13 = self.hidden // s13.shape[-1] if self.quant == "int8" else 0
         g2 = self.intermediate // s2.shape[-1] if self.quant == "int8" else 0
         kind = _KINDS["bfloat16" if self.w13.dtype == torch.bfloat16 else self.quant]
-        kernel()(x.float().contiguous(), order // k, offs, weights.reshape(-1)[order], self.w13,
-                 s13, self.w2, s2, out, T, k, self.num_experts, self.hidden, self.intermediate,
-                 kind, g13, g2)
-        return out
+        return self.w13, s13, self.w2, s2, kind, g13, g2
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:

@@ -10,11 +10,13 @@ from C++, for every layer: the step's hidden states go in after the embedding an
 after the final norm, to the bit what the per-op path computes.
 
 It runs when a step is all decodes that ``torch_paged`` attends with its in-place kernel
-(``TorchPagedBackend.decode_plan``), for a model of the plain Llama layout
-(``ModelSpec.lacks``) whose projections are each of a weight format of ``stack_formats.py``,
-multiplied as its module multiplies them: int4 (``Int4Linear``: the default for the embedded
-Q4_1 GGUF and ``--quantization int4``; in bfloat16 through its bfloat16 kernel, where it
-runs, and, for steps of ``int4.TILE_REQUESTS`` requests or more, its byte tiles) or a GGUF
+(``TorchPagedBackend.decode_plan``), for a model of any family (``stack_model.py`` reads its
+description: Gemma's norms, q / k norms, GELU-tanh, windows, soft caps, per-layer RoPE tables,
+partial rotary, biases, mixtures of experts) whose projections are each of a weight format
+of ``stack_formats.py``, multiplied as its module multiplies them: int4 (``Int4Linear``: the
+default for the embedded Q4_1 GGUF and ``--quantization int4``; in bfloat16 through its
+bfloat16 kernel, where it runs, and, for steps of ``int4.TILE_REQUESTS`` requests or more,
+its byte tiles) or a GGUF
 file's blocks kept packed (``GGUFLinear``, ``--quantization gguf``: Q4_K_M's mix of types, a
 fused projection's parts in their own types, Qwen2's q/k/v bias); and when the step has
 fewer tokens than every projection's module keeps to its own kernel for (``max_rows``).
@@ -35,13 +37,15 @@ import torch
 
 from asyncengine.executor.kernels import layer_ops
 from asyncengine.executor.kernels.build import DTYPE_CODES, KV_CODES, load
-from asyncengine.executor.paths import stack_formats, stack_layout
+from asyncengine.executor.paths import stack_formats, stack_layout, stack_model
 from asyncengine.executor.paths.base import DECODE, PathContext, StepPath, begin
-from asyncengine.executor.paths.stack_layout import AeLayer, AeModel, AeStep
+from asyncengine.executor.paths.stack_layout import AeStep
+from asyncengine.executor.paths.stack_model import StackModel
 
 # the addresses of the model's and the step's structs of kernels/stack_layout.h
 # (``stack_layout.py``); or 0, 0 and where to write their layout
 _ARGS = ("uintptr_t", "uintptr_t", "uintptr_t")
+# the projections LoRA adapts, by AeLayer field
 _PROJS = (("qkv", "self_attn.qkv_proj"), ("o", "self_attn.o_proj"),
           ("gate_up", "mlp.gate_up_proj"), ("down", "mlp.down_proj"))
 
@@ -64,37 +68,17 @@ class DecodeStack:
         self.fn = _load(dtype)
         self.dtype = dtype  # of the activations and norms (and the KV cache, but float8)
         self.num_layers = model.num_layers
-        self.rope = model.spec.layers[0].rope  # the one RoPE table of the Llama layout
         self.num_kv_heads, self.hidden = model.num_kv_heads, model.hidden_size
-        self._pointed: list[torch.Tensor] = []  # what the structs point at, kept alive
-        m = self.model = AeModel()
-        m.num_layers, m.elem_size = model.num_layers, torch.empty(0, dtype=dtype).element_size()
-        m.hidden, m.heads, m.kv_heads = model.hidden_size, model.num_heads, model.num_kv_heads
-        m.head_dim, m.intermediate = model.head_dim, model.config.intermediate_size
-        m.eps = float(model.model.norm.eps)
-        m.final_norm.w = self._point(model.model.norm.weight)
-        self.layers = (AeLayer * model.num_layers)()
-        formats: set[type[stack_formats.Format]] = set()
+        built = self.built = StackModel(model, dtype)
+        self.layers, self.ropes = built.layers, built.ropes  # RoPE tables by AeLayer.rope
+        self.formats = built.format_names
         # the most tokens a step may have: every projection's module keeps to its kernel
-        self.max_rows = 1 << 62
+        self.max_rows = built.max_rows
         # int4 in bfloat16: from this many requests a step's matmuls take the byte tiles
         # (never, where they are not compiled in: Int4Linear then keeps the row kernel)
-        self.tile_requests = 1 << 62
-        for layer, w in zip(model.model.layers, self.layers, strict=True):
-            w.in_norm.w = self._point(layer.input_layernorm.weight)
-            w.post_attn_norm.w = self._point(layer.post_attention_layernorm.weight)
-            for field, name in _PROJS:
-                lin = layer.get_submodule(name)
-                fmt = stack_formats.fill(getattr(w, field), lin, dtype, self._point)
-                formats.add(fmt)
-                self.max_rows = min(self.max_rows, fmt.max_rows(lin, dtype))
-                self.tile_requests = min(self.tile_requests,
-                                         fmt.tile_requests(lin, dtype) or 1 << 62)
-            w.scale = float(layer.self_attn.scale)
-        self.formats = tuple(f.name for f in stack_formats.FORMATS if f in formats)
-        m.layers = stack_layout.address(self.layers)
+        self.tile_requests = built.tile_requests
         self.step = AeStep()
-        self._args = (stack_layout.address(m), stack_layout.address(self.step), 0)
+        self._args = (stack_layout.address(built.model), stack_layout.address(self.step), 0)
         self._fp8_fns: dict[torch.dtype, Any] = {}  # the stack for a float8 KV cache
         self._caches: tuple[int, ...] = ()
         self._cache_tensors: list[torch.Tensor] = []
@@ -108,10 +92,6 @@ class DecodeStack:
                 and dtype == torch.float32 and self._lora(tables)):
             self.lora_table = tables
 
-    def _point(self, t: torch.Tensor) -> int:
-        self._pointed.append(t)
-        return t.data_ptr()
-
     def _lora(self, tables: Any) -> bool:
         """Each projection's LoRA slot tables, when every layer's four have them."""
         found = [[tables.get(f"model.layers.{i}.{name}") for _, name in _PROJS]
@@ -120,9 +100,9 @@ class DecodeStack:
             return False
         for row, w in zip(found, self.layers, strict=True):
             for t, (field, _) in zip(row, _PROJS, strict=True):
-                p = getattr(w, field)
-                p.lora_a, p.lora_b = self._point(t.A), self._point(t.B)
-                p.lora_rows, p.lora_span = self._point(t.rows), self._point(t.span)
+                p, point = getattr(w, field), self.built.point
+                p.lora_a, p.lora_b = point(t.A), point(t.B)
+                p.lora_rows, p.lora_span = point(t.rows), point(t.span)
                 p.lora_r = t.A.shape[1]
         return True
 
@@ -135,19 +115,12 @@ class DecodeStack:
             return "not a built-in family's decoder"
         if not layer_ops.ENABLED:
             return f"{layer_ops.ENV}=0"
-        if "decode_stack" in spec.lacks():
-            return spec.lacks()["decode_stack"]
         dtype = model.model.norm.weight.dtype
         if dtype not in (torch.float32, torch.bfloat16):
             return f"{str(dtype).removeprefix('torch.')} activations"
-        for layer in model.model.layers:
-            for _, name in _PROJS:
-                why = stack_formats.why_not(layer.get_submodule(name), dtype)
-                if why is not None:
-                    return f"its projections are not all int4 or GGUF blocks kept packed ({why})"
-            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            if any(w.dtype != dtype or w.device.type != "cpu" for w in norms):
-                return "its norms are not in the activations' dtype on the CPU"
+        why = stack_model.why_not(model, dtype)
+        if why is not None:
+            return why
         if _load(dtype) is None:
             return "the C++ stack did not build"
         return None
@@ -177,7 +150,6 @@ class DecodeStack:
         plan = plan_of(meta, h, self.num_kv_heads) if plan_of is not None else None
         if plan is None:
             return None
-        cos, sin = tables[self.rope]
         kv = kv_caches[0]
         fn = self.fn if kv.dtype == self.dtype else self._fp8_fn(kv.dtype)
         if fn is None or kv.stride(0) != kv_caches[-1].stride(0):
@@ -187,7 +159,9 @@ class DecodeStack:
         out = torch.empty(T, self.hidden, dtype=self.dtype)
         s = self.step
         s.h, s.out, s.tokens = h.data_ptr(), out.data_ptr(), T
-        s.cos, s.sin = cos.data_ptr(), sin.data_ptr()
+        for i, name in enumerate(self.ropes):
+            cos, sin = tables[name]
+            s.cos[i], s.sin[i] = cos.data_ptr(), sin.data_ptr()
         s.slots, s.tables = meta.slot_mapping.data_ptr(), plan.tables.data_ptr()
         s.lens, s.rows = plan.lens.data_ptr(), plan.rows.data_ptr()
         s.table_stride, s.split = plan.tables.stride(0), plan.split
