@@ -281,12 +281,19 @@ def _quantize_int4(model: nn.Module, grids: dict[str, Any]) -> None:
 
 
 def weight_footprint(model: nn.Module) -> dict[str, float]:
-    """MB of the model's parameters and buffers by kind (dtype; packed int4 as "int4")."""
+    """MB of the model's parameters and buffers by kind (dtype; packed int4 as "int4"), each
+    storage counted once: a tied head reads the embedding's own bytes."""
     sizes: dict[str, float] = {}
+    seen: set[tuple[str, int]] = set()
     for mod in model.modules():
         for pname, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
             if t is None:
                 continue
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if storage.nbytes() and key in seen:
+                continue
+            seen.add(key)
             kind = "int4" if pname == "packed" else str(t.dtype).removeprefix("torch.")
-            sizes[kind] = sizes.get(kind, 0.0) + t.numel() * t.element_size() / 2**20
+            sizes[kind] = sizes.get(kind, 0.0) + storage.nbytes() / 2**20
     return sizes
