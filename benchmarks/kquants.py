@@ -2,15 +2,18 @@
 llama-server on the same file, in one run (``asyncengine bench peers``'s load: 100-token
 prompts, 128 tokens out, streamed, ignore_eos, concurrency 1 and 32).
 
-The model: Qwen2.5-0.5B's shape (24 layers, hidden 896, MLP 4864, 14 heads / 2 KV heads, a
-151936 vocabulary, tied embeddings) with random weights made by transformers (std 0.02, seed
-0), the SmolLM2 tokenizer (padded to the vocabulary by the converter), converted by llama.cpp's
-own ``convert_hf_to_gguf.py`` to F16 and quantized to Q4_K_M by ``llama-quantize``: the file
-mixes Q4_K, Q6_K, Q5_0/Q8_0 and F32 as a downloaded one does.
+The model (``--shape``): Qwen2.5-0.5B's shape (``qwen2.5-0.5b``, the default: 24 layers,
+hidden 896, MLP 4864, 14 heads / 2 KV heads, a 151936 vocabulary, tied embeddings) or Gemma 3
+270M's (``gemma-3-270m``: 18 layers, hidden 640, MLP 2048, 4 heads / 1 KV head of 256, a
+262144 vocabulary, tied embeddings, sliding window 512 on five layers of six), with random
+weights made by transformers (std 0.02, seed 0), the SmolLM2 tokenizer (padded to the
+vocabulary by the converter), converted by llama.cpp's own ``convert_hf_to_gguf.py`` to F16
+and quantized to Q4_K_M by ``llama-quantize``: the file mixes Q4_K, Q6_K, Q5_0/Q8_0 and F32
+as a downloaded one does.
 
     python benchmarks/kquants.py --llama-cpp DIR --llama-bin DIR [--work DIR] \\
-        [--concurrency 1 32] [--prompts-per-stream 4] [--skip-serve | --matrices] \\
-        [--convert-path DIR] [--vllm-python PY [--vllm-args ARGS]]
+        [--shape qwen2.5-0.5b|gemma-3-270m] [--concurrency 1 32] [--prompts-per-stream 4] \\
+        [--skip-serve | --matrices] [--convert-path DIR] [--vllm-python PY [--vllm-args ARGS]]
 
 ``--llama-cpp``: llama.cpp's sources (``convert_hf_to_gguf.py`` and its ``gguf-py``), e.g.
 the ``vendor/llama.cpp`` of the llama-cpp-python sdist; ``--llama-bin``: where
@@ -33,11 +36,27 @@ QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
                   num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                   max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                   num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                   head_dim=256, sliding_window=512, query_pre_attn_scalar=256,
+                   max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                   layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                for i in range(18)],
+                   rope_parameters={"full_attention": {"rope_type": "default",
+                                                       "rope_theta": 1000000.0},
+                                    "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 10000.0}},
+                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# --shape: (transformers config class, architecture, its keyword arguments)
+SHAPES = {"qwen2.5-0.5b": ("Qwen2Config", "Qwen2ForCausalLM", QWEN25_05B),
+          "gemma-3-270m": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3_270M)}
 
 
-# llama.cpp's converter, run as it is except for one thing: the SmolLM2 tokenizer re-saved by
+# llama.cpp's converter, run as it is except for two things: the SmolLM2 tokenizer re-saved by
 # transformers hashes differently from the file the converter knows, so its pre-tokenizer
-# is named here ("smollm", what the converter picks for SmolLM2's own tokenizer.json).
+# is named here ("smollm", what the converter picks for SmolLM2's own tokenizer.json); and
+# Gemma 3's converter cuts the embedding down to the tokenizer's own tokens (49152 here), so
+# the embedding goes through the base class whole, as the padded vocabulary has it.
 _CONVERT = """
 import runpy, sys
 from pathlib import Path
@@ -45,17 +64,25 @@ script = sys.argv[1]
 sys.argv = sys.argv[1:]
 sys.path.insert(0, str(Path(script).parent))
 import conversion.base as base
+import conversion.gemma as gemma
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "smollm"
+_modify = gemma.Gemma3Model.modify_tensors
+def modify_tensors(self, data, name, bid):
+    if "embed_tokens.weight" in name:
+        return base.TextModel.modify_tensors(self, data, name, bid)
+    return _modify(self, data, name, bid)
+gemma.Gemma3Model.modify_tensors = modify_tensors
 runpy.run_path(script, run_name="__main__")
 """
 
 
-def make_hf_model(directory: Path, tokenizer_dir: Path) -> None:
+def make_hf_model(directory: Path, tokenizer_dir: Path, shape: str = "qwen2.5-0.5b") -> None:
     import torch
     import transformers
 
-    config = transformers.Qwen2Config(**QWEN25_05B)
-    config.architectures = ["Qwen2ForCausalLM"]
+    config_class, architecture, kwargs = SHAPES[shape]
+    config = getattr(transformers, config_class)(**kwargs)
+    config.architectures = [architecture]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(directory))
@@ -78,16 +105,16 @@ def smollm2_tokenizer(work: Path) -> Path:
     return target
 
 
-def make_q4_k_m(work: Path, llama_cpp: Path, llama_bin: Path, convert_path: str = ""
-                ) -> Path:
+def make_q4_k_m(work: Path, llama_cpp: Path, llama_bin: Path, convert_path: str = "",
+                shape: str = "qwen2.5-0.5b") -> Path:
     """The Q4_K_M file (made once; reused when present)."""
-    out = work / "qwen2.5-0.5b-shape-Q4_K_M.gguf"
+    out = work / f"{shape}-shape-Q4_K_M.gguf"
     if out.is_file():
         return out
-    hf = work / "hf"
+    hf = hf_dir(work, shape)
     if not (hf / "config.json").is_file():
-        make_hf_model(hf, smollm2_tokenizer(work))
-    f16 = work / "qwen2.5-0.5b-shape-F16.gguf"
+        make_hf_model(hf, smollm2_tokenizer(work), shape)
+    f16 = work / f"{shape}-shape-F16.gguf"
     if not f16.is_file():
         # the converter imports sentencepiece even for a BPE tokenizer: ``--convert-path``
         # adds a folder holding it (``pip install --target DIR sentencepiece``)
@@ -100,6 +127,12 @@ def make_q4_k_m(work: Path, llama_cpp: Path, llama_bin: Path, convert_path: str 
     subprocess.run([str(llama_bin / "llama-quantize"), str(f16), str(out), "Q4_K_M"],
                    check=True)
     return out
+
+
+def hf_dir(work: Path, shape: str) -> Path:
+    """The safetensors directory the file is converted from (``hf`` for the default shape, as
+    before the shapes)."""
+    return work / ("hf" if shape == "qwen2.5-0.5b" else f"hf-{shape}")
 
 
 def file_types(path: Path) -> str:
@@ -154,6 +187,8 @@ def main() -> int:
     parser.add_argument("--convert-path", default="",
                         help="a folder added to PYTHONPATH for convert_hf_to_gguf.py")
     parser.add_argument("--work", type=Path, default=Path("/tmp/asyncengine-kquants-bench"))
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b",
+                        help="the model's shape (random weights)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompts-per-stream", type=int, default=4,
                         help="requests per run: this times the concurrency, at least 8")
@@ -174,7 +209,7 @@ def main() -> int:
                              "--gpu-memory-utilization is the share of the machine's memory)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    path = make_q4_k_m(args.work, args.llama_cpp, args.llama_bin, args.convert_path)
+    path = make_q4_k_m(args.work, args.llama_cpp, args.llama_bin, args.convert_path, args.shape)
     print(f"{path} ({path.stat().st_size / 2**20:.0f} MB): {file_types(path)}", flush=True)
     if args.matrices:
         matrix_timing(path)
@@ -193,7 +228,8 @@ def main() -> int:
             "--asyncengine-args", f"--tokenizer {args.work / 'tokenizer'} "
                                   + args.asyncengine_args]
     if args.vllm_python:
-        argv += ["--vllm-python", args.vllm_python, "--hf-model", str(args.work / "hf"),
+        argv += ["--vllm-python", args.vllm_python, "--hf-model", str(hf_dir(args.work,
+                                                                            args.shape)),
                  "--vllm-args", args.vllm_args]
     return peers.main(bench.parse_args(argv))
 
