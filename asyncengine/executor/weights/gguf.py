@@ -128,9 +128,11 @@ class PackedTensor:
     k: int
 
 
-def read_packed(path: str, config: Any) -> dict[str, PackedTensor]:
+def read_packed(path: str, config: Any, only: set[str] | None = None
+                ) -> dict[str, PackedTensor]:
     """Every matrix of a GGUF file kept packed, by transformers name (``kquants.py``); raises
-    ValueError for a type outside ``kquants.TYPES`` or a truncated file."""
+    ValueError for a type outside ``kquants.TYPES`` or a truncated file. ``only``: just these
+    names."""
     from asyncengine.executor.weights import kquants
 
     header = read_header(path)
@@ -141,6 +143,8 @@ def read_packed(path: str, config: Any) -> dict[str, PackedTensor]:
     out: dict[str, PackedTensor] = {}
     for t in header.tensors:
         if len(t.dims) != 2 or t.name in gguf_arch.CONFIG_TENSORS or t.name == ROPE_FREQS:
+            continue
+        if only is not None and hf_name(t.name, arch) not in only:
             continue
         rows, row_bytes = _check_tensor(path, t, size, packed=True)
         name = hf_name(t.name, arch)

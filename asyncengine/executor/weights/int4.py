@@ -136,6 +136,7 @@ class Int4Linear(nn.Module):
                              f"on {weight.device.type} (needs the CPU and inputs a multiple of "
                              f"{GROUP}, at most {packed_kernels.MAX_K})")
         self.out_features, self.in_features = weight.shape
+        self.on_grid = grid is not None  # a checkpoint's own (scale, min) per block
         q, scale, mn = quantize_int4(weight, grid)
         self.register_buffer("packed", packed_kernels.pack_int4(q))
         self.register_buffer("scale_min", torch.stack([scale, mn], dim=-1).contiguous())

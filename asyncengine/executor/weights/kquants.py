@@ -219,9 +219,22 @@ def use_few_row_tiles(model: nn.Module, on: bool) -> None:
             m.few_row_tiles = on and m.int8_tiles
 
 
+@torch.library.custom_op("asyncengine::gguf_rows", mutates_args=())
+def _rows_op(raw: torch.Tensor, ids: torch.Tensor, k: int, qtype: int,
+             dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_rows(raw, qtype, k, ids, dtype)
+
+
+@_rows_op.register_fake
+def _(raw: torch.Tensor, ids: torch.Tensor, k: int, qtype: int,
+      dtype: torch.dtype) -> torch.Tensor:
+    return raw.new_empty(ids.shape[0], k, dtype=dtype)
+
+
 class GGUFEmbedding(nn.Module):
     """A token embedding kept as the GGUF file's blocks: a lookup dequantizes only the rows
-    looked up (to the model's dtype)."""
+    looked up (to the model's dtype; the same values as the float embedding the file
+    dequantizes to). Traced by ``--compile`` as one op."""
 
     def __init__(self, raw: torch.Tensor, qtype: int, dim: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -231,7 +244,10 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        rows = dequantize_rows(self.raw, self.qtype, self.dim, flat, self.dtype)
+        if torch.compiler.is_compiling():
+            rows = _rows_op(self.raw, flat, self.dim, self.qtype, self.dtype)
+        else:
+            rows = dequantize_rows(self.raw, self.qtype, self.dim, flat, self.dtype)
         return rows.view(*ids.shape, self.dim)
 
     def extra_repr(self) -> str:

@@ -219,10 +219,15 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
     elif fmt == "gguf":
         from asyncengine.executor.weights.gguf import iter_gguf_tensors
 
-        # keep the file's Q4 / Q8_0 blocks exactly
-        grids = {} if quantization in ("int4", "int8") else None
-        model.load_weights(_progress(iter_gguf_tensors(source.gguf_path, config, grids), None,
-                                     source.name))
+        used: set[str] = set()
+        if quantization in ("int4", "int8"):  # the file's Q4 / Q8_0 blocks kept exactly
+            grids = {}
+            if device.type == "cpu":
+                from asyncengine.executor.weights.quantization import install_gguf
+
+                used = install_gguf(model, source.gguf_path, config, quantization, dtype)
+        model.load_weights(_progress(iter_gguf_tensors(source.gguf_path, config, grids,
+                                                       skip=used), None, source.name))
     else:
         files = safetensors_files(source.path)
         weights = _iter_safetensors(files)
