@@ -160,7 +160,9 @@ def read_packed(path: str, config: Any, only: set[str] | None = None
 
 def iter_gguf_tensors(path: str, config: Any, grids: dict[str, QuantGrid] | None = None,
                       skip: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (transformers name, float32 tensor) for every tensor of a GGUF file, streaming.
+    """Yield (transformers name, float32 tensor) for every tensor of a GGUF file, streaming,
+    each read by plain reads (``kquants.read_rows``: file pages mapped and touched would count
+    in the process's resident set until the whole file is read).
 
     ``grids``, when given, receives the grid (``quant_grid``) of every Q4_0 / Q4_1 / Q8_0
     matrix (or stack of experts' matrices, its rows expert by expert) by transformers name,
@@ -169,18 +171,19 @@ def iter_gguf_tensors(path: str, config: Any, grids: dict[str, QuantGrid] | None
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    from asyncengine.executor.weights.kquants import read_rows
+
     header = read_header(path)
     arch = header.metadata.get("general.architecture", "llama")
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     size = os.path.getsize(path)
-    data = np.memmap(path, dtype=np.uint8, mode="r")
     for t in header.tensors:
         if skip and hf_name(t.name, arch) in skip:
             continue
         rows, row_bytes = _check_tensor(path, t, size, packed=False)
         qtype = GGMLQuantizationType(t.ggml_type)
-        raw = data[t.offset:t.offset + rows * row_bytes].reshape(rows, row_bytes)
+        raw = read_rows(path, t.offset, rows, row_bytes).numpy()
         try:
             w = dequantize(raw, qtype).reshape(*reversed(t.dims))  # [out, in] for matrices
         except NotImplementedError:
