@@ -19,8 +19,9 @@ from asyncengine.executor.weights.int4 import (
     dequantize_int4,
     quantize_int4,
 )
+from asyncengine.executor.weights.int8 import Int8Linear
 from asyncengine.executor.weights.loader import load_model, resolve_model
-from asyncengine.executor.weights.quantization import Int8Linear, weight_footprint
+from asyncengine.executor.weights.quantization import weight_footprint
 from tests.executor.test_models import PagedRunner, reference_logits
 from tests.utils import embedded_gguf_path, hf_reference_model
 

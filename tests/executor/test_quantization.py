@@ -12,13 +12,9 @@ from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.engine.llm import LLM
 from asyncengine.executor.kernels import packed as packed_kernels
 from asyncengine.executor.models.llama import Linear
+from asyncengine.executor.weights.int8 import Int8Linear, dequantize_int8, quantize_int8
 from asyncengine.executor.weights.loader import load_model, resolve_model
-from asyncengine.executor.weights.quantization import (
-    Int8Linear,
-    dequantize_int8,
-    quantize_int8,
-    quantize_model,
-)
+from asyncengine.executor.weights.quantization import quantize_model
 from tests.executor.test_models import PagedRunner
 
 

@@ -198,7 +198,7 @@ class SparseMoE(nn.Module):
             grid = self._file_grid(name, grids or {}, "q8" if method == "int8" else "q4")
             if method == "int8" and grid is not None:  # the file's Q8_0 blocks
                 packed, scale = grid[1].to(torch.int8), grid[0].float()
-            elif method == "int8":  # per output channel, as quantization.quantize_int8
+            elif method == "int8":  # per output channel, as int8.quantize_int8
                 amax = w.abs().amax(dim=2, keepdim=True)
                 scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
                 packed = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)

@@ -58,7 +58,7 @@ BF16_ROWS = DEQUANT_ROWS
 # verification's rows are computed as one-token steps of the same requests compute them.
 BF16_GEMM_ROWS = 40
 # From this many requests in a step (decode batches), a bfloat16 int4 layer (and an int8 one,
-# the logits head: ``quantization.Int8Linear``) multiplies through the byte tiles too,
+# the logits head: ``int8.Int8Linear``) multiplies through the byte tiles too,
 # whatever its row count: at many rows a bfloat16 row costs a vdpbf16ps per 32 weights, a
 # tile row 11 instructions per 512 products. SmolLM2's 120 linears, 2 threads, Zen 5, row
 # kernel / tiles (``benchmarks/packed_matmul.py --bfloat16``): 1.80 / 3.04 ms at 1 row, 4.28 /

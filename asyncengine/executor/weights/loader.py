@@ -237,7 +237,7 @@ def _fill(model: nn.Module, source: ModelSource, fmt: str, quantization: str, qu
         if quantization in ("int4", "int8"):  # the file's Q4 / Q8_0 blocks kept exactly
             grids = {}
             if device.type == "cpu":
-                from asyncengine.executor.weights.quantization import install_gguf
+                from asyncengine.executor.weights.gguf_quantized import install_gguf
 
                 used = install_gguf(model, source.gguf_path, config, quantization, dtype)
         model.load_weights(_progress(iter_gguf_tensors(source.gguf_path, config, grids,
