@@ -71,7 +71,11 @@ async def read_body(request: web.Request, type_: type[B],
     JSON, not UTF-8, nested too deeply for the decoder, or not the shape of ``type_``).
     Unknown fields are ignored (and logged once per name); options the server knows but
     cannot honour are a 400 naming them."""
-    data = await request.read()
+    return decode_body(await request.read(), type_, allow)
+
+
+def decode_body(data: bytes, type_: type[B], allow: frozenset[str] = frozenset()) -> B:
+    """``read_body`` of bytes already read (a batch line's body)."""
     try:
         body = tolerant.decode(data, type_)
     except msgspec.DecodeError as e:

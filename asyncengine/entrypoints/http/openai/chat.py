@@ -10,8 +10,10 @@ import jinja2
 from aiohttp import web
 
 from asyncengine.core.limits import show
+from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.engine.engine import AsyncEngine
 from asyncengine.engine.outputs import CompletionOutput, RequestOutput
+from asyncengine.engine.streams import RequestStream
 from asyncengine.entrypoints.http.errors import APIError, bad_request
 from asyncengine.entrypoints.http.logprobs import chat_logprobs
 from asyncengine.entrypoints.http.params import structured_outputs_of, to_sampling_params
@@ -101,8 +103,26 @@ def default_max_tokens(state: ServerState, prompt_len: int) -> int | None:
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
-    engine = state.engine
     body = await read_body(request, ChatCompletionRequest)
+    call_id = request_id(request, "chatcmpl")
+    if not body.stream:
+        return json_response(await chat_completion(state, body, call_id, body.priority or 0))
+    call, streams, params = await start_chat(state, body, call_id, body.priority or 0)
+    return await run_sse(request, streams, call.render, call.on_end,
+                         render_text=call.text_renderer(params.n))
+
+
+async def chat_completion(state: ServerState, body: ChatCompletionRequest, call_id: str,
+                          priority: int) -> ChatCompletion:
+    """A whole (not streamed) chat completion: the route's and a batch line's."""
+    call, streams, _ = await start_chat(state, body, call_id, priority)
+    return call.response((await collect(streams))[0])
+
+
+async def start_chat(state: ServerState, body: ChatCompletionRequest, call_id: str,
+                     priority: int) -> tuple[_Chat, list[RequestStream], SamplingParams]:
+    """Check the call, render its prompt and start its engine requests."""
+    engine = state.engine
     lora = check_model(engine, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -131,15 +151,12 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
         vocab_size=engine.tokenizer.vocab_size, defaults=state.generation_defaults,
         structured=plan.structured_outputs or structured, limits=engine.sampling_limits)
     reasoning.apply(params, body.thinking_token_budget, "thinking_token_budget")
-    call = _Chat(state, body, request_id(request, "chatcmpl"), plan, reasoning)
+    call = _Chat(state, body, call_id, plan, reasoning)
     if lora is not None:  # responses name the adapter
         call.model = lora
-    streams = await open_streams(engine, [prompt], params, call.id, body.priority or 0,
+    streams = await open_streams(engine, [prompt], params, call.id, priority,
                                  deltas_only=bool(body.stream), lora_name=lora)
-    if body.stream:
-        return await run_sse(request, streams, call.render, call.on_end,
-                             render_text=call.text_renderer(params.n))
-    return json_response(call.response((await collect(streams))[0]))
+    return call, streams, params
 
 
 class _Chat:

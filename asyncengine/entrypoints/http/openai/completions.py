@@ -8,6 +8,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from asyncengine.engine.outputs import RequestOutput
+from asyncengine.engine.streams import RequestStream
 from asyncengine.entrypoints.http.errors import APIError, bad_request
 from asyncengine.entrypoints.http.logprobs import CompletionLogprobsBuilder
 from asyncengine.entrypoints.http.params import to_sampling_params
@@ -60,12 +61,35 @@ def insertion_prompts(tokenizer, fim: FimTokens, prompts: list[str | list[int]],
     return [fim_prompt(fim, encode, p, suffix, bos=bos) for p in prompts]
 
 
+def completion_allows(state: ServerState) -> frozenset[str]:
+    """The refused options this server honours: ``suffix`` on a code model (insertion)."""
+    fim = tokenizer_fim_tokens(state.engine.tokenizer)
+    return frozenset({"suffix"}) if fim is not None else frozenset()
+
+
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
+    body = await read_body(request, CompletionRequest, completion_allows(state))
+    call_id = request_id(request, "cmpl")
+    if not body.stream:
+        return json_response(await completion(state, body, call_id, body.priority or 0))
+    call, streams = await start_completion(state, body, call_id, body.priority or 0)
+    return await run_sse(request, streams, call.render, call.on_end,
+                         render_text=call.text_renderer())
+
+
+async def completion(state: ServerState, body: CompletionRequest, call_id: str,
+                     priority: int) -> Completion:
+    """A whole (not streamed) completion: the route's and a batch line's."""
+    call, streams = await start_completion(state, body, call_id, priority)
+    return call.response(await collect(streams))
+
+
+async def start_completion(state: ServerState, body: CompletionRequest, call_id: str,
+                           priority: int) -> tuple[_Completion, list[RequestStream]]:
+    """Check the call and start its engine requests (one per prompt)."""
     engine = state.engine
     fim = tokenizer_fim_tokens(engine.tokenizer)  # a code model: suffix is insertion
-    body = await read_body(request, CompletionRequest,
-                           frozenset({"suffix"}) if fim is not None else frozenset())
     lora = check_model(engine, body.model)
     prompts = completion_prompts(body.prompt)
     echo = bool(body.echo)
@@ -79,15 +103,12 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         prompt_logprobs=body.logprobs if echo and body.logprobs is not None else None,
         vocab_size=engine.tokenizer.vocab_size, defaults=state.generation_defaults,
         limits=engine.sampling_limits)
-    call = _Completion(state, body, request_id(request, "cmpl"), params.n)
+    call = _Completion(state, body, call_id, params.n)
     if lora is not None:  # responses name the adapter
         call.model = lora
-    streams = await open_streams(engine, prompts, params, call.id, body.priority or 0,
+    streams = await open_streams(engine, prompts, params, call.id, priority,
                                  deltas_only=bool(body.stream), lora_name=lora)
-    if body.stream:
-        return await run_sse(request, streams, call.render, call.on_end,
-                             render_text=call.text_renderer())
-    return json_response(call.response(await collect(streams)))
+    return call, streams
 
 
 class _Completion:

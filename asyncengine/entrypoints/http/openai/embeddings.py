@@ -29,7 +29,7 @@ from asyncengine.entrypoints.http.serving import (
     request_id,
     to_api_error,
 )
-from asyncengine.entrypoints.http.state import state_of
+from asyncengine.entrypoints.http.state import ServerState, state_of
 
 
 class EmbeddingRequest(Body, kw_only=True):
@@ -59,9 +59,15 @@ class EmbeddingResponse(Struct):
 
 
 async def create_embeddings(request: web.Request) -> web.Response:
-    state = state_of(request)
-    engine = state.engine
     body = await read_body(request, EmbeddingRequest)
+    return json_response(await embeddings(state_of(request), body,
+                                          request_id(request, "embd")))
+
+
+async def embeddings(state: ServerState, body: EmbeddingRequest, call_id: str) -> \
+        EmbeddingResponse:
+    """The route's response: also a batch line's."""
+    engine = state.engine
     check_model(engine, body.model, lora=False)
     size = embedding_size(engine)
     if body.dimensions is not None and body.dimensions != size:
@@ -92,8 +98,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
     as_base64 = body.encoding_format == "base64"
     data = [Embedding(i, _b64(v) if as_base64 else v.tolist()) for i, v in enumerate(vectors)]
     n = sum(len(p) for p in prompts)
-    return json_response(EmbeddingResponse(request_id(request, "embd"), int(time.time()),
-                                           engine.model_name, data, Usage(n, 0, n)))
+    return EmbeddingResponse(call_id, int(time.time()), engine.model_name, data, Usage(n, 0, n))
 
 
 def _b64(vector: np.ndarray) -> str:
