@@ -11,7 +11,8 @@ of 64 tokens caps every generation):
   ``seed + n - 1`` past 64 bits, a chat template that refuses the conversation;
 - **negative** (requests that break the document): every one refused with a 4xx.
 
-New routes are covered as they land: the run takes every operation of the document.
+New routes are covered as they land: the run takes every operation of the document but
+those of ``EXCLUDED``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ INEXPRESSIBLE = re.compile("|".join([
     r"Cannot apply the chat template",
     r"which is not in tools",  # tool_choice naming a function the request's tools lack
     r"structured_outputs|guided_|response_format|text\.format|output_config",
+    r"No such file",  # an id naming no stored file: the server's state, not its document
 ]), re.I)
+#: Left out: a batch needs an uploaded JSONL file of requests, which no generated upload is
+#: (it is checked when the batch is created), so these would only ever answer 404 or 400.
+#: tests/http/test_batch_api.py covers them.
+EXCLUDED = r"^(create|retrieve|cancel)_batch$"
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +67,7 @@ def schemathesis_run(server: ServerProcess, mode: str, out: Path) -> dict:
            "--max-response-time", "300",  # n up to --max-n on a loaded 2-core machine
            "--checks", "all", "--exclude-checks",
            "positive_data_acceptance,use_after_free,ensure_resource_availability,"
-           "ignored_auth,object_level_authorization",
+           "ignored_auth,object_level_authorization", "--exclude-operation-id-regex", EXCLUDED,
            "--report", "json,har", "--report-dir", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=out)
     reports = glob.glob(str(out / "json-*.json"))

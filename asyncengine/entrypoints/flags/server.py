@@ -12,6 +12,7 @@ import json
 import os
 
 from asyncengine.config import environment, parse_size
+from asyncengine.entrypoints.flags.batch import add_batch_arguments, batch_settings
 from asyncengine.entrypoints.http.state import DEFAULT_MAX_REQUEST_BODY, ServerSettings
 from asyncengine.text.tool_parsers import TOOL_PARSERS
 
@@ -94,6 +95,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-force-include-usage", action="store_true",
                    help="every chat and completions stream ends with a usage chunk, as if "
                         "it asked with stream_options.include_usage")
+    add_batch_arguments(parser)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -150,6 +152,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         default_chat_template_kwargs=template_kwargs,
         prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
         force_include_usage=getattr(args, "enable_force_include_usage", False),
+        **batch_settings(args),
     )
 
 

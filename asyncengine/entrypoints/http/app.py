@@ -9,6 +9,7 @@ import aiohttp_cors
 from aiohttp import web
 
 from asyncengine.engine.errors import EngineOverloaded
+from asyncengine.entrypoints.batch.service import BATCHES, BatchService
 from asyncengine.entrypoints.http import lora, routes
 from asyncengine.entrypoints.http.anthropic.messages import count_tokens, create_message
 from asyncengine.entrypoints.http.anthropic.protocol import (
@@ -23,6 +24,7 @@ from asyncengine.entrypoints.http.auth import auth_middleware
 from asyncengine.entrypoints.http.errors import APIError, error_middleware
 from asyncengine.entrypoints.http.llama_server import completion as llama_native
 from asyncengine.entrypoints.http.llama_server import infill as llama_infill
+from asyncengine.entrypoints.http.openai.batches import BATCH_ROUTES
 from asyncengine.entrypoints.http.openai.chat import create_chat_completion
 from asyncengine.entrypoints.http.openai.completions import create_completion
 from asyncengine.entrypoints.http.openai.embeddings import (
@@ -30,6 +32,7 @@ from asyncengine.entrypoints.http.openai.embeddings import (
     EmbeddingResponse,
     create_embeddings,
 )
+from asyncengine.entrypoints.http.openai.files import FILE_ROUTES
 from asyncengine.entrypoints.http.openai.responses import create_response
 from asyncengine.entrypoints.http.openai.responses_protocol import (
     ResponseObject,
@@ -121,6 +124,8 @@ BUILTIN_ROUTES = [
     Route("GET", "/props", llama_native.props, "The server's properties (llama-server's)",
           response=llama_native.LlamaProps),
     Route("GET", "/openapi.json", openapi_json, "This document"),
+    *FILE_ROUTES,
+    *BATCH_ROUTES,
 ]
 
 #: Routes that still answer while the server drains.
@@ -175,6 +180,7 @@ def build_app(engine: AsyncEngine, metrics: EngineMetrics | None,
         middlewares.append(trace_context_middleware)
     app = web.Application(client_max_size=settings.max_request_body, middlewares=middlewares)
     app[STATE] = ServerState(engine, metrics, settings)
+    app[BATCHES] = BatchService(app[STATE])  # running inside batch_jobs(app) (server.py)
     app[ROUTES] = list(BUILTIN_ROUTES)
     for r in BUILTIN_ROUTES:
         app.router.add_route(r.method, r.path, r.handler)

@@ -41,6 +41,10 @@ class Route:
     enabled: Callable[[Any], bool] | None = None
     # The Struct of this route's error bodies (None: OpenAI's ``ErrorResponse``).
     error: type | None = None
+    # The Struct whose fields are the query parameters (all optional).
+    query: type | None = None
+    # The media type of ``body`` (a file upload's is ``multipart/form-data``).
+    body_type: str = "application/json"
 
 
 ROUTES = web.AppKey("asyncengine_routes", list)
@@ -74,12 +78,15 @@ def build_openapi(routes: list[Route], app: web.Application, *, version: str,
     routes = [r for r in routes if r not in switched_off]
     types: list[type] = [ErrorResponse]
     for r in routes:
-        types += [t for t in (r.body, r.response, r.stream, r.error)
+        types += [t for t in (r.body, r.response, r.stream, r.error, r.query)
                   if t is not None and t not in types]
     schemas, components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}")
     ref = dict(zip(types, schemas, strict=True))
     limits = limits or SamplingLimits()
+    queries: dict[type, dict[str, Any]] = {}  # parameters, not bodies: inlined
+    for q in {r.query for r in routes if r.query is not None}:
+        queries[q] = components.pop(ref[q]["$ref"].rsplit("/", 1)[1])
     for body in {r.body for r in routes if r.body is not None}:  # what the server enforces
         schema = components[ref[body]["$ref"].rsplit("/", 1)[1]]
         publish_bounds(schema, limits)
@@ -120,9 +127,12 @@ def build_openapi(routes: list[Route], app: web.Application, *, version: str,
         }
         if r.body is not None:
             op["requestBody"] = {"required": True,
-                                 "content": {"application/json": {"schema": ref[r.body]}}}
+                                 "content": {r.body_type: {"schema": ref[r.body]}}}
         params = [{"name": p, "in": "path", "required": True, "schema": _path_schema(p, served)}
                   for p in _PATH_PARAM.findall(r.path)]
+        if r.query is not None:
+            params += [{"name": name, "in": "query", "required": False, "schema": schema}
+                       for name, schema in queries[r.query].get("properties", {}).items()]
         if params:
             op["parameters"] = params
         if secured and r.path not in PUBLIC_PATHS:

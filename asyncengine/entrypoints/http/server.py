@@ -14,6 +14,7 @@ process never answers 503 for good.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import ssl
@@ -110,6 +111,7 @@ def make_metrics(engine) -> EngineMetrics:
 
 async def serve(config: EngineConfig, settings: ServerSettings) -> int:
     from asyncengine.engine.engine import AsyncEngine
+    from asyncengine.entrypoints.batch.service import batch_jobs
     from asyncengine.entrypoints.http.app import build_app
 
     tls = ssl_context(settings)
@@ -119,8 +121,11 @@ async def serve(config: EngineConfig, settings: ServerSettings) -> int:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         engine = AsyncEngine(config)  # loads the model (blocking: nothing to serve yet)
         metrics = engine.metrics = make_metrics(engine)
-        async with engine:
+        async with engine, contextlib.AsyncExitStack() as jobs:
             app = build_app(engine, metrics, settings)
+            # Batch jobs: tasks of this graph, unfinished ones resumed; cancelled after the
+            # drain and the HTTP cleanup below.
+            await jobs.enter_async_context(batch_jobs(app))
             runner = web.AppRunner(
                 app, handler_cancellation=True, shutdown_timeout=_HANDLER_GRACE_S,
                 access_log=logging.getLogger("aiohttp.access") if settings.access_log else None)

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from asyncengine.entrypoints.http.sender import BatchSender
 
 DEFAULT_MAX_REQUEST_BODY = 16 * 2**20
+#: OpenAI's limit on a batch's input file.
+DEFAULT_MAX_BATCH_FILE_SIZE = 200 * 2**20
 
 
 @dataclass
@@ -54,6 +56,11 @@ class ServerSettings:
     # of every stream, asked for or not.
     prompt_tokens_details: bool = False
     force_include_usage: bool = False
+    # The Batch API (entrypoints/batch): where files and batches live (None: a temporary
+    # directory), the largest upload, the most batch lines in flight (None: the default).
+    batch_dir: str | None = None
+    max_batch_file_size: int = DEFAULT_MAX_BATCH_FILE_SIZE
+    max_batch_concurrency: int | None = None
 
 
 @dataclass
