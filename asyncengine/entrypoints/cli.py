@@ -1,5 +1,5 @@
-"""The ``asyncengine`` command: serve | generate | bench {serve, throughput, overhead, peers,
-host}."""
+"""The ``asyncengine`` command: serve | generate | run-batch | bench {serve, throughput,
+overhead, peers, host}."""
 
 from __future__ import annotations
 
@@ -78,6 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(gen)
     _plugin_cli_hook(gen, "generate")
 
+    batch = sub.add_parser(
+        "run-batch", help="run a batch file (OpenAI's batch format) offline",
+        description="Run the requests of a JSONL batch file (OpenAI's format: custom_id, "
+                    "method, url, body) through MODEL in this process, as vLLM's run-batch, "
+                    "and write each one's result, in the input's order.")
+    batch.add_argument("model", nargs="?", default=None,
+                       help="HF directory, hub id or .gguf file (default: embedded SmolLM2)")
+    batch.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                       help="the model, as a flag (vLLM's form; instead of the positional)")
+    from asyncengine.entrypoints.flags.batch import add_run_batch_arguments
+
+    add_run_batch_arguments(batch)
+    _add_engine_flags(batch)
+    _plugin_cli_hook(batch, "run-batch")
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     bserve = bsub.add_parser("serve", help="load-test an OpenAI-compatible server",
@@ -125,23 +140,25 @@ def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argume
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:  # vLLM's and llama-server's flags, read as asyncengine's
+    if argv[:1] in (["serve"], ["run-batch"]):  # vLLM's (and llama-server's) flags
         from asyncengine.entrypoints.flags import llama_server as llama_flags
         from asyncengine.entrypoints.flags import vllm as vllm_flags
 
-        serve = _subparser(parser, "serve")
-        own = {s for a in serve._actions for s in a.option_strings}
+        command = argv[0]
+        own = {s for a in _subparser(parser, command)._actions for s in a.option_strings}
 
         def say(line: str) -> None:
-            print(f"asyncengine serve: {line}", file=sys.stderr)
+            print(f"asyncengine {command}: {line}", file=sys.stderr)
 
         try:
             rest = vllm_flags.translate(argv[1:], own, say)
-            argv = ["serve", *llama_flags.translate(rest, own, say)]
+            if command == "serve":
+                rest = llama_flags.translate(rest, own, say)
+            argv = [command, *rest]
         except ValueError as e:
-            parser.exit(2, f"asyncengine serve: error: {e}\n")
+            parser.exit(2, f"asyncengine {command}: error: {e}\n")
     args = parser.parse_args(argv)
-    if args.command in ("serve", "generate"):
+    if args.command in ("serve", "generate", "run-batch"):
         try:
             args = apply_yaml_defaults(parser, _subparser(parser, args.command), argv, args)
         except ValueError as e:
@@ -183,6 +200,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from asyncengine.entrypoints.http.server import main as serve_main
 
             return serve_main(args, config)
+        if args.command == "run-batch":
+            from asyncengine.entrypoints.batch.offline import main as run_batch
+
+            return run_batch(args, config)
         return _generate(args, config)
     except ValueError as e:
         parser.exit(2, f"asyncengine {args.command}: error: {e}\n")

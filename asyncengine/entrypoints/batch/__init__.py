@@ -1,4 +1,5 @@
-"""Batch jobs: OpenAI's Batch API in the server (``/v1/files``, ``/v1/batches``).
+"""Batch jobs: OpenAI's Batch API in the server (``/v1/files``, ``/v1/batches``) and
+``asyncengine run-batch`` offline.
 
 - ``protocol.py``: the objects, in OpenAI's shapes; ``store.py``: ``--batch-dir``, every
   disk access in a worker thread; ``journal.py``: the blocking disk functions (atomic
@@ -12,4 +13,5 @@
 - ``runner.py``: a task per running batch in the server's task group; ``Admission`` bounds
   the lines in flight and yields to interactive requests; ``service.py``: the store and the
   runner alive inside ``batch_jobs(app)``, which ``serve`` enters.
+- ``offline.py``: ``asyncengine run-batch``, the same lines without an HTTP server.
 """

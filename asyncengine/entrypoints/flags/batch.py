@@ -1,5 +1,5 @@
-"""The Batch API's flags: where batches live, how large an upload, how many lines in
-flight."""
+"""The Batch API's flags: ``serve``'s (where batches live, how large an upload, how many
+lines in flight) and ``run-batch``'s own (vLLM's: ``-i``, ``-o``, ``--output-tmp-dir``...)."""
 
 from __future__ import annotations
 
@@ -37,3 +37,38 @@ def batch_settings(args: argparse.Namespace) -> dict[str, Any]:
                                     else parse_size(size, "max_batch_file_size")),
             "max_batch_concurrency": concurrency}
 
+
+def add_run_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's ``run-batch`` flags, and the server's flags that shape what a line answers."""
+    g = parser.add_argument_group("run-batch", "the batch file (vLLM's flags)")
+    g.add_argument("-i", "--input-file", required=True, metavar="PATH",
+                   help="the batch: JSONL, one request a line ({custom_id, method, url, "
+                        "body}); - reads stdin")
+    g.add_argument("-o", "--output-file", required=True, metavar="PATH",
+                   help="where each line's result goes, in the input's order (errors "
+                        "included, with 'error' set); - writes stdout")
+    g.add_argument("--output-tmp-dir", default=None, metavar="DIR",
+                   help="where results wait until they are written in order (default: the "
+                        "system's temporary directory)")
+    g.add_argument("--enable-metrics", action="store_true",
+                   help="accepted for vLLM compatibility: no metrics server runs offline")
+    g.add_argument("--url", default=None, help="accepted for vLLM compatibility (the metrics "
+                   "server's address): ignored")
+    g.add_argument("--port", type=int, default=None, help="accepted for vLLM compatibility "
+                   "(the metrics server's port): ignored")
+    g.add_argument("--response-role", default="assistant", choices=["assistant"],
+                   help="the role of chat answers (vLLM's flag; only assistant)")
+    f = parser.add_argument_group("responses", "as asyncengine serve takes them")
+    f.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": parse tool calls with --tool-call-parser')
+    f.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the format of the model's tool calls (hermes, llama3_json)")
+    f.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split a reasoning model's thinking from its answer")
+    f.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                   help="chat_template_kwargs every line starts from")
+    f.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens in chat and completions")
+    f.add_argument("--log-level", default="warning",
+                   choices=("debug", "info", "warning", "error", "critical"),
+                   help="log level (default: warning)")
