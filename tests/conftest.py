@@ -27,3 +27,15 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> str:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def tiny_classifiers(tmp_path_factory) -> dict[str, str]:
+    """Tiny random ``*ForSequenceClassification`` checkpoints: ``llama`` with two labels (no
+    tied head), ``qwen3`` with one (a cross-encoder)."""
+    from tests.utils import make_tiny_classifier
+
+    root = tmp_path_factory.mktemp("tiny-classifiers")
+    return {"llama": make_tiny_classifier(root / "llama", "llama", num_labels=2,
+                                          id2label={0: "negative", 1: "positive"}),
+            "qwen3": make_tiny_classifier(root / "qwen3", "qwen3", num_labels=1)}

@@ -136,6 +136,28 @@ def make_tiny_model(directory: str | os.PathLike[str], family: str = "llama", *,
     return str(directory)
 
 
+def make_tiny_classifier(directory: str | os.PathLike[str], family: str = "qwen3", *,
+                         num_labels: int = 1, **config_overrides: Any) -> str:
+    """Save a tiny random ``*ForSequenceClassification`` of ``family`` (as ``make_tiny_model``:
+    float32, seed 0, the SmolLM2 tokenizer) whose ``score`` head has ``num_labels`` rows,
+    scaled up so that its logits are of order 1, not 0. Returns the directory."""
+    import torch
+    import transformers
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(family, num_labels=num_labels, **config_overrides)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_config(config,
+                                                                        dtype=torch.float32)
+    with torch.no_grad():
+        model.score.weight.mul_(10.0)
+    model.save_pretrained(str(directory))
+    for f in embedded_tokenizer_dir().iterdir():
+        shutil.copy(f, directory / f.name)
+    return str(directory)
+
+
 _GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",

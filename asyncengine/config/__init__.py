@@ -19,6 +19,7 @@ from asyncengine.config.sections import (
     DEVICES,
     DTYPES,
     GENERATION_CONFIG_HELP,
+    HF_OVERRIDE_KEYS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     POOLING_TYPES,
@@ -183,6 +184,12 @@ class EngineConfig:
                                                      "override_generation_config")
         self.scheduler.scheduler_config = json_object(self.scheduler.scheduler_config,
                                                       "scheduler_config")
+        mc.hf_overrides = json_object(mc.hf_overrides, "hf_overrides")
+        unknown = sorted(set(mc.hf_overrides or ()) - set(HF_OVERRIDE_KEYS))
+        if unknown:
+            raise ValueError(f"--hf-overrides: overriding {', '.join(unknown)} is not supported "
+                             f"(asyncengine reads {', '.join(HF_OVERRIDE_KEYS)}: a classifier "
+                             "made of a causal LM)")
         gen = mc.generation_config
         if gen not in ("auto", "vllm") and not Path(gen, "generation_config.json").is_file():
             raise ValueError(f"--generation-config: no generation_config.json in {gen!r} (give "

@@ -24,6 +24,9 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 VLLM_QUANTIZATIONS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "fp8",
                       "compressed-tensors", "fbgemm_fp8")
 POOLING_TYPES = ("last", "mean")
+#: The ``--hf-overrides`` keys read (vLLM's, for a classifier made of a causal LM).
+HF_OVERRIDE_KEYS = ("architectures", "classifier_from_token", "method",
+                    "is_original_qwen3_reranker")
 GENERATION_CONFIG_HELP = (
     "server-side sampling defaults: auto (the model's generation_config.json: temperature, "
     "top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (none: OpenAI's "
@@ -68,6 +71,12 @@ class ModelConfig:
     pooling_type: str = field(default="last", metadata={
         "help": "how /v1/embeddings pools the final hidden states: last (token) or mean",
         "choices": POOLING_TYPES})
+    hf_overrides: dict[str, Any] | str | None = field(default=None, metadata={
+        "help": "a JSON object over the model's config, as vLLM takes it; the keys that make "
+                "a causal LM a classifier or reranker: architectures (a "
+                "*ForSequenceClassification), classifier_from_token, method, "
+                "is_original_qwen3_reranker (Qwen3-Reranker: '{\"is_original_qwen3_reranker\": "
+                "true}' is enough)", "aliases": ("--hf_overrides",)})
     trust_remote_code: bool = field(default=False, metadata={
         "help": "accepted for vLLM compatibility; the model code here is our own, so no code "
                 "from the model repository ever runs"})

@@ -31,6 +31,7 @@ from asyncengine.executor.kv.sizing import (
     max_model_len_of,
     num_kv_blocks,
 )
+from asyncengine.executor.models.classifier import apply_hf_overrides
 from asyncengine.executor.models.registry import architecture_of
 from asyncengine.executor.paths.base import PathContext
 from asyncengine.executor.paths.choose import choose
@@ -124,6 +125,7 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
             check_free_memory(at_start, config.cache.gpu_memory_utilization)
     source = resolve_model(mc.model, config.load.load_format, mc.revision,
                            config.load.download_dir)
+    apply_hf_overrides(source.hf_config, mc.hf_overrides)  # a reranker made of a causal LM
     dtype = pick_dtype(mc.dtype, device.type)
     kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device.type)
     arch = architecture_of(source.hf_config)
@@ -138,6 +140,8 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
         from asyncengine.executor.parallel.sharding import make_plan
 
         _check_family_supports(source.hf_config, "tensor_parallel", "--tensor-parallel-size")
+        if arch.endswith("ForSequenceClassification"):
+            raise ValueError("--tensor-parallel-size > 1: not for a classifier or reranker")
         make_plan(source.hf_config, 0, tp_size)  # an unsplittable model fails before spawning
         if device.type == "cuda":  # the NCCL path: written, not run in this repository
             if auto_kv_size(config):
@@ -161,6 +165,8 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
         mc.tokenizer or source.path, gguf_file=None if mc.tokenizer else source.gguf_file,
         revision=mc.revision, chat_template=mc.chat_template)
     tokenizer.byte_pieces()  # the detokenizer's table, built now rather than at a request
+    if hasattr(model, "bind_tokens"):  # a classifier's head from its vocabulary head's rows
+        device.run_at_start_up(lambda: model.bind_tokens(tokenizer.hf))
     model_name = (mc.served_model_name or [source.name])[0]
     max_model_len = max_model_len_of(config, source.hf_config)
     block_size = config.cache.block_size

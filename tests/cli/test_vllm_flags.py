@@ -26,7 +26,7 @@ def test_tuning_knobs_are_ignored_and_equivalents_rewritten():
         "--structured-outputs-config", '{"backend": "xgrammar"}', "--tokenizer-mode", "hf",
         "-dp", "1", "--hf-overrides", "{}", "--enable-prompt-tokens-details")
     assert out == ["--max-num-seqs", "8", "--structured-output-backend", "xgrammar",
-                   "--enable-prompt-tokens-details"]  # asyncengine's own flag
+                   "--hf-overrides", "{}", "--enable-prompt-tokens-details"]  # asyncengine's
     assert said[0] == ("vLLM flag --swap-space 16: ignored (preempted requests are "
                        "recomputed, never swapped)")
     assert "vLLM flag --cuda-graph-sizes 1 2 4: ignored" in said[5]
@@ -34,12 +34,31 @@ def test_tuning_knobs_are_ignored_and_equivalents_rewritten():
     assert len(said) == 9  # every one read is said, except those that mean what asyncengine does
 
 
+def test_a_reranker_command_line_runs_unchanged():
+    """vLLM's Qwen3-Reranker line: ``--hf-overrides`` (either spelling) is asyncengine's own
+    flag, ``--runner pooling`` / ``--task score`` are ignored (the kind follows from the
+    architecture), and the overrides that make a reranker pass the config's check."""
+    from asyncengine.config import EngineConfig
+
+    reranker = ('{"architectures": ["Qwen3ForSequenceClassification"], '
+                '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}')
+    out, said = _translate("--runner", "pooling", "--task", "score", "--hf_overrides", reranker)
+    assert out == ["--hf_overrides", reranker]
+    assert [s.split(":")[0] for s in said] == ["vLLM flag --runner pooling",
+                                                "vLLM flag --task score"]
+    args = build_parser().parse_args(["serve", *out])
+    assert EngineConfig.from_cli(args).model.hf_overrides["is_original_qwen3_reranker"] is True
+    with pytest.raises(ValueError, match="--hf-overrides: overriding rope_theta is not"):
+        EngineConfig.from_dict({"hf_overrides": '{"rope_theta": 1}'})
+    with pytest.raises(ValueError, match="--hf-overrides: must be a JSON object"):
+        EngineConfig.from_dict({"hf_overrides": "[1]"})
+
+
 @pytest.mark.parametrize("argv, names", [
     (("--tokenizer-mode", "mistral"), "--tokenizer-mode mistral: the Mistral tokenizer"),
     (("-dp", "2"), "-dp 2: one engine a process"),
     (("--logits-processors", "pkg.mod:Proc"), "--logits-processors pkg.mod:Proc: vLLM's"),
-    (("--hf-overrides", '{"rope_theta": 1}'), "--hf-overrides: overriding"),
-    (("--hf-overrides", "[1]"), "--hf-overrides: a JSON object"),
+    (("--convert", "classify"), "--convert classify: a classifier made of a causal LM"),
     (("--disable-sliding-window",), "--disable-sliding-window: the model's sliding window"),
     (("--response-role", "bot"), "--response-role bot"),
     (("--structured-outputs-config", '{"backend": "x", "disable_any_whitespace": true}'),

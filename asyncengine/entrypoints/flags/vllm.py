@@ -4,10 +4,11 @@ runs unchanged (``docs/serving.md``, "Coming from vLLM").
 Flags that tune what asyncengine has no counterpart for (CUDA-graph capture sizes, torch.compile
 levels, swap space, executor backends, API-server processes) are accepted and named as ignored
 on stderr: they change how fast vLLM runs, not what it answers. Flags that would change what
-the server answers and that asyncengine cannot honour (logits-processor plugins, config
-overrides, the Mistral tokenizer, another response role) exit 2 naming them, as do values
-beyond what asyncengine does (data parallelism over processes). The rest are rewritten to
-asyncengine's flag of the same meaning.
+the server answers and that asyncengine cannot honour (logits-processor plugins, the Mistral
+tokenizer, another response role) exit 2 naming them, as do values beyond what asyncengine
+does (data parallelism over processes). The rest are rewritten to asyncengine's flag of the
+same meaning. ``--hf-overrides`` is asyncengine's own flag (the keys that make a reranker or a
+classifier of a causal LM: ``config/sections.py``).
 """
 
 from __future__ import annotations
@@ -28,14 +29,6 @@ def _structured_outputs(name: str, value: str | None, _state: dict) -> list[str]
                          f"{', '.join(sorted(unknown))})")
     return ["--structured-output-backend", str(config["backend"])] if "backend" in config \
         else []
-
-
-def _empty_json(why: str) -> Callable[[str, str | None, dict], list[str]]:
-    def check(name: str, value: str | None, _state: dict) -> list[str]:
-        if _json(name, value):
-            raise ValueError(f"{name}: {why}")
-        return []
-    return check
 
 
 def _one_of(allowed: tuple[str, ...], why: str) -> Callable[[str, str | None, dict], list[str]]:
@@ -95,8 +88,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--data-parallel-size", "-dp"), "value", _one_of(
         ("1",), "one engine a process; run replicas behind a balancer (docs/deploy.md)")),
     Flag(("--structured-outputs-config",), "value", _structured_outputs),
-    Flag(("--hf-overrides",), "value", _empty_json(
-        "overriding the model's config is not supported")),
+    Flag(("--runner", "--task"), "value", None,
+         "what the model serves follows from its architecture and --hf-overrides"),
+    Flag(("--convert",), "value", _one_of(
+        ("auto", "none", "embed"), "a classifier made of a causal LM: --hf-overrides "
+        "'{\"architectures\": [\"...ForSequenceClassification\"]}' (auto, none, embed)")),
     Flag(("--disable-sliding-window",), "none", refuse(
         "the model's sliding window is part of it: not supported")),
     Flag(("--logits-processors", "--tool-parser-plugin", "--middleware"), "value", refuse(

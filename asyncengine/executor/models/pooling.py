@@ -24,6 +24,17 @@ def embed_batch(model: torch.nn.Module, attn_backend: AttentionBackend, block_si
                 device: torch.device, dtype: torch.dtype, prompts: list[list[int]],
                 pooling: str = "last", normalize: bool = True) -> np.ndarray:
     """``[len(prompts), hidden]`` float32 embeddings of token-id ``prompts``."""
+    pooled = pool_batch(model, attn_backend, block_size, device, dtype, prompts, pooling)
+    if normalize:
+        pooled = F.normalize(pooled, p=2, dim=-1)
+    return pooled.cpu().numpy()
+
+
+@torch.inference_mode()
+def pool_batch(model: torch.nn.Module, attn_backend: AttentionBackend, block_size: int,
+               device: torch.device, dtype: torch.dtype, prompts: list[list[int]],
+               pooling: str = "last") -> torch.Tensor:
+    """``[len(prompts), hidden]`` float32 pooled final hidden states, left on ``device``."""
     bs = block_size
     lens = [len(p) for p in prompts]
     blocks = [-(-n // bs) for n in lens]
@@ -57,9 +68,7 @@ def embed_batch(model: torch.nn.Module, attn_backend: AttentionBackend, block_si
         pooled = hidden[torch.tensor(starts[1:] - 1, device=device)]
     else:
         raise ValueError(f"unknown pooling {pooling!r} (last, mean)")
-    if normalize:
-        pooled = F.normalize(pooled, p=2, dim=-1)
-    return pooled.cpu().numpy()
+    return pooled
 
 
 def _block_tables(first_block: np.ndarray) -> np.ndarray:

@@ -1,12 +1,14 @@
 """The built-in model architectures, by the names found in ``config.json`` ``architectures``.
 
 All of them are the one decoder (``decoder.py``) reading a family description
-(``family.py``)."""
+(``family.py``); the ``*ForSequenceClassification`` ones put a classification head on it
+(``classifier.py``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from asyncengine.executor.models.classifier import SequenceClassifier
 from asyncengine.executor.models.decoder import CausalLM
 
 BUILTIN_MODELS: dict[str, type] = {
@@ -21,6 +23,17 @@ BUILTIN_MODELS: dict[str, type] = {
     "MixtralForCausalLM": CausalLM,
     "Qwen2MoeForCausalLM": CausalLM,
     "Qwen3MoeForCausalLM": CausalLM,
+    # Sequence classifiers and cross-encoders: the decoder with a ``score`` head.
+    "LlamaForSequenceClassification": SequenceClassifier,
+    "MistralForSequenceClassification": SequenceClassifier,
+    "Qwen2ForSequenceClassification": SequenceClassifier,
+    "Qwen3ForSequenceClassification": SequenceClassifier,  # and Qwen3-Reranker (--hf-overrides)
+    "Gemma2ForSequenceClassification": SequenceClassifier,
+    "Gemma3TextForSequenceClassification": SequenceClassifier,
+    "Phi3ForSequenceClassification": SequenceClassifier,
+    "MixtralForSequenceClassification": SequenceClassifier,
+    "Qwen2MoeForSequenceClassification": SequenceClassifier,
+    "Qwen3MoeForSequenceClassification": SequenceClassifier,
 }
 
 # Configs converted from GGUF carry a model_type but no architectures list.
