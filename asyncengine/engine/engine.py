@@ -38,6 +38,7 @@ from asyncengine.engine.lora_adapters import LoRAAdapters
 from asyncengine.engine.output_processor import Emitted
 from asyncengine.engine.outputs import RequestOutput
 from asyncengine.engine.prompts import check_length, tokenize_prompt
+from asyncengine.engine.scoring import model_kind
 from asyncengine.engine.step_loop import StepLoop
 from asyncengine.engine.streams import RequestStream
 from asyncengine.engine.structured_output import StructuredOutputManager
@@ -65,6 +66,7 @@ class AsyncEngine(LoRAAdapters):
         self.vocab_size = parts.vocab_size
         self.runner = parts.runner
         self.device = parts.device
+        self.model_kind = model_kind(parts.runner.model)
         self.scheduler = parts.make_scheduler()
         self.kv_transfer = (KVTransfer(parts.kv_connector, parts.runner,
                                        self.config.cache.block_size)
@@ -194,6 +196,8 @@ class AsyncEngine(LoRAAdapters):
                        lora_name: str | None = None) -> RequestStream:
         """A request checked and ready to queue, as its (not yet registered) stream: nothing
         of the engine's state changes here."""
+        if not self.model_kind.generates:
+            raise ValueError(self.model_kind.refusal("generation"))
         params.validate(self.sampling_limits)
         if not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority must be an integer in [{INT64_MIN}, {INT64_MAX}], got "
