@@ -45,6 +45,8 @@ INEXPRESSIBLE = re.compile("|".join([
     r"seed \+ n - 1",
     r"Cannot apply the chat template",
     r"which is not in tools",  # tool_choice naming a function the request's tools lack
+    r"must pair 1:1, 1:N or N:N",  # /score's two lists, of lengths that do not pair
+    r"tokenizes to no tokens",  # a text of characters the tokenizer drops
     r"structured_outputs|guided_|response_format|text\.format|output_config",
     r"No such file",  # an id naming no stored file: the server's state, not its document
 ]), re.I)

@@ -39,6 +39,7 @@ from asyncengine.entrypoints.http.openai.responses_protocol import (
     ResponsesRequest,
     ResponseStreamEvent,
 )
+from asyncengine.entrypoints.http.openai.scoring_routes import SCORING_ROUTES
 from asyncengine.entrypoints.http.openapi import ROUTES, Route, openapi_json
 from asyncengine.entrypoints.http.protocol import (
     ChatCompletionRequest,
@@ -88,6 +89,7 @@ BUILTIN_ROUTES = [
           CountTokensResponse, error=AnthropicError),
     Route("POST", "/v1/embeddings", create_embeddings, "Create embeddings",
           EmbeddingRequest, EmbeddingResponse),
+    *SCORING_ROUTES,
     Route("POST", "/v1/load_lora_adapter", lora.load_lora_adapter,
           "Load a LoRA adapter (with runtime updating enabled)", lora.LoadLoRAAdapterRequest,
           content_type="text/plain", enabled=lora.updating_enabled),

@@ -81,7 +81,8 @@ _OUTPUT_LENGTHS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "
 #: Fields that hold lists of token ids.
 _TOKEN_LISTS = ("stop_token_ids", "tokens")
 #: Fields that hold a prompt in the four forms of ``protocol.Prompt``.
-_PROMPTS = {"CompletionRequest": "prompt", "EmbeddingRequest": "input"}
+_PROMPTS = {"CompletionRequest": "prompt", "EmbeddingRequest": "input",
+            "ClassificationRequest": "input"}
 
 
 def publish_served(body: type, schema: dict[str, Any], limits: SamplingLimits,
@@ -117,6 +118,9 @@ def publish_served(body: type, schema: dict[str, Any], limits: SamplingLimits,
                                           "fill-in-the-middle)"}
     if name in _PROMPTS and _PROMPTS[name] in props:
         props[_PROMPTS[name]] = prompt_schema(limits)
+    for option in _options(props.get("truncate_prompt_tokens", {})):
+        if option.get("minimum") == -1:  # vLLM's: -1 (the context length) or a positive count
+            option["not"] = {"const": 0}
     if "logit_bias" in props and limits.vocab_size:
         for option in _options(props["logit_bias"]):
             if option.get("type") == "object":
