@@ -389,13 +389,11 @@ class AsyncEngine(LoRAAdapters):
             self.scheduler.finish_requests(done.failed, RequestStatus.FINISHED_ABORTED)
 
     # -- helpers --------------------------------------------------------------------------------
-    def _make_structured_manager(self) -> StructuredOutputManager:
-        parts = self.parts
-        backend = parts.structured_output_backend_cls(parts.tokenizer, parts.vocab_size)
-        return StructuredOutputManager(backend)
-
     async def _structured_manager(self):
-        if self.structured is None:
-            self.structured = await anyio.to_thread.run_sync(self._make_structured_manager)
+        if self.structured is None:  # the backend's set-up (a vocabulary pass): off the loop
+            p = self.parts
+            self.structured = await anyio.to_thread.run_sync(
+                StructuredOutputManager.make, p.structured_output_backend_cls, p.tokenizer,
+                p.vocab_size)
         return self.structured
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -55,6 +55,11 @@ class StructuredOutputManager:
     ``n`` samples of a request, or many requests with one schema, compile once. Concurrent
     compilations of one key share a single compilation. Invalid specs are not cached.
     """
+
+    @classmethod
+    def make(cls, backend_cls: type, tokenizer: Any, vocab_size: int) -> StructuredOutputManager:
+        """The manager over a new ``backend_cls(tokenizer, vocab_size)``."""
+        return cls(backend_cls(tokenizer, vocab_size))
 
     def __init__(self, backend: StructuredOutputBackend, *, max_cached: int = 1024) -> None:
         if max_cached < 1:
