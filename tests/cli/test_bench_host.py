@@ -19,7 +19,6 @@ def _model_dir(root, config):  # the tokenizer converted once per machine, not p
 
 
 def test_host_benchmark_rows_add_up(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("ASYNCENGINE_PLUGINS", "")  # the built-ins are all it needs
     monkeypatch.setattr(host, "make_model_dir", _model_dir)
     out = tmp_path / "host.json"
     args = build_parser().parse_args([
