@@ -158,19 +158,25 @@ def main(args: argparse.Namespace) -> int:
     for m in args.consumers:
         if m in NOT_BUILT:
             print(f"consumers {m}: left out: {NOT_BUILT[m]}")
+    import torch
+
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_model_dir(Path(tmp) / "model", ENGINE_MODEL)
-        for n in args.streams:
-            engine, probe = make_engine(model_dir, n, args)
-            for _ in range(args.repeat):
-                for mode in modes:
-                    rows.append(measure(engine, probe, mode, n, args))
-                    print(format_row(rows[-1]), flush=True)
-            probe.close()
-            del engine, probe
-            gc.unfreeze()
-            gc.collect()
+    threads = torch.get_num_threads()  # make_engine runs torch on one thread: given back
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = make_model_dir(Path(tmp) / "model", ENGINE_MODEL)
+            for n in args.streams:
+                engine, probe = make_engine(model_dir, n, args)
+                for _ in range(args.repeat):
+                    for mode in modes:
+                        rows.append(measure(engine, probe, mode, n, args))
+                        print(format_row(rows[-1]), flush=True)
+                probe.close()
+                del engine, probe
+                gc.unfreeze()
+                gc.collect()
+    finally:
+        torch.set_num_threads(threads)
     print()
     print(table(rows))
     if args.json:
