@@ -40,6 +40,7 @@ from asyncengine.engine.outputs import RequestOutput
 from asyncengine.engine.prompts import check_length, tokenize_prompt
 from asyncengine.engine.scoring import model_kind
 from asyncengine.engine.step_loop import StepLoop
+from asyncengine.engine.stream_group import GenerateMany
 from asyncengine.engine.streams import RequestStream
 from asyncengine.engine.structured_output import StructuredOutputManager
 from asyncengine.engine.tracing import make_output_processor
@@ -55,7 +56,7 @@ __all__ = ["AsyncEngine", "EngineDeadError", "EngineOverloaded", "EngineShutting
 KV_SAVE_DRAIN_TIMEOUT = 30.0
 
 
-class AsyncEngine(LoRAAdapters):
+class AsyncEngine(LoRAAdapters, GenerateMany):
     def __init__(self, config: EngineConfig | None = None, *, plugin_manager: Any = None,
                  metrics: Any = None) -> None:
         self.config = config or EngineConfig()

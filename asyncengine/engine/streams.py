@@ -11,11 +11,18 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from asyncengine.core.request import Request
 from asyncengine.engine.errors import EngineDeadError, RequestFailed
 from asyncengine.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from asyncengine.text.detokenizer import IncrementalDetokenizer
+
+
+class Group(Protocol):
+    """What a stream needs of its group (``stream_group.StreamGroup``)."""
+
+    def ready(self, stream: RequestStream) -> None: ...
 
 
 @dataclass
@@ -77,11 +84,23 @@ class RequestStream:
         # Whether take_text() may stand in for take() (see there).
         self._plain = deltas_only and len(samples) == 1 and not samples[0].want_logprobs
         self.finished_time: float | None = None
+        # A StreamGroup's member (stream_group.py): emission queues the stream on the group
+        # (once until the group takes it: ``queued``) instead of waking a consumer of its own.
+        self._group: Group | None = None
+        self.queued = False
 
     # -- engine side ----------------------------------------------------------------------------
     def notify(self) -> None:
-        """New outputs are ready. In push mode, while the consumer is parked, deliver them
-        now from the loop (one synchronous write, no task switch); else wake the consumer."""
+        """New outputs are ready. In a group, queue the stream on it; in push mode, while the
+        consumer is parked, deliver them now from the loop (one synchronous write, no task
+        switch); else wake the consumer."""
+        group = self._group
+        if group is not None:
+            if not self.queued and (not self._final_only or self.finished
+                                    or self._error is not None):
+                self.queued = True
+                group.ready(self)
+            return
         if self._final_only and not self.finished:
             return  # final(): nothing to wake the consumer for before the end
         push = self._push
@@ -133,7 +152,25 @@ class RequestStream:
             wrapped.__cause__ = error
             error = wrapped
         self._error = error
+        if self._group is not None:
+            self.notify()
         self._event.set()
+
+    def join_group(self, group: Group, *, final_only: bool = False) -> None:
+        """Deliver through ``group`` from now on (before the request's first output); with
+        ``final_only``, only the final output (as :meth:`final`)."""
+        self._group = group
+        self._final_only = final_only
+
+    @property
+    def error(self) -> BaseException | None:
+        """What ended the stream with an error (raised to a consumer of its own)."""
+        return self._error
+
+    @property
+    def delivered_final(self) -> bool:
+        """Whether the consumer has been given the final output (or left)."""
+        return self._delivered_final
 
     @property
     def finished(self) -> bool:

@@ -1,5 +1,5 @@
-"""``asyncengine bench host`` on a small load: both built consumer modes and the one not built
-yet; the rows' structure and invariants (no timing assertions: the machine is shared)."""
+"""``asyncengine bench host`` on a small load: its three consumer modes; the rows' structure
+and invariants (no timing assertions: the machine is shared)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_host_benchmark_rows_add_up(tmp_path, capsys, monkeypatch):
         "--consumers", "http", "generate", "batch", "--t-gpu-ms", "1", "--json", str(out)])
     assert host.main(args) == 0
     rows = json.loads(out.read_text())
-    assert [r["consumers"] for r in rows] == ["http", "generate"]
+    assert [r["consumers"] for r in rows] == ["http", "generate", "batch"]
     for r in rows:
         assert r["streams"] == 3 and r["delivered"] == r["expected"] == 24
         assert r["blocks_free_after"]
@@ -36,7 +36,7 @@ def test_host_benchmark_rows_add_up(tmp_path, capsys, monkeypatch):
         assert all(cpu[k] >= 0 for k in (*PHASES, "consumers"))
         assert sum(cpu[k] for k in (*PHASES, "consumers")) <= cpu["total"]
         assert cpu["prepare"] > 0 and cpu["enqueue"] > 0 and cpu["emit"] > 0
-        assert cpu["consumers"] > 0  # the handlers, or the generate() tasks
+        assert cpu["consumers"] > 0  # the handlers, the generate() tasks, or the batch's
         per_step = r["ms_per_step"]["total"] / 1e3 * r["steps"]
         assert abs(per_step - cpu["total"]) < 1e-9
         gpu = r["gpu"]
@@ -47,7 +47,7 @@ def test_host_benchmark_rows_add_up(tmp_path, capsys, monkeypatch):
             assert 0 <= gpu[key] <= 100
     assert rows[0]["client_cpu_us_per_token"] > 0
     printed = capsys.readouterr().out
-    assert "consumers batch: left out: the batch API" in printed
+    assert "consumers: batch (in-process engine.generate_many()" in printed
     assert "consumers: generate (in-process engine.generate()" in printed
     assert "emission with the SSE writes" in printed
 

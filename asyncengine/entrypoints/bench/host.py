@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="concurrent streams, one engine each (default: 1 32 256 1024)")
     parser.add_argument("--consumers", nargs="+", default=["http", "generate"],
                         choices=[*MODES, *NOT_BUILT],
-                        help="who reads the streams (default: http generate; batch is not "
-                             "built yet)")
+                        help="who reads the streams (default: http generate; batch: one "
+                             "task reading them all through generate_many)")
     parser.add_argument("--tokens", type=int, default=128,
                         help="output tokens per stream (default: 128)")
     parser.add_argument("--prompt-tokens", type=int, default=128,

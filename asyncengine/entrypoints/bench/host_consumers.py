@@ -10,8 +10,8 @@ stream received:
   runs it) on a loopback port, and a client in a subprocess (so that its CPU is not the
   loop thread's; it shares the machine) streaming ``/v1/completions`` with token-id prompts;
   each stream counts its tokens from the final usage chunk.
-* ``batch``: the batch API of the issue's part 2. It does not exist yet: the mode is named,
-  and left out, rather than imitated.
+* ``batch``: in-process, one task reading every stream through ``engine.generate_many()``
+  (delta outputs): one wake-up per step for all of them (``engine/stream_group.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # the client subprocess imports this module: nothing heavy at
     from asyncengine.entrypoints.bench.host_probe import Probe
 
 #: Modes named but not built, and why.
-NOT_BUILT = {"batch": "the batch API (part 2 of the issue) does not exist yet"}
+NOT_BUILT: dict[str, str] = {}
 WARMUP_TOKENS = 4
 
 
@@ -83,6 +83,35 @@ class GenerateConsumers:
         return delivered
 
 
+class BatchConsumers(GenerateConsumers):
+    name = "batch"
+    description = "in-process engine.generate_many(), one task for every stream"
+
+    @staticmethod
+    async def _streams(engine: Any, prompts: list[list[int]], tokens: int) -> list[int]:
+        from asyncengine.core.sampling_params import RequestOutputKind, SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        import anyio
+
+        delivered = [0] * len(prompts)
+        index: dict[str, int] = {}
+
+        async def read() -> None:  # a task of its own, as the other modes' consumers
+            async for outputs in engine.generate_many(prompts, params,
+                                                      request_id=f"host-{id(prompts)}"):
+                for out in outputs:
+                    i = index.get(out.request_id)
+                    if i is None:
+                        i = index[out.request_id] = int(out.request_id.rsplit("-", 1)[1])
+                    delivered[i] += len(out.outputs[0].token_ids)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+        return delivered
+
+
 class HTTPConsumers:
     name = "http"
     description = ("SSE streams of /v1/completions over loopback sockets, the client in a "
@@ -133,7 +162,8 @@ class HTTPConsumers:
             "client_cpu_us_per_token": client["cpu_s"] / max(sum(client["delivered"]), 1) * 1e6}
 
 
-MODES: dict[str, type] = {"generate": GenerateConsumers, "http": HTTPConsumers}
+MODES: dict[str, type] = {"generate": GenerateConsumers, "http": HTTPConsumers,
+                          "batch": BatchConsumers}
 
 
 # -- the HTTP client (a subprocess: ``python -m ...host_consumers`` < spec) -----------------------
