@@ -65,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=None, help="how the loop awaits a step's event (default: "
                                            "ASYNCENGINE_CUDA_AWAIT, else thread)")
     parser.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
-                        help="leave the start-up objects to the garbage collector (whose full "
-                             "collections then walk torch's objects, ~0.3 s here)")
+                        help="leave the garbage collector as Python sets it (default: tuned as "
+                             "`asyncengine serve` tunes it, engine/gc_policy.py)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs of each (streams, consumers), alternating the consumers")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
@@ -89,6 +89,7 @@ def make_engine(model_dir: str, streams: int, args: argparse.Namespace) -> tuple
 
     from asyncengine.config import EngineConfig
     from asyncengine.engine.engine import AsyncEngine
+    from asyncengine.engine.gc_policy import tune_for_serving
     from asyncengine.entrypoints.bench.host_probe import Probe
     from asyncengine.executor.runtime.simulated import SimulatedCUDA
     from asyncengine.executor.runtime.simulated_gpu import SimulatedModel, on_simulated_gpu
@@ -103,9 +104,8 @@ def make_engine(model_dir: str, streams: int, args: argparse.Namespace) -> tuple
     model = SimulatedModel.like(engine.runner.model, step_time(args), FIRST_TOKEN)
     on_simulated_gpu(engine, graphs=True, awaiter=args.await_mechanism,
                      cuda=SimulatedCUDA(delay=0.0), model=model)
-    if args.gc_freeze:
-        gc.collect()
-        gc.freeze()
+    if args.gc_freeze:  # as `asyncengine serve` does once it serves
+        tune_for_serving()
     return engine, Probe(engine, engine.device.stream)
 
 
@@ -162,6 +162,7 @@ def main(args: argparse.Namespace) -> int:
 
     rows: list[dict[str, Any]] = []
     threads = torch.get_num_threads()  # make_engine runs torch on one thread: given back
+    threshold = gc.get_threshold()  # and tunes the collector as a server: given back too
     try:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = make_model_dir(Path(tmp) / "model", ENGINE_MODEL)
@@ -174,9 +175,11 @@ def main(args: argparse.Namespace) -> int:
                 probe.close()
                 del engine, probe
                 gc.unfreeze()
+                gc.set_threshold(*threshold)
                 gc.collect()
     finally:
         torch.set_num_threads(threads)
+        gc.set_threshold(*threshold)
     print()
     print(table(rows))
     if args.json:

@@ -111,6 +111,7 @@ def make_metrics(engine) -> EngineMetrics:
 
 async def serve(config: EngineConfig, settings: ServerSettings) -> int:
     from asyncengine.engine.engine import AsyncEngine
+    from asyncengine.engine.gc_policy import tune_for_serving
     from asyncengine.entrypoints.batch.service import batch_jobs
     from asyncengine.entrypoints.http.app import build_app
 
@@ -137,6 +138,7 @@ async def serve(config: EngineConfig, settings: ServerSettings) -> int:
                 except OSError as e:  # e.g. the port is taken
                     logger.error("cannot listen on %s:%s: %s", settings.host, settings.port, e)
                     return 1
+                tune_for_serving()  # engine/gc_policy.py
                 for address in runner.addresses:
                     host, port = address[0], address[1]
                     logger.info("serving %s on %s://%s:%s%s", engine.model_name,
