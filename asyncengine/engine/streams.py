@@ -215,6 +215,8 @@ class RequestStream:
         return self._take()
 
     def _take(self) -> RequestOutput:
+        if self._plain and self.samples[0].finish_reason is None:
+            return self._take_plain(self.samples[0])
         outputs = []
         for i, s in enumerate(self.samples):
             chunks = s.detokenizer.chunks
@@ -252,6 +254,21 @@ class RequestStream:
                                      r.last_token_time, self.finished_time, r.num_cached_tokens)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
                              finished, r.prompt_logprobs, metrics, r.num_cached_tokens)
+
+    def _take_plain(self, s: SampleState) -> RequestOutput:
+        """``_take`` for what most outputs of a delta stream are: one sample, no logprobs,
+        not finished (no metrics then): the same output, built without the general case's
+        branches."""
+        chunks = s.detokenizer.chunks
+        sent, n = s.sent_chunks, len(chunks)
+        text = "" if n == sent else chunks[sent] if n == sent + 1 else "".join(chunks[sent:])
+        req, emitted = s.request, s.num_emitted
+        ids = req.output_token_ids[s.sent_tokens:emitted]
+        s.sent_tokens, s.sent_chunks = emitted, n
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [CompletionOutput(0, text, ids, text, ids, None, None, None, None,
+                                               emitted)],
+                             False, req.prompt_logprobs, None, req.num_cached_tokens)
 
     def close(self) -> None:
         """Stop consuming; aborts the request if it is still running. Idempotent."""

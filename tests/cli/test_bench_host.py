@@ -39,6 +39,7 @@ def test_host_benchmark_rows_add_up(tmp_path, capsys, monkeypatch):
         assert cpu["consumers"] > 0  # the handlers, the generate() tasks, or the batch's
         per_step = r["ms_per_step"]["total"] / 1e3 * r["steps"]
         assert abs(per_step - cpu["total"]) < 1e-9
+        assert r["wakeups_per_stream_step"] > 0
         gpu = r["gpu"]
         assert gpu["t_gpu_ms"] == 1.0  # --t-gpu-ms alone: a constant
         # Requests that arrive a step apart decode together for fewer steps: at least one.

@@ -113,7 +113,7 @@ def measure(engine: Any, probe: Any, mode: str, streams: int,
             args: argparse.Namespace) -> dict[str, Any]:
     import anyio
 
-    from asyncengine.entrypoints.bench.host_probe import split
+    from asyncengine.entrypoints.bench.host_probe import bare_wakeup_s, split
     from asyncengine.executor.runtime.simulated import gpu_idle
 
     prompts = [prompt_ids(i, args.prompt_tokens, FIRST_TOKEN, VOCAB) for i in range(streams)]
@@ -140,6 +140,8 @@ def measure(engine: Any, probe: Any, mode: str, streams: int,
         "ms_per_step": {k: 1e3 * v / max(steps, 1) for k, v in cpu.items()},
         "us_per_stream_step": {k: 1e6 * v / max(stream_steps, 1) for k, v in cpu.items()},
         "gc_ms_per_step": 1e3 * (after["gc_s"] - before["gc_s"]) / max(steps, 1),
+        # The loop's CPU per stream-step in bare asyncio wake-ups (host_probe.bare_wakeup_s).
+        "wakeups_per_stream_step": cpu["total"] / max(stream_steps, 1) / bare_wakeup_s(),
         "process_us_per_stream_step": 1e6 * (after["process_cpu_s"] - before["process_cpu_s"])
         / max(stream_steps, 1),
         "gpu": {"t_gpu_ms": 1e3 * t_gpu,
@@ -204,11 +206,14 @@ def format_row(r: dict[str, Any]) -> str:
             f"period {g['period_ms']:.2f} ms), {g['run_idle_percent']:.1f}% (run), "
             f"{g['one_core_idle_percent']:.1f}% (a core for the loop); "
             f"{r['tokens_per_s']:.0f} tok/s; {r['delivered']}/{r['expected']} tokens; "
-            f"gc {r['gc_ms_per_step']:.3f} ms/step")
+            f"gc {r['gc_ms_per_step']:.3f} ms/step; "
+            f"{r['wakeups_per_stream_step']:.1f} bare wake-ups per stream-step")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Per mode: the loop thread's ms per step and us per stream-step, by phase; the GPU."""
+    from asyncengine.entrypoints.bench.host_probe import bare_wakeup_s
+
     names = ("total", *PHASE_COLUMNS)
     heads = ("total", "sched", "prep", "enq", "update", "emit", "cons", "rest")
     lines = []
@@ -218,19 +223,22 @@ def table(rows: list[dict[str, Any]]) -> str:
                   f"{'us per stream per step':^47} | {'simulated GPU, full-batch steps':^37}",
                   f"{'streams':>7} | " + " ".join(f"{h:>6}" for h in heads) + " | "
                   + " ".join(f"{h:>5}" for h in heads)
-                  + " | T_gpu ms period ms idle % 1 core % | tok/s  gc ms"]
+                  + " | T_gpu ms period ms idle % 1 core % | tok/s  gc ms  wk"]
         for r in (r for r in rows if r["consumers"] == mode):
             ms, us, g = r["ms_per_step"], r["us_per_stream_step"], r["gpu"]
             lines.append(f"{r['streams']:>7} | " + " ".join(f"{ms[k]:>6.3f}" for k in names)
                          + " | " + " ".join(f"{us[k]:>5.1f}" for k in names)
                          + f" | {g['t_gpu_ms']:>8.2f} {g['period_ms']:>9.2f} "
                            f"{g['idle_percent']:>6.1f} {g['one_core_idle_percent']:>8.1f} | "
-                           f"{r['tokens_per_s']:>6.0f} {r['gc_ms_per_step']:>6.3f}")
+                           f"{r['tokens_per_s']:>6.0f} {r['gc_ms_per_step']:>6.3f} "
+                           f"{r['wakeups_per_stream_step']:>4.1f}")
         lines.append("")
     lines.append("emit: emission with the SSE writes and their flush; cons: every task but the "
                  "step loop's; idle %: measured between full-batch steps; 1 core %: "
                  "1 - T_gpu / the loop's CPU per step; gc ms: the loop thread's garbage "
-                 "collections per step, inside the phases")
+                 "collections per step, inside the phases; wk: the loop's CPU per stream-step "
+                 "in bare asyncio wake-ups (an Event set and its task's step: "
+                 f"{1e6 * bare_wakeup_s():.2f} us here)")
     for m, why in NOT_BUILT.items():
         lines.append(f"consumers: {m}: not measured, {why}")
     return "\n".join(lines)

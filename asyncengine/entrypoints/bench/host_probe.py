@@ -71,6 +71,41 @@ def clock_costs(n: int = 5000) -> tuple[float, float]:
     return statistics.median(inside), statistics.median(added)
 
 
+@functools.cache
+def bare_wakeup_s(tasks: int = 256, rounds: int = 200) -> float:
+    """The loop thread's CPU for one bare asyncio wake-up: an ``asyncio.Event`` set, and its
+    waiting task's step back to its next wait (the median of 5 runs of ``tasks`` tasks woken
+    ``rounds`` times each, in an event loop of its own). The unit the issue counts a
+    stream's cost per step in."""
+
+    async def run() -> float:
+        events = [asyncio.Event() for _ in range(tasks)]
+        woken = 0
+
+        async def waiter(ev: asyncio.Event) -> None:
+            nonlocal woken
+            while True:
+                await ev.wait()
+                ev.clear()
+                woken += 1
+
+        workers = [asyncio.ensure_future(waiter(ev)) for ev in events]
+        await asyncio.sleep(0)
+        start = time.thread_time()
+        for _ in range(rounds):
+            for ev in events:
+                ev.set()
+            await asyncio.sleep(0)  # every woken task runs once before this returns
+            await asyncio.sleep(0)
+        spent = time.thread_time() - start
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        return spent / max(woken, 1)
+
+    return statistics.median(asyncio.run(run()) for _ in range(5))
+
+
 class TaskTimes:
     """The loop thread's CPU in the steps of every task created after :meth:`install` on
     that loop, but the step loop's; ``steps``: how many steps were timed."""
