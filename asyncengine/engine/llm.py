@@ -16,6 +16,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.engine.engine import AsyncEngine
 from asyncengine.engine.outputs import RequestOutput
+from asyncengine.engine.stream_group import StreamGroup
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -67,13 +68,16 @@ class LLM:
         async with self.engine:
             streams = [await self.engine.add_request(p, sp, priority=pr)
                        for p, sp, pr in zip(prompts, params, prios, strict=True)]
-
-            async def collect(i: int) -> None:
-                results[i] = await streams[i].final()  # woken once, at the end
-
-            async with anyio.create_task_group() as tg:
-                for i in range(len(streams)):
-                    tg.start_soon(collect, i)
+            index = {s.request_id: i for i, s in enumerate(streams)}
+            group = StreamGroup(streams, final_only=True)  # one wake-up per step at most
+            try:
+                async for outputs in group:
+                    if group.errors:  # what the request raised, as its own stream would
+                        raise next(iter(group.errors.values()))
+                    for out in outputs:
+                        results[index[out.request_id]] = out
+            finally:
+                group.close()
         return results  # type: ignore[return-value]
 
 

@@ -43,6 +43,9 @@ class StreamGroup:
         for stream in streams:
             self.streams[stream.request_id] = stream
             stream.join_group(self, final_only=final_only)
+            if stream.error is not None or stream.finished or \
+                    any(s.has_news for s in stream.samples):
+                stream.notify()  # it had news before it joined: queued now
 
     # -- engine side (emission, on the loop) --------------------------------------------------
     def ready(self, stream: RequestStream) -> None:
