@@ -111,14 +111,16 @@ class GenerateMany:
         """Many prompts, one consumer: queue every prompt (all or none, as ``add_requests``),
         then yield, once per step with news, the outputs of the requests that have some. Each
         request's outputs are as ``params.output_kind`` says (``FINAL_ONLY``: its final output
-        alone). Request ids are ``request_id-i``, ``i`` the prompt's index (a lone prompt's:
-        ``request_id``), as ``RequestOutput.request_id`` gives them. Leaving early aborts the
-        requests still running."""
+        alone). Request ids are ``request_id-i``, ``i`` the prompt's index, as
+        ``RequestOutput.request_id`` gives them. Leaving early aborts the requests still
+        running."""
         params = params or SamplingParams()
         kind = params.output_kind
-        streams = await self.add_requests(
-            list(prompts), params, request_id=request_id or uuid.uuid4().hex, priority=priority,
-            deltas_only=kind == RequestOutputKind.DELTA, lora_name=lora_name)
+        prompts = list(prompts)
+        rid = request_id or uuid.uuid4().hex
+        streams = await self.add_requests(  # which names a lone prompt's request rid alone
+            prompts, params, request_id=rid if len(prompts) > 1 else f"{rid}-0",
+            priority=priority, deltas_only=kind == RequestOutputKind.DELTA, lora_name=lora_name)
         group = StreamGroup(streams, final_only=kind == RequestOutputKind.FINAL_ONLY)
         try:
             async for outputs in group:

@@ -66,6 +66,16 @@ def test_each_request_gets_what_generate_gives_it(engine):
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
+def test_a_lone_prompt_is_named_like_the_others(engine):
+    async def main():
+        async with engine:
+            return [o.request_id async for outputs in engine.generate_many(
+                [[5, 6, 7]], _params(RequestOutputKind.FINAL_ONLY, 3), request_id="one")
+                for o in outputs]
+
+    assert anyio.run(main) == ["one-0"]
+
+
 def test_leaving_early_aborts_every_request_and_frees_the_blocks(engine):
     async def main():
         async with engine:
