@@ -15,7 +15,9 @@ request count), with the part spent in the step path proper (schedule, prepare, 
 update, emission including the pushed SSE writes; the rest is HTTP: requests, handlers,
 connections) and, for scale, the bare server's own loop CPU per chunk and this client's CPU
 per chunk against it (on a small machine the client is what holds the bare server back:
-it shares the cores); and the fraction of the run the device sat waiting for the host.
+it shares the cores); the fraction of the run the device sat waiting for the host; and the
+whole server process's CPU per streamed token (every thread, read from ``/proc/PID/stat`` by
+this client), next to the bare server's: the figure issue 48 bounds at 2/3 of the bare one.
 
 The servers run in subprocesses (this process is the client), one at a time.
 """
@@ -92,6 +94,7 @@ async def _serve_engine(args: argparse.Namespace) -> None:
 
     from asyncengine.config import EngineConfig
     from asyncengine.engine.engine import AsyncEngine
+    from asyncengine.engine.gc_policy import tune_for_serving
     from asyncengine.engine.metrics import EngineMetrics
     from asyncengine.entrypoints.http.app import build_app
     from asyncengine.entrypoints.http.state import ServerSettings
@@ -119,6 +122,7 @@ async def _serve_engine(args: argparse.Namespace) -> None:
         app = build_app(engine, engine.metrics, ServerSettings(access_log=False))
         app.router.add_get("/bench/stats", stats)
         await _run_app(app, args.port)
+        tune_for_serving()  # as `asyncengine serve` does once it serves
         await anyio.sleep_forever()
 
 
@@ -171,6 +175,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def proc_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, every thread) of process ``pid`` so far, from
+    ``/proc/PID/stat``; None where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    # After the command's closing parenthesis: state is field 3, utime 14 and stime 15.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class _Server:
@@ -233,10 +249,13 @@ async def measure(kind: str, model_dir: str, streams: int, tokens: int) -> dict[
             async with session.get(server.url + "/bench/stats") as r:
                 before = await r.json()
             start, client_cpu = time.perf_counter(), time.process_time()
+            server_cpu = proc_cpu_s(server.proc.pid)
             done = await asyncio.gather(*[_stream_one(session, server.url, tokens)
                                           for _ in range(streams)])
             wall = time.perf_counter() - start
             client_cpu = time.process_time() - client_cpu
+            if server_cpu is not None:
+                server_cpu = proc_cpu_s(server.proc.pid) - server_cpu
             async with session.get(server.url + "/bench/stats") as r:
                 after = await r.json()
     finally:
@@ -244,6 +263,8 @@ async def measure(kind: str, model_dir: str, streams: int, tokens: int) -> dict[
     result: dict[str, Any] = {"server": kind, "streams": streams, "tokens": tokens,
                               "tokens_per_s": sum(done) / wall, "wall_s": wall,
                               "client_us_per_chunk": client_cpu / sum(done) * 1e6}
+    if server_cpu is not None:  # the whole server process (every thread), from /proc
+        result["process_us_per_token"] = server_cpu / sum(done) * 1e6
     stream_steps = after["stream_steps"] - before["stream_steps"]
     cpu = after["loop_cpu_s"] - before["loop_cpu_s"]
     if kind == "bare":  # its loop's CPU per chunk sent: the HTTP floor of this machine
@@ -279,6 +300,9 @@ def main(args: argparse.Namespace) -> int:
             for kind in args.runners:
                 r = asyncio.run(measure(kind, model_dir, n, args.tokens))
                 r["ratio_to_bare"] = r["tokens_per_s"] / bare["tokens_per_s"]
+                if "process_us_per_token" in r and bare.get("process_us_per_token"):
+                    r["process_cpu_to_bare"] = (r["process_us_per_token"]
+                                                / bare["process_us_per_token"])
                 rows.append(r)
                 print(_format(r, bare), flush=True)
     if args.json:
@@ -294,7 +318,11 @@ def _format(r: dict[str, Any], bare: dict[str, Any]) -> str:
             f"{r['process_us_per_stream_step']:.1f}; bare server "
             f"{bare['loop_us_per_chunk']:.1f} us/chunk, its client "
             f"{bare['client_us_per_chunk']:.1f}) over {r['steps']} steps; device waiting "
-            f"{100 * r['device_wait_frac']:.0f}% of the run")
+            f"{100 * r['device_wait_frac']:.0f}% of the run"
+            + (f"; server process CPU per token {r['process_us_per_token']:.1f} us = "
+               f"{r['process_cpu_to_bare']:.2f}x the bare server's "
+               f"({bare['process_us_per_token']:.1f} us)" if "process_cpu_to_bare" in r
+               else ""))
 
 
 if __name__ == "__main__":
