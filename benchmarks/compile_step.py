@@ -44,7 +44,7 @@ def main(args: argparse.Namespace) -> int:
 
     def step() -> None:
         out = scheduler.schedule()
-        scheduler.update_from_output(out, runner.execute(runner.prepare(out)))
+        scheduler.update_from_output(out, runner.execute(runner.prepare(out)).finish())
 
     for _ in range(4):  # the prefill, then warm-up decodes
         step()

@@ -59,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
         if not out.total_num_scheduled_tokens:
             raise SystemExit("nothing could be scheduled: is the KV cache too small?")
         inputs = parts.runner.prepare(out)
-        result = parts.runner.execute(inputs)
+        result = parts.runner.execute(inputs).finish()
         scheduler.update_from_output(out, result)
         return len(result.sampled_token_ids)
 

@@ -6,6 +6,9 @@ all measured in the same run:
 
 * ``null``: a runner with no forward pass; it returns token ids at once. What is left is the
   loop: HTTP, tokenization, scheduling, preparing inputs, emission, SSE writes.
+* ``near-null``: the same, with a 600-token vocabulary (the tokenizer's first 600 pieces):
+  a real forward pass and sampling whose head costs next to nothing, so that what is
+  measured is the loop (the issue's "near-null model").
 * ``tiny``: random weights of 2 layers and hidden size 64 with SmolLM2's tokenizer and its
   49,152-token vocabulary (``--load-format dummy``): a real but cheap forward pass.
 
@@ -39,7 +42,7 @@ from typing import Any
 
 from asyncengine.config import environment
 
-RUNNERS = ("null", "tiny")
+RUNNERS = ("null", "near-null", "tiny")
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -48,6 +51,10 @@ TINY_CONFIG = {
     "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
 }
 PROMPT = "Tell me a story about a lighthouse keeper."
+#: ``near-null``: the tiny model with a 600-token vocabulary (the issue's near-null model), so
+#: that the head and sampling cost next to nothing; its prompt is token ids inside it.
+NEAR_NULL_CONFIG = {**TINY_CONFIG, "vocab_size": 600}
+NEAR_NULL_PROMPT = list(range(300, 340))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -222,8 +229,9 @@ class _Server:
 
 
 # -- the client ----------------------------------------------------------------------------------
-async def _stream_one(session: Any, url: str, tokens: int) -> int:
-    body = {"model": None, "prompt": PROMPT, "max_tokens": tokens, "stream": True,
+async def _stream_one(session: Any, url: str, tokens: int,
+                      prompt: str | list[int] = PROMPT) -> int:
+    body = {"model": None, "prompt": prompt, "max_tokens": tokens, "stream": True,
             "temperature": 0, "ignore_eos": True}
     async with session.post(url + "/v1/completions", json=body) as r:
         if r.status != 200:
@@ -237,6 +245,7 @@ async def _stream_one(session: Any, url: str, tokens: int) -> int:
 
 
 async def measure(kind: str, model_dir: str, streams: int, tokens: int) -> dict[str, Any]:
+    prompt = NEAR_NULL_PROMPT if kind == "near-null" else PROMPT
     import aiohttp
 
     server = _Server(kind, model_dir, streams)
@@ -245,12 +254,12 @@ async def measure(kind: str, model_dir: str, streams: int, tokens: int) -> dict[
         timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
             await server.wait_ready(session)
-            await _stream_one(session, server.url, 4)  # warm-up
+            await _stream_one(session, server.url, 4, prompt)  # warm-up
             async with session.get(server.url + "/bench/stats") as r:
                 before = await r.json()
             start, client_cpu = time.perf_counter(), time.process_time()
             server_cpu = proc_cpu_s(server.proc.pid)
-            done = await asyncio.gather(*[_stream_one(session, server.url, tokens)
+            done = await asyncio.gather(*[_stream_one(session, server.url, tokens, prompt)
                                           for _ in range(streams)])
             wall = time.perf_counter() - start
             client_cpu = time.process_time() - client_cpu
@@ -293,12 +302,13 @@ def main(args: argparse.Namespace) -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model_dir(Path(tmp) / "tiny")
+        dirs = {"near-null": make_model_dir(Path(tmp) / "near-null", NEAR_NULL_CONFIG)}
         rows = []
         for n in args.streams:
             bare = asyncio.run(measure("bare", model_dir, n, args.tokens))
             rows.append(bare)
             for kind in args.runners:
-                r = asyncio.run(measure(kind, model_dir, n, args.tokens))
+                r = asyncio.run(measure(kind, dirs.get(kind, model_dir), n, args.tokens))
                 r["ratio_to_bare"] = r["tokens_per_s"] / bare["tokens_per_s"]
                 if "process_us_per_token" in r and bare.get("process_us_per_token"):
                     r["process_cpu_to_bare"] = (r["process_us_per_token"]
