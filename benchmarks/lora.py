@@ -186,7 +186,7 @@ def step_times(engine, prompts: list[list[int]], names: list[str], args) -> None
     def step(sched) -> float:
         t = time.perf_counter()
         out = sched.schedule()
-        sched.update_from_output(out, runner.execute(runner.prepare(out)))
+        sched.update_from_output(out, runner.execute(runner.prepare(out)).finish())
         return time.perf_counter() - t
 
     for sched in sides.values():  # prefill, then a warm-up decode

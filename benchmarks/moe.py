@@ -86,7 +86,7 @@ def ours(path: str, batch: int, args: argparse.Namespace,
     def step() -> int:
         out = scheduler.schedule()
         inputs = parts.runner.prepare(out)
-        result = parts.runner.execute(inputs)
+        result = parts.runner.execute(inputs).finish()
         scheduler.update_from_output(out, result)
         return len(result.sampled_token_ids)
 
