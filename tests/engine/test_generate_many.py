@@ -155,3 +155,20 @@ def test_the_group_records_errors_and_raises_only_the_engines_death(engine):
     b.fail(EngineDeadError("the device is gone"))
     with pytest.raises(EngineDeadError):
         anyio.run(first)
+
+
+def test_n_samples_and_seeds_come_out_as_generate_gives_them(engine):
+    params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=6, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def main():
+        async with engine:
+            alone = [o async for o in engine.generate(PROMPTS[0], params.clone())][-1]
+            many = [o async for outputs in engine.generate_many(PROMPTS[:2], params)
+                    for o in outputs]
+            return alone, many
+
+    alone, many = anyio.run(main)
+    first = next(o for o in many if o.request_id.endswith("-0"))
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in alone.outputs]
+    assert len(many) == 2 and all(len(o.outputs) == 2 and o.finished for o in many)
