@@ -271,3 +271,33 @@ def _cache_info(cache: CacheConfig | None, num_gpu_blocks: int | None,
     info.update(extra or {})
     info["engine"] = "0"
     return {k: str(v) for k, v in info.items()}
+
+
+def render_many(sources: Sequence[EngineMetrics]) -> bytes:
+    """One exposition of several engines' series (a router serving several models): each
+    family once, with every engine's samples; a series with no ``model_name`` label of its own
+    (the info gauges) gets its engine's. The process collectors appear once."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged(sources))
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return generate_latest(registry)
+
+
+class _Merged:
+    def __init__(self, sources: Sequence[EngineMetrics]) -> None:
+        self.sources = sources
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for source in self.sources:
+            for family in source.collect():
+                for sample in family.samples:
+                    sample.labels.setdefault("model_name", source.model_name)
+                seen = merged.get(family.name)
+                if seen is None:
+                    merged[family.name] = family
+                else:
+                    seen.samples.extend(family.samples)
+        yield from merged.values()

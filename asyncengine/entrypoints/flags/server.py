@@ -13,6 +13,7 @@ import os
 
 from asyncengine.config import environment, parse_size
 from asyncengine.entrypoints.flags.batch import add_batch_arguments, batch_settings
+from asyncengine.entrypoints.flags.router import add_router_arguments
 from asyncengine.entrypoints.http.state import DEFAULT_MAX_REQUEST_BODY, ServerSettings
 from asyncengine.text.tool_parsers import TOOL_PARSERS
 
@@ -96,6 +97,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="every chat and completions stream ends with a usage chunk, as if "
                         "it asked with stream_options.include_usage")
     add_batch_arguments(parser)
+    add_router_arguments(parser)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:

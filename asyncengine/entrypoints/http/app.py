@@ -58,9 +58,10 @@ from asyncengine.entrypoints.http.responses import (
     TokenizeResponse,
     VersionResponse,
 )
+from asyncengine.entrypoints.http.router import router_routes, routing_middleware
 from asyncengine.entrypoints.http.sender import BatchSender
 from asyncengine.entrypoints.http.serving import REQUEST_ID_HEADER, to_api_error
-from asyncengine.entrypoints.http.state import STATE, ServerSettings, ServerState
+from asyncengine.entrypoints.http.state import STATE, ServerSettings, ServerState, state_of
 from asyncengine.entrypoints.http.tenancy import make_tenant_middleware
 from asyncengine.entrypoints.http.trace_context import trace_context_middleware, tracing_enabled
 from asyncengine.entrypoints.http.web import add_root_redirect, add_web_routes
@@ -68,6 +69,7 @@ from asyncengine.entrypoints.http.web import add_root_redirect, add_web_routes
 if TYPE_CHECKING:
     from asyncengine.engine.engine import AsyncEngine
     from asyncengine.engine.metrics import EngineMetrics
+    from asyncengine.engine.registry import ModelRegistry
 
 logger = logging.getLogger("asyncengine.entrypoints.http")
 
@@ -153,7 +155,7 @@ async def overload_middleware(request: web.Request, handler) -> web.StreamRespon
     its 503 at once: its body is not decoded, its prompt neither rendered nor tokenized
     (``add_request`` would refuse it after all that work). A storm costs less this way."""
     if request.match_info.route.handler in _QUEUEING:
-        engine = request.app[STATE].engine
+        engine = state_of(request).engine
         try:
             engine.check_queue()
         except EngineOverloaded as e:
@@ -168,23 +170,30 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
         response.headers[REQUEST_ID_HEADER] = given
 
 
-def build_app(engine: AsyncEngine, metrics: EngineMetrics | None,
-              settings: ServerSettings) -> web.Application:
-    """The application serving ``engine``; plugins' ``register_http_routes`` hooks run before
-    the routes are mirrored under --root-path and CORS is applied to all of them."""
+def build_app(engine: AsyncEngine | None, metrics: EngineMetrics | None,
+              settings: ServerSettings, registry: ModelRegistry | None = None
+              ) -> web.Application:
+    """The application serving ``engine`` (or, in router mode, the models of ``registry``,
+    each request routed by its ``model``: router.py); plugins' ``register_http_routes`` hooks
+    run before the routes are mirrored under --root-path and CORS is applied to all of
+    them."""
+    routes = BUILTIN_ROUTES
     middlewares = [error_middleware, draining_middleware]
     if settings.api_key:
         middlewares.append(auth_middleware(settings.api_key))
+    if registry is not None:
+        routes, routed = router_routes(BUILTIN_ROUTES, settings.sleep_mode)
+        middlewares.append(routing_middleware(routed))
     middlewares.append(overload_middleware)
     middlewares.append(make_tenant_middleware(
         not settings.api_key or settings.trust_tenant_header))
     if tracing_enabled(engine):  # --otlp-traces-endpoint: requests carry their traceparent
         middlewares.append(trace_context_middleware)
     app = web.Application(client_max_size=settings.max_request_body, middlewares=middlewares)
-    app[STATE] = ServerState(engine, metrics, settings)
+    app[STATE] = ServerState(engine, metrics, settings, registry=registry)
     app[BATCHES] = BatchService(app[STATE])  # running inside batch_jobs(app) (server.py)
-    app[ROUTES] = list(BUILTIN_ROUTES)
-    for r in BUILTIN_ROUTES:
+    app[ROUTES] = list(routes)
+    for r in routes:
         app.router.add_route(r.method, r.path, r.handler)
     add_web_routes(app, settings)  # the chat page at /, unless --no-web-ui
     _register_plugin_routes(app, engine)
@@ -201,17 +210,30 @@ async def _batch_sender(app: web.Application):
     """The thread that sends pushed SSE frames (sender.py), for the life of the app; the
     engine flushes it after each step's emission."""
     state = app[STATE]
+    registry = state.registry
     listeners = getattr(state.engine, "emit_listeners", None)
-    sender = BatchSender.start() if listeners is not None else None
+    sender = BatchSender.start() if listeners is not None or registry is not None else None
     if sender is not None:
         state.sender = sender
-        listeners.append(sender.flush)
+        if registry is not None:  # every engine flushes it, as it loads
+            registry.on_loaded.append(lambda engine: engine.emit_listeners.append(sender.flush))
+            for entry in registry.entries.values():
+                if entry.engine is not None:
+                    entry.engine.emit_listeners.append(sender.flush)
+        else:
+            listeners.append(sender.flush)
     try:
         yield
     finally:
         if sender is not None:
             state.sender = None
-            listeners.remove(sender.flush)
+            if registry is not None:
+                registry.on_loaded.clear()
+                for entry in registry.entries.values():
+                    if entry.engine is not None and sender.flush in entry.engine.emit_listeners:
+                        entry.engine.emit_listeners.remove(sender.flush)
+            else:
+                listeners.remove(sender.flush)
             sender.close()
 
 

@@ -25,6 +25,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from asyncengine.config import EngineConfig
+from asyncengine.entrypoints.flags.router import router_settings
 from asyncengine.entrypoints.flags.server import (  # noqa: F401 (the CLI imports them from here)
     API_KEY_ENV,
     add_serve_arguments,
@@ -78,6 +79,13 @@ def main(args: argparse.Namespace, config: EngineConfig) -> int:
     if config.model.trust_remote_code:
         logger.info("--trust-remote-code: accepted; the model code here is asyncengine's own, "
                     "so no code from the model repository runs")
+    rs = router_settings(args)  # --models-dir, sleep mode: several engines, one loop
+    if rs is not None:
+        from asyncengine.entrypoints.http.router_server import catalog, serve_router
+
+        settings.models_dir, settings.sleep_mode = rs.models_dir, rs.sleep_mode
+        return anyio.run(serve_router, config, settings, rs, catalog(config, rs),
+                         ssl_context(settings), make_metrics)
     return anyio.run(serve, config, settings)
 
 

@@ -61,6 +61,10 @@ class ServerSettings:
     batch_dir: str | None = None
     max_batch_file_size: int = DEFAULT_MAX_BATCH_FILE_SIZE
     max_batch_concurrency: int | None = None
+    # Router mode (router.py): the directory models are loaded from (None: one model), and
+    # whether /sleep, /wake_up and /is_sleeping answer (--enable-sleep-mode).
+    models_dir: str | None = None
+    sleep_mode: bool = False
 
 
 @dataclass
@@ -74,6 +78,9 @@ class ServerState:
     # Sends pushed SSE frames off the loop (sender.py); None until started, or where it
     # cannot run.
     sender: BatchSender | None = None
+    # Router mode: the models (engine/registry.py); ``engine`` is then None on the app's
+    # state and each routed request gets a state bound to its model's engine.
+    registry: Any = None
 
     @property
     def token_texts(self) -> TokenTexts:
@@ -91,6 +98,8 @@ class ServerState:
 
     @property
     def served_model_names(self) -> list[str]:
+        if self.engine is None and self.registry is not None:
+            return self.registry.names()
         return served_model_names(self.engine)
 
     @property
@@ -109,7 +118,11 @@ def served_model_names(engine: AsyncEngine) -> list[str]:
 
 
 STATE = web.AppKey("asyncengine_state", ServerState)
+#: Router mode: the request's state, bound to the engine of the model it names (router.py).
+ROUTED: Any = (web.RequestKey("asyncengine_routed", ServerState)
+               if hasattr(web, "RequestKey") else "asyncengine_routed")  # aiohttp < 3.12
 
 
 def state_of(request: web.Request) -> ServerState:
-    return request.app[STATE]
+    routed = request.get(ROUTED)
+    return request.app[STATE] if routed is None else routed

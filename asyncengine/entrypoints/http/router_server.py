@@ -1,0 +1,130 @@
+"""``asyncengine serve --models-dir DIR`` (or ``--enable-sleep-mode``): the router server.
+
+One event loop, one aiohttp server, one registry of engines (``engine/registry.py``): each
+model is an engine whose step loop is a task of the registry's task group, loaded on its first
+request. A model whose engine fails ends alone (it shows ``failed``, a later request may load
+it again); the server lives on. SIGINT/SIGTERM drain every engine as ``serve`` drains one.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+from aiohttp import web
+
+from asyncengine.config import EngineConfig
+from asyncengine.config.models_preset import load_presets
+from asyncengine.engine.catalog import ModelSource, build_catalog
+from asyncengine.entrypoints.flags.router import RouterSettings
+from asyncengine.entrypoints.http.state import STATE, ServerSettings
+
+logger = logging.getLogger("asyncengine.entrypoints.http")
+
+_HANDLER_GRACE_S = 5.0
+
+
+def catalog(config: EngineConfig, rs: RouterSettings) -> list[ModelSource]:
+    """The models to serve: the directory's (and the presets'), else the one model of the
+    command line (sleep mode on a one-model server). Every preset's options are checked now
+    (a ValueError naming the flag), not at the model's first request."""
+    presets = load_presets(rs.models_preset) if rs.models_preset else {}
+    if rs.models_dir or presets:
+        sources = build_catalog(rs.models_dir, presets, embedded=True)
+    else:
+        from asyncengine.executor.weights.loader import EMBEDDED_NAME
+
+        mc = config.model
+        names = list(mc.served_model_name or [mc.model or EMBEDDED_NAME])
+        sources = [ModelSource(names[0], mc.model, names[1:])]
+    for source in sources:
+        try:
+            engine_config(config, source)
+        except ValueError as e:
+            raise ValueError(f"--models-preset: [{source.name}]: {e}") from None
+    return sources
+
+
+def engine_config(base: EngineConfig, source: ModelSource) -> EngineConfig:
+    """The command line's engine options, then the model's own (its preset)."""
+    from asyncengine.config import ALIASES
+
+    options = {ALIASES.get(k, k): v for k, v in source.options.items()}
+    return base.replace(model=source.path, served_model_name=source.names, **options)
+
+
+def engine_factory(base: EngineConfig, make_metrics: Callable[[Any], Any]) -> Any:
+    """Builds a model's engine (called off the loop, in a thread)."""
+
+    def make(source: ModelSource) -> Any:
+        from asyncengine.engine.engine import AsyncEngine
+
+        engine = AsyncEngine(engine_config(base, source))
+        engine.metrics = make_metrics(engine)
+        return engine
+
+    return make
+
+
+async def serve_router(config: EngineConfig, settings: ServerSettings, rs: RouterSettings,
+                       sources: list[ModelSource], tls: ssl.SSLContext | None,
+                       make_metrics: Callable[[Any], Any]) -> int:
+    """Serve until SIGINT/SIGTERM (``server.main`` passes the TLS context and how each
+    engine's metrics are made, as ``serve`` makes them)."""
+    from asyncengine.engine.registry import ModelRegistry
+    from asyncengine.entrypoints.http.app import build_app
+
+    registry = ModelRegistry(sources, engine_factory(config, make_metrics),
+                             max_models=rs.models_max,
+                             autoload=rs.autoload, memory_budget=rs.memory_budget,
+                             drain_timeout=settings.shutdown_timeout,
+                             sleep_idle_s=rs.sleep_idle_s)
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with registry:
+            app = build_app(None, None, settings, registry=registry)
+            runner = web.AppRunner(
+                app, handler_cancellation=True, shutdown_timeout=_HANDLER_GRACE_S,
+                access_log=logging.getLogger("aiohttp.access") if settings.access_log else None)
+            await runner.setup()
+            try:
+                site = web.TCPSite(runner, settings.host, settings.port, ssl_context=tls)
+                try:
+                    await site.start()
+                except OSError as e:
+                    logger.error("cannot listen on %s:%s: %s", settings.host, settings.port, e)
+                    return 1
+                for address in runner.addresses:
+                    logger.info("serving %d model(s) (%s) on %s://%s:%s%s", len(sources),
+                                ", ".join(s.name for s in sources), "https" if tls else "http",
+                                address[0], address[1], settings.root_path)
+                for source in sources:
+                    if source.load_on_startup and rs.autoload:
+                        try:
+                            await registry.load(source.name)
+                        except Exception as e:  # it shows failed; the others serve
+                            logger.error("load-on-startup: %s", e)
+                async for signum in signals:
+                    logger.info("%s received", signal.Signals(signum).name)
+                    break
+                app[STATE].draining = True
+                logger.info("draining (up to %ss)", settings.shutdown_timeout)
+                with anyio.move_on_after(settings.shutdown_timeout + 1):
+                    async with anyio.create_task_group() as tg:
+
+                        async def second_signal() -> None:
+                            async for _ in signals:
+                                tg.cancel_scope.cancel()
+                                return
+
+                        tg.start_soon(second_signal)
+                        await registry.drain(settings.shutdown_timeout)
+                        tg.cancel_scope.cancel()
+                await registry.drain(0)
+            finally:
+                await runner.cleanup()
+    logger.info("stopped")
+    return 0
