@@ -38,10 +38,10 @@ def models_dir(tiny_models, tmp_path_factory) -> Path:
 
 
 def run_app(models_dir: Path, body, *, max_models: int = 4, autoload: bool = True,
-            memory_budget: int | None = None, sleep_mode: bool = False):
+            memory_budget: int | None = None, sleep_mode: bool = False, sources=None):
     """``body(client, registry)`` against a router app over ``models_dir``; afterwards every
-    engine that was loaded had its block pool fully free."""
-    sources = build_catalog(str(models_dir), {}, embedded=False)
+    engine that was loaded (and did not fail) has its block pool fully free."""
+    sources = sources or build_catalog(str(models_dir), {}, embedded=False)
     registry = ModelRegistry(sources, engine_factory(BASE, make_metrics), max_models=max_models,
                              autoload=autoload, memory_budget=memory_budget, drain_timeout=5)
     settings = ServerSettings(api_key=KEY, models_dir=str(models_dir), sleep_mode=sleep_mode)
@@ -55,6 +55,8 @@ def run_app(models_dir: Path, body, *, max_models: int = 4, autoload: bool = Tru
                 with anyio.fail_after(120):
                     result = await body(client, registry)
         for engine in engines:
+            if engine.error is not None:  # a failed device's engine is dropped as it is
+                continue
             stats = engine.stats()
             assert stats.num_free_blocks == stats.num_total_blocks
         return result
@@ -140,3 +142,236 @@ def test_bad_names_and_paths_are_clear_errors(models_dir):
         return True
 
     assert run_app(models_dir, body)
+
+
+def test_a_model_loads_once_and_others_never_wait_for_it(models_dir):
+    """Four requests for a model that is loading share one load; a loaded model answers
+    meanwhile."""
+    import threading
+
+    gate = threading.Event()
+    calls: list[str] = []
+    make = engine_factory(BASE, make_metrics)
+
+    def slow_make(source):
+        calls.append(source.name)
+        if source.name == "qwen2":
+            gate.wait(60)
+        return make(source)
+
+    async def body(client, registry):
+        registry.make_engine = slow_make
+        assert (await complete(client, "llama")).status == 200
+        results = []
+
+        async def one():
+            results.append((await complete(client, "qwen2")).status)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(one)
+            await anyio.sleep(0.3)
+            assert (await status_of(client))["qwen2"] == "loading"
+            assert (await complete(client, "llama")).status == 200  # not behind qwen2
+            gate.set()
+        assert results == [200] * 4
+        return calls
+
+    assert run_app(models_dir, body) == ["llama", "qwen2"]
+
+
+def test_unload_while_streaming_lets_the_stream_finish(models_dir):
+    async def body(client, registry):
+        r = await client.post("/v1/completions", headers=AUTH, json={
+            "model": "llama", "prompt": "Once", "max_tokens": 48, "temperature": 0,
+            "ignore_eos": True, "stream": True})
+        assert r.status == 200
+        first = await r.content.readline()
+        assert first.startswith(b"data: ")
+        unload = await client.post("/models/unload", json={"model": "llama"}, headers=AUTH)
+        rest = await r.read()
+        assert b'"finish_reason":"length"' in rest and rest.rstrip().endswith(b"[DONE]")
+        assert unload.status == 200
+        assert (await status_of(client))["llama"] == "unloaded"
+        assert registry.entries["llama"].engine is None
+        return True
+
+    assert run_app(models_dir, body)
+
+
+def test_models_max_1_serves_two_models_in_turns(models_dir):
+    """LRU by count: with one slot, each model unloads the other; requests in turns and at
+    once all succeed with the tokens each model gives alone."""
+
+    async def body(client, registry):
+        texts: dict[str, set[str]] = {"llama": set(), "qwen2": set()}
+
+        async def one(model):
+            r = await complete(client, model)
+            assert r.status == 200, await r.text()
+            texts[model].add((await r.json())["choices"][0]["text"])
+
+        for model in ("llama", "qwen2", "llama", "qwen2"):
+            await one(model)
+            statuses = await status_of(client)
+            assert [m for m, s in statuses.items() if s == "loaded"] == [model]
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(one, ("llama", "qwen2")[i % 2])
+        assert all(len(v) == 1 for v in texts.values()), texts
+        return True
+
+    assert run_app(models_dir, body, max_models=1)
+
+
+def test_a_memory_budget_too_small_refuses_the_load(models_dir):
+    async def body(client, registry):
+        r = await complete(client, "llama")
+        assert r.status == 503
+        assert "--models-memory" in (await r.json())["error"]["message"]
+        assert (await status_of(client))["llama"] == "failed"
+        return True
+
+    assert run_app(models_dir, body, memory_budget=1 << 20)
+
+
+def test_without_autoload_models_load_by_request(models_dir):
+    async def body(client, registry):
+        r = await complete(client, "llama")
+        assert r.status == 400 and "/models/load" in await r.text()
+        loaded = await client.post("/models/load", json={"model": "llama"}, headers=AUTH)
+        assert loaded.status == 200
+        assert (await loaded.json())["model"]["status"]["value"] == "loaded"
+        assert (await complete(client, "llama")).status == 200
+        return True
+
+    assert run_app(models_dir, body, autoload=False)
+
+
+def test_a_failed_engine_ends_alone_and_loads_again(models_dir):
+    broken = []
+
+    def breaker(engine):
+        if engine.model_name == "qwen2" and not broken:
+            def execute(inputs):
+                raise RuntimeError("device fell over")
+
+            engine.runner.execute = execute
+            broken.append(engine)
+
+    async def body(client, registry):
+        registry.on_loaded.append(breaker)
+        assert (await complete(client, "llama")).status == 200
+        r = await complete(client, "qwen2")
+        assert r.status == 500 and "device fell over" in await r.text()
+        for _ in range(100):
+            if (await status_of(client))["qwen2"] == "failed":
+                break
+            await anyio.sleep(0.05)
+        models = (await (await client.get("/models", headers=AUTH)).json())["data"]
+        qwen2 = next(m for m in models if m["id"] == "qwen2")
+        assert qwen2["status"]["value"] == "failed"
+        assert "device fell over" in qwen2["status"]["error"]
+        assert (await complete(client, "llama")).status == 200
+        assert (await complete(client, "qwen2")).status == 200  # loaded again
+        return True
+
+    assert run_app(models_dir, body)
+
+
+def test_sleep_levels_free_memory_and_a_request_wakes_the_model(models_dir):
+    async def body(client, registry):
+        before = await (await complete(client, "llama")).json()
+        entry = registry.entries["llama"]
+        loaded_bytes = entry.memory
+        r = await client.post("/sleep?level=1&model=llama", headers=AUTH)
+        assert r.status == 200
+        assert entry.status == "sleeping" and entry.sleep_level == 1
+        assert entry.engine is not None and entry.engine.runner.kv_caches == []
+        assert entry.memory < loaded_bytes
+        assert (await (await client.get("/is_sleeping?model=llama", headers=AUTH)).json())[
+            "is_sleeping"] is True
+        woken = await (await complete(client, "llama")).json()
+        assert woken["choices"] == before["choices"] and entry.status == "loaded"
+        assert (await client.post("/sleep?level=2", headers=AUTH)).status == 200
+        assert entry.status == "sleeping" and entry.sleep_level == 2 and entry.engine is None
+        assert (await client.post("/wake_up?model=llama", headers=AUTH)).status == 200
+        assert entry.status == "loaded"
+        again = await (await complete(client, "llama")).json()
+        assert again["choices"] == before["choices"]
+        bad = await client.post("/sleep?level=3", headers=AUTH)
+        assert bad.status == 400
+        assert (await client.post("/sleep?level=1")).status == 401
+        return True
+
+    assert run_app(models_dir, body, sleep_mode=True)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--models-dir", "/nonexistent/models"], "--models-dir"),
+    (["some-model", "--models-dir", "."], "--models-dir"),
+    (["--models-dir", ".", "--models-max", "-1"], "--models-max"),
+    (["--models-dir", ".", "--models-memory", "lots"], "--models-memory"),
+    (["--enable-sleep-mode", "--sleep-idle-seconds", "0"], "--sleep-idle-seconds"),
+    (["--models-preset", "/nonexistent.ini"], "--models-preset"),
+])
+def test_bad_router_flags_exit_2_naming_the_flag(argv, flag, capsys):
+    from asyncengine.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *argv])
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_presets_in_ini_and_yaml_set_aliases_and_options(models_dir, tmp_path):
+    from asyncengine.config.models_preset import load_presets
+
+    ini = tmp_path / "models.ini"
+    ini.write_text("version = 1\n[*]\nc = 128\nn-gpu-layers = 99\n"
+                   "[llama]\nalias = small, tiny-chat\nload-on-startup = true\n"
+                   "[renamed]\nmodel = qwen2\nctx-size = 64\n")
+    yaml_file = tmp_path / "models.yaml"
+    yaml_file.write_text("llama:\n  alias: [small, tiny-chat]\n  max-model-len: 128\n"
+                         "renamed:\n  model: qwen2\n  max_model_len: 64\n")
+    for path in (ini, yaml_file):
+        presets = load_presets(path)
+        assert presets["llama"].aliases == ["small", "tiny-chat"]
+        assert presets["llama"].options == {"max_model_len": 128}
+        assert presets["renamed"].model == "qwen2"
+        assert presets["renamed"].options == {"max_model_len": 64}
+    assert load_presets(ini)["llama"].load_on_startup
+    sources = {s.name: s for s in build_catalog(str(models_dir), load_presets(ini), False)}
+    assert sources["renamed"].path == str(models_dir / "qwen2")
+    (tmp_path / "escape.ini").write_text("[x]\nmodel = ../../etc\n")
+    with pytest.raises(ValueError, match="--models-preset: \\[x\\].*leaves"):
+        build_catalog(str(models_dir), load_presets(tmp_path / "escape.ini"), False)
+    (tmp_path / "bad.yaml").write_text("- a list\n")
+    with pytest.raises(ValueError, match="--models-preset"):
+        load_presets(tmp_path / "bad.yaml")
+
+
+def test_an_alias_routes_to_its_model_with_its_preset(models_dir, tmp_path):
+    from asyncengine.config.models_preset import load_presets
+    from asyncengine.entrypoints.flags.router import RouterSettings
+    from asyncengine.entrypoints.http.router_server import catalog
+
+    ini = tmp_path / "models.ini"
+    ini.write_text("[llama]\nalias = tiny-chat\nc = 128\n")
+    sources = catalog(BASE, RouterSettings(models_dir=str(models_dir), models_preset=str(ini)))
+    assert {s.name for s in sources} == {"llama", "qwen2", "broken", "default"}
+    (tmp_path / "typo.ini").write_text("[llama]\nmax-num-sqes = 4\n")
+    with pytest.raises(ValueError, match="--models-preset: \\[llama\\]"):
+        catalog(BASE, RouterSettings(models_dir=str(models_dir),
+                                     models_preset=str(tmp_path / "typo.ini")))
+    presets = load_presets(ini)
+
+    async def body(client, registry):
+        r = await complete(client, "tiny-chat")
+        assert r.status == 200 and (await r.json())["model"] == "llama"
+        card = await (await client.get("/v1/models/tiny-chat", headers=AUTH)).json()
+        assert card["id"] == "llama" and card["aliases"] == ["tiny-chat"]
+        assert card["max_model_len"] == 128
+        return True
+
+    assert run_app(models_dir, body, sources=build_catalog(str(models_dir), presets, False))

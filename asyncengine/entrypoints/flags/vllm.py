@@ -64,7 +64,7 @@ FLAGS: tuple[Flag, ...] = (
           "--long-prefill-token-threshold", "--prefix-caching-hash-algo", "--lora-dtype",
           "--h11-max-incomplete-event-size"), "value", None, _SPEED),
     Flag(("--api-server-count",), "value", None, "one process serves HTTP from the loop"),
-    Flag(("--disable-custom-all-reduce", "--enable-sleep-mode",
+    Flag(("--disable-custom-all-reduce",
           "--disable-frontend-multiprocessing", "--enable-server-load-tracking",
           "--fully-sharded-loras", "--enable-expert-parallel"), "none", None, _SPEED),
     Flag(("--async-scheduling", "--no-async-scheduling"), "none", None,
