@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from asyncengine.engine.engine import AsyncEngine
     from asyncengine.engine.llm import LLM
+    from asyncengine.engine.llms import LLMs
 
 
 def __getattr__(name: str):  # heavy imports (torch) only when used
@@ -32,9 +33,13 @@ def __getattr__(name: str):  # heavy imports (torch) only when used
         from asyncengine.engine.llm import LLM
 
         return LLM
+    if name == "LLMs":
+        from asyncengine.engine.llms import LLMs
+
+        return LLMs
     raise AttributeError(name)
 
 
-__all__ = ["AsyncEngine", "CompletionOutput", "EngineConfig", "LLM", "RequestOutput",
+__all__ = ["AsyncEngine", "CompletionOutput", "EngineConfig", "LLM", "LLMs", "RequestOutput",
            "RequestOutputKind",
            "SamplingParams", "StructuredOutputsParams", "__version__", "hookimpl"]

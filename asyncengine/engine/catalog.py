@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncengine.config import ALIASES, EngineConfig
 from asyncengine.config.models_preset import ModelPreset
 
 logger = logging.getLogger("asyncengine.models")
@@ -153,3 +154,10 @@ def build_catalog(models_dir: str | None, presets: dict[str, ModelPreset],
                                  f"{names[n]!r} and {source.name!r}")
             names[n] = source.name
     return list(sources.values())
+
+
+def engine_config(base: EngineConfig, source: ModelSource) -> EngineConfig:
+    """A model's engine configuration: ``base`` (the command line's options), then the
+    model's own (its preset); it answers to its names."""
+    options = {ALIASES.get(k, k): v for k, v in source.options.items()}
+    return base.replace(model=source.path, served_model_name=source.names, **options)

@@ -34,6 +34,14 @@ class LLM:
         self.engine = AsyncEngine(config, plugin_manager=plugin_manager)
         self.tokenizer = self.engine.tokenizer
 
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, plugin_manager: Any = None) -> LLM:
+        """An LLM of a whole configuration (``LLMs`` makes each of its models so)."""
+        llm = cls.__new__(cls)
+        llm.engine = AsyncEngine(config, plugin_manager=plugin_manager)
+        llm.tokenizer = llm.engine.tokenizer
+        return llm
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:

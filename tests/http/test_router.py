@@ -375,3 +375,64 @@ def test_an_alias_routes_to_its_model_with_its_preset(models_dir, tmp_path):
         return True
 
     assert run_app(models_dir, body, sources=build_catalog(str(models_dir), presets, False))
+
+
+def test_the_offline_api_holds_several_models(models_dir):
+    from asyncengine import LLMs, SamplingParams
+
+    models = LLMs(models_dir=str(models_dir), max_models=1, dtype="float32",
+                  num_gpu_blocks_override=64, max_model_len=256)
+    params = SamplingParams(max_tokens=5, temperature=0)
+    try:
+        llama = models.generate("llama", "Hello there", params)[0].outputs[0].text
+        assert models.loaded == ["llama"]
+        qwen2 = models.generate("qwen2", ["Hello there"], params)[0].outputs[0].text
+        assert models.loaded == ["qwen2"]  # max_models=1: llama was unloaded
+        assert models.generate("llama", "Hello there", params)[0].outputs[0].text == llama
+        assert qwen2 != llama
+        models.unload("llama")
+        assert models.loaded == []
+        with pytest.raises(LookupError, match="available"):
+            models.load("nope")
+    finally:
+        models.close()
+
+
+def test_three_models_at_c16_give_the_tokens_each_gives_alone(models_dir):
+    """The embedded model and two tiny ones in one server, requested in a mix at c=16, give
+    the greedy tokens of each model served alone."""
+    from asyncengine import LLMs, SamplingParams
+
+    names = ("default", "llama", "qwen2")
+    prompts = [f"Question {i}: what is {i} plus {i * 3}?" for i in range(6)]
+    alone = LLMs({"default": None, "llama": str(models_dir / "llama"),
+                  "qwen2": str(models_dir / "qwen2")}, max_models=1, dtype="float32",
+                 num_gpu_blocks_override=64, max_model_len=256)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    try:
+        expected = {(n, p): list(o.outputs[0].token_ids) for n in names
+                    for p, o in zip(prompts, alone.generate(n, prompts, params), strict=True)}
+    finally:
+        alone.close()
+    sources = [s for s in build_catalog(str(models_dir), {}, embedded=True)
+               if s.name in names]
+
+    async def body(client, registry):
+        got = {}
+        limit = anyio.Semaphore(16)
+
+        async def one(name, prompt):
+            async with limit:
+                r = await client.post("/completion", headers=AUTH, json={
+                    "model": name, "prompt": prompt, "n_predict": 8, "temperature": 0,
+                    "ignore_eos": True, "return_tokens": True})
+                assert r.status == 200, await r.text()
+                got[(name, prompt)] = (await r.json())["tokens"]
+
+        async with anyio.create_task_group() as tg:
+            for prompt in prompts:
+                for name in names:
+                    tg.start_soon(one, name, prompt)
+        return got
+
+    assert run_app(models_dir, body, sources=sources) == expected

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from asyncengine.config import EngineConfig
 from asyncengine.config.models_preset import load_presets
-from asyncengine.engine.catalog import ModelSource, build_catalog
+from asyncengine.engine.catalog import ModelSource, build_catalog, engine_config
 from asyncengine.entrypoints.flags.router import RouterSettings
 from asyncengine.entrypoints.http.state import STATE, ServerSettings
 
@@ -47,14 +47,6 @@ def catalog(config: EngineConfig, rs: RouterSettings) -> list[ModelSource]:
         except ValueError as e:
             raise ValueError(f"--models-preset: [{source.name}]: {e}") from None
     return sources
-
-
-def engine_config(base: EngineConfig, source: ModelSource) -> EngineConfig:
-    """The command line's engine options, then the model's own (its preset)."""
-    from asyncengine.config import ALIASES
-
-    options = {ALIASES.get(k, k): v for k, v in source.options.items()}
-    return base.replace(model=source.path, served_model_name=source.names, **options)
 
 
 def engine_factory(base: EngineConfig, make_metrics: Callable[[Any], Any]) -> Any:
