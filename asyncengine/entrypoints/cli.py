@@ -1,5 +1,5 @@
 """The ``asyncengine`` command: serve | generate | run-batch | bench {serve, throughput,
-overhead, peers, host}."""
+overhead, peers, host, models}."""
 
 from __future__ import annotations
 
@@ -129,6 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     from asyncengine.entrypoints.bench import host as bench_host
 
     bench_host.add_arguments(bhost)
+    bmodels = bsub.add_parser("models", help="several models in one server: cold loads, sleep, "
+                              "switches, a light model next to a busy one",
+                              description="Time to first token of a router server's models: a "
+                                          "cold load (and a fresh process), after sleep levels "
+                                          "1 and 2, a warm switch, a light model while another "
+                                          "serves many streams.")
+    from asyncengine.entrypoints.bench import models as bench_models
+
+    bench_models.add_arguments(bmodels)
     return parser
 
 
@@ -184,6 +193,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from asyncengine.entrypoints.bench import peers as bench_peers
 
                 return bench_peers.main(args)
+            if args.bench_command == "models":
+                from asyncengine.entrypoints.bench import models as bench_models
+
+                return bench_models.main(args)
             if args.bench_command == "host":
                 from asyncengine.entrypoints.bench import host as bench_host
 
