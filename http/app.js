@@ -47,6 +47,7 @@
     apiKey: load("apiKey", null),
     config: { api_key_required: false, defaults: { temperature: 1.0, max_tokens: null } },
     models: [],
+    modelStatus: {}, // a router's models: id -> "loaded", "unloaded", ...
     busy: null, // { controller, conversation } while a request is in flight
   };
 
@@ -257,18 +258,57 @@
       }
       const body = await resp.json();
       state.models = (body.data || []).map((m) => m.id);
+      // A router (--models-dir) says each model's status: loaded, loading, unloaded...
+      state.modelStatus = Object.fromEntries((body.data || []).filter((m) => m.status)
+        .map((m) => [m.id, m.status.value]));
       break;
     }
     hideError();
     const select = $("model");
+    const chosen = select.value;
     select.replaceChildren(...state.models.map((id) => {
-      const option = el("option", null, id);
+      const status = state.modelStatus[id];
+      const option = el("option", null, status ? `${id} (${status})` : id);
       option.value = id;
       return option;
     }));
-    if (state.settings.model && state.models.includes(state.settings.model)) {
+    if (chosen && state.models.includes(chosen)) {
+      select.value = chosen;
+    } else if (state.settings.model && state.models.includes(state.settings.model)) {
       select.value = state.settings.model;
     }
+    showLoadButton();
+  }
+
+  // A router's model that is not loaded: a button loads it (a request would load it too).
+  function showLoadButton() {
+    const status = state.modelStatus[$("model").value];
+    const button = $("load-model");
+    button.hidden = !status || status === "loaded";
+    button.disabled = status === "loading";
+    button.textContent = status === "loading" ? "Loading…" :
+      status === "sleeping" ? "Wake" : "Load";
+  }
+
+  async function loadChosenModel() {
+    const model = $("model").value;
+    state.modelStatus[model] = "loading";
+    showLoadButton();
+    let resp;
+    try {
+      resp = await apiFetch("models/load", {
+        method: "POST", headers: { "Content-Type": "application/json" },
+        body: JSON.stringify({ model }) });
+    } catch (e) {
+      showError(describeError(e), loadChosenModel);
+      return loadModels();
+    }
+    if (resp.status === 401) {
+      await refusedKey(await responseError(resp));
+      return loadChosenModel();
+    }
+    if (!resp.ok) showError(describeError(await responseError(resp)), loadChosenModel);
+    await loadModels();
   }
 
   const serverDefault = (name) => (state.config.defaults || {})[name] ?? null;
@@ -300,7 +340,9 @@
   $("model").addEventListener("change", () => {
     state.settings.model = $("model").value;
     saveSettings();
+    showLoadButton();
   });
+  $("load-model").addEventListener("click", loadChosenModel);
   $("reset-settings").addEventListener("click", () => {
     Object.assign(state.settings, { system: "", temperature: null, maxTokens: null });
     saveSettings();
@@ -402,6 +444,7 @@
     setBusy(false);
     renderSidebar();
     if (conv === current()) renderMessages();
+    if (Object.keys(state.modelStatus).length) loadModels(); // the request may have loaded it
   }
 
   function stats(usage, started, first, end) {

@@ -469,3 +469,26 @@ def test_the_page_under_root_path_uses_the_prefix(new_context, tiny_llama):
     assert all(u.startswith(server.url("/llm")) for u in seen), seen
     assert server.url("/llm/v1/chat/completions") in seen
     assert server.url("/llm/webui/vendor/purify.min.js") in seen
+
+
+def test_a_router_lists_models_with_their_status_and_loads_one(new_context, tiny_models):
+    """--models-dir: the picker shows each model's status; Load loads the chosen one."""
+    from pathlib import Path
+
+    from tests.server_utils import shared_server
+
+    router = shared_server(None, "--models-dir", str(Path(tiny_models["llama"]).parent),
+                           "--dtype", "float32", "--num-gpu-blocks-override", "64",
+                           api_key=KEY)
+    page = open_page(new_context(router.base_url), router)
+    wait_js(page, "[...document.querySelectorAll('#model option')].some("
+                  "o => o.textContent === 'qwen2 (unloaded)')")
+    page.select_option("#model", "qwen2")
+    button = page.locator("#load-model")
+    assert button.is_visible() and button.inner_text() == "Load"
+    button.click()
+    wait_js(page, "[...document.querySelectorAll('#model option')].some("
+                  "o => o.textContent === 'qwen2 (loaded)')", timeout=60)
+    assert not button.is_visible()
+    statuses = {m["id"]: m["status"]["value"] for m in router.get_json("/models")["data"]}
+    assert statuses["qwen2"] == "loaded" and statuses["llama"] == "unloaded"
