@@ -147,49 +147,39 @@ class ModelRegistry:
                 entry._idle.set()
                 entry._idle = anyio.Event()
 
-    async def ready(self, entry: ModelEntry) -> Any:
-        """The entry's running engine, after loading or waking it when needed."""
+    async def ready(self, entry: ModelEntry, *, load: bool = False) -> Any:
+        """The entry's running engine, after loading or waking it when needed (``load``: even
+        with autoload off, as ``POST /models/load`` does)."""
         while True:
             if entry.busy is None:
                 if entry.status == ModelStatus.LOADED:
                     return entry.engine
                 if entry.status == ModelStatus.SLEEPING:
                     await self._transition(entry, "waking", self._wake)
-                    continue
-                if not self.autoload:
+                elif not (self.autoload or load):
                     raise ModelUnavailable(
                         f"The model `{entry.name}` is not loaded (this server does not load "
                         "models on demand: POST /models/load first).", status=400)
-                await self._transition(entry, "loading", self._load)
-                if entry.status == ModelStatus.FAILED:
-                    raise entry.load_failure()
-                continue
-            busy = entry.busy
-            await entry._settled.wait()
-            if busy == "loading" and entry.status == ModelStatus.FAILED:
+                else:
+                    await self._transition(entry, "loading", self._load)
+            else:
+                await entry._settled.wait()
+            if entry.busy is None and entry.status == ModelStatus.FAILED:
                 raise entry.load_failure()
 
     # -- explicit transitions (POST /models/load, /models/unload, /sleep, /wake_up) -------------
     async def load(self, name: str) -> ModelEntry:
         entry = self.resolve(name)
-        while entry.busy is not None or entry.status in (ModelStatus.UNLOADED,
-                                                         ModelStatus.FAILED,
-                                                         ModelStatus.SLEEPING):
-            if entry.busy is not None:
-                await entry._settled.wait()
-                continue
-            if entry.status == ModelStatus.SLEEPING:
-                await self._transition(entry, "waking", self._wake)
-                continue
-            await self._transition(entry, "loading", self._load)
-            if entry.status == ModelStatus.FAILED:
-                raise entry.load_failure()
+        await self.ready(entry, load=True)
         return entry
+
+    async def _settle(self, entry: ModelEntry) -> None:
+        while entry.busy is not None:
+            await entry._settled.wait()
 
     async def unload(self, name: str) -> ModelEntry:
         entry = self.resolve(name)
-        while entry.busy is not None:
-            await entry._settled.wait()
+        await self._settle(entry)
         if entry.engine is not None or entry.status == ModelStatus.SLEEPING:
             await self._transition(entry, "unloading", self._unload)
         return entry
@@ -198,8 +188,7 @@ class ModelRegistry:
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level}")
         entry = self.resolve(name)
-        while entry.busy is not None:
-            await entry._settled.wait()
+        await self._settle(entry)
         if entry.status == ModelStatus.LOADED:
             await self._transition(entry, "sleeping", lambda e: self._sleep(e, level))
         elif entry.status == ModelStatus.SLEEPING and level > entry.sleep_level:
@@ -208,8 +197,7 @@ class ModelRegistry:
 
     async def wake(self, name: str) -> ModelEntry:
         entry = self.resolve(name)
-        while entry.busy is not None:
-            await entry._settled.wait()
+        await self._settle(entry)
         if entry.status == ModelStatus.SLEEPING:
             await self._transition(entry, "waking", self._wake)
         return entry
@@ -217,14 +205,27 @@ class ModelRegistry:
     # -- the transitions ------------------------------------------------------------------------
     async def _transition(self, entry: ModelEntry, what: str,
                           fn: Callable[[ModelEntry], Awaitable[None]]) -> None:
+        """Run ``fn(entry)`` as the entry's one transition, in the registry's task group: the
+        request that started it may go (its client left, its handler is cancelled), and the
+        load goes on for the requests waiting for it; the entry never stays half changed."""
+        assert self._tg is not None, "use the registry inside `async with registry`"
         entry.busy = what
-        try:
-            await fn(entry)
-        finally:
-            entry.busy = None
-            entry._settled.set()
-            entry._settled = anyio.Event()
-            self._notify()
+        settled = entry._settled
+
+        async def run() -> None:
+            try:
+                await fn(entry)
+            except Exception as e:  # a bug or a device error: this model alone fails
+                logger.exception("model %s: %s failed", entry.name, what)
+                entry.status, entry.error = ModelStatus.FAILED, reason(entry, e)
+            finally:
+                entry.busy = None
+                entry._settled = anyio.Event()
+                settled.set()
+                self._notify()
+
+        self._tg.start_soon(run)
+        await settled.wait()
 
     def _notify(self) -> None:
         self._changed.set()

@@ -515,3 +515,33 @@ def test_load_unload_cycles_under_load_lose_nothing_and_give_memory_back(models_
     # The first cycles leave one-time imports and caches; after them it must not grow (a
     # leaked engine of this model would add ~40 MiB a cycle).
     assert max(rss[2:]) <= rss[1] * 1.08 + 16, rss
+
+
+def test_a_client_leaving_during_a_load_does_not_stop_it(models_dir):
+    import threading
+
+    import aiohttp
+
+    gate = threading.Event()
+    make = engine_factory(BASE, make_metrics)
+
+    calls = []
+
+    def slow_make(source):
+        calls.append(source.name)
+        gate.wait(60)
+        return make(source)
+
+    async def body(client, registry):
+        registry.make_engine = slow_make
+        with pytest.raises((aiohttp.ClientError, TimeoutError)):  # it gives up while loading
+            await client.post("/v1/completions", headers=AUTH, timeout=aiohttp.ClientTimeout(
+                total=0.5), json={"model": "qwen2", "prompt": "hi", "max_tokens": 2})
+        assert registry.entries["qwen2"].status == "loading"
+        gate.set()
+        r = await complete(client, "qwen2")
+        assert r.status == 200
+        assert registry.entries["qwen2"].status == "loaded"
+        return calls
+
+    assert run_app(models_dir, body) == ["qwen2"]  # the first load was not abandoned
