@@ -89,3 +89,14 @@ def load_status(error: str | None) -> int:
     """A load that failed for the model's own files or options is the server's problem
     (a 500 naming the file), one refused by the memory budget is a 507-like refusal (503)."""
     return 503 if error and "--models-memory" in error else 500
+
+
+def adapter_names(source: ModelSource) -> list[str]:
+    """The LoRA adapters a model's options name (``lora_modules``: ``name=path`` or vLLM's
+    JSON objects)."""
+    from asyncengine.config.sections import parse_lora_module
+
+    modules = source.options.get("lora_modules") or []
+    if isinstance(modules, str | dict):
+        modules = [modules]
+    return [parse_lora_module(m)[0] for m in modules]

@@ -38,6 +38,7 @@ from asyncengine.engine.model_entry import (
     ModelNotFound,
     ModelStatus,
     ModelUnavailable,
+    adapter_names,
     reason,
     where,
 )
@@ -62,6 +63,9 @@ class ModelRegistry:
                              "config.json or a .gguf file)")
         self.entries = {s.name: ModelEntry(s) for s in sources}
         self._by_name = {n: e for e in self.entries.values() for n in e.source.names}
+        # LoRA adapters of a model's preset (--lora-modules): a request naming one goes to
+        # that model, which serves it as its adapter.
+        self._adapters = {a: e for e in self.entries.values() for a in adapter_names(e.source)}
         self.make_engine = make_engine
         self.max_models = max_models  # 0: no limit (llama-server's meaning)
         self.autoload = autoload
@@ -118,9 +122,9 @@ class ModelRegistry:
 
     # -- lookups --------------------------------------------------------------------------------
     def resolve(self, name: str) -> ModelEntry:
-        entry = self._by_name.get(name)
+        entry = self._by_name.get(name) or self._adapters.get(name)
         if entry is None:
-            raise ModelNotFound(name, self.names())
+            raise ModelNotFound(name, [*self.names(), *self._adapters])
         return entry
 
     def names(self) -> list[str]:

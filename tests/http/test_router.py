@@ -545,3 +545,28 @@ def test_a_client_leaving_during_a_load_does_not_stop_it(models_dir):
         return calls
 
     assert run_app(models_dir, body) == ["qwen2"]  # the first load was not abandoned
+
+
+def test_a_presets_lora_adapter_routes_to_its_model(models_dir, tmp_path):
+    """An adapter of a model's preset (lora-modules) is a name requests may use: it loads
+    that model, which serves the adapter."""
+    pytest.importorskip("peft")
+    from asyncengine.config.models_preset import load_presets
+    from tests.engine.test_lora import ADAPTERS, make_adapter
+
+    adapter = make_adapter(str(models_dir / "llama"), tmp_path / "qv4", *ADAPTERS["qv4"],
+                           seed=3)
+    ini = tmp_path / "models.ini"
+    ini.write_text(f"[llama]\nenable-lora = true\nlora-modules = qv4={adapter}\n")
+    sources = build_catalog(str(models_dir), load_presets(ini), False)
+
+    async def body(client, registry):
+        r = await complete(client, "qv4")
+        assert r.status == 200, await r.text()
+        assert (await r.json())["model"] == "qv4"
+        assert registry.entries["llama"].status == "loaded"
+        unknown = await complete(client, "nope")
+        assert "`qv4`" in (await unknown.json())["error"]["message"]
+        return True
+
+    assert run_app(models_dir, body, sources=sources)
