@@ -109,6 +109,9 @@ def test_requests_route_by_model_and_load_on_demand(models_dir):
         assert text.count("# TYPE vllm:generation_tokens_total counter") == 1
         models = await (await client.get("/v1/models", headers=AUTH)).json()
         assert {m["id"] for m in models["data"]} >= {"llama", "qwen2"}
+        card = next(m for m in models["data"] if m["id"] == "llama")  # OpenAI's fields too
+        assert card["object"] == "model" and card["owned_by"] == "asyncengine"
+        assert card["status"] == {"value": "loaded"} and card["max_model_len"] == 256
         return llama
 
     llama = run_app(models_dir, body)

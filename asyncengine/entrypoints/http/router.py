@@ -47,7 +47,7 @@ class ModelStatusInfo(msgspec.Struct, omit_defaults=True):
     error: str | None = None
 
 
-class RouterModelCard(msgspec.Struct, omit_defaults=True):
+class RouterModelCard(msgspec.Struct):
     """A model in ``GET /models``: OpenAI's card, plus llama-server's ``status`` and path."""
 
     id: str
