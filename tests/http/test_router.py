@@ -573,3 +573,16 @@ def test_a_presets_lora_adapter_routes_to_its_model(models_dir, tmp_path):
         return True
 
     assert run_app(models_dir, body, sources=sources)
+
+
+def test_sleep_mode_on_one_model_serves_it_under_its_names(tmp_path, caplog):
+    from asyncengine.entrypoints.flags.router import RouterSettings
+    from asyncengine.entrypoints.http.router_server import catalog
+
+    config = BASE.replace(model="/some/model", served_model_name=["a", "b"])
+    (source,) = catalog(config, RouterSettings(sleep_mode=True))
+    assert (source.name, source.path, source.aliases) == ("a", "/some/model", ["b"])
+    (embedded,) = catalog(BASE, RouterSettings(sleep_mode=True))
+    assert embedded.path is None and embedded.name == "SmolLM2-135M-Instruct"
+    (alone,) = catalog(BASE, RouterSettings(models_dir=str(tmp_path)))  # an empty directory
+    assert alone.name == "default" and "no models in" in caplog.text

@@ -36,6 +36,10 @@ def catalog(config: EngineConfig, rs: RouterSettings) -> list[ModelSource]:
     presets = load_presets(rs.models_preset) if rs.models_preset else {}
     if rs.models_dir or presets:
         sources = build_catalog(rs.models_dir, presets, embedded=True)
+        if len(sources) == 1:
+            logger.warning("--models-dir: no models in %s (.gguf files, or directories with "
+                           "config.json or a .gguf file): serving the embedded one alone",
+                           rs.models_dir)
     else:
         from asyncengine.executor.weights.loader import EMBEDDED_NAME
 
