@@ -40,12 +40,13 @@ def models_dir(tiny_models, tmp_path_factory) -> Path:
 
 def run_app(models_dir: Path, body, *, max_models: int = 4, autoload: bool = True,
             memory_budget: int | None = None, sleep_mode: bool = False, sources=None,
-            sleep_idle_s: float | None = None):
+            sleep_idle_s: float | None = None, drain_timeout: float = 5):
     """``body(client, registry)`` against a router app over ``models_dir``; afterwards every
     engine still alive (and not failed) has its block pool fully free."""
     sources = sources or build_catalog(str(models_dir), {}, embedded=False)
     registry = ModelRegistry(sources, engine_factory(BASE, make_metrics), max_models=max_models,
-                             autoload=autoload, memory_budget=memory_budget, drain_timeout=5,
+                             autoload=autoload, memory_budget=memory_budget,
+                             drain_timeout=drain_timeout,
                              sleep_idle_s=sleep_idle_s)
     settings = ServerSettings(api_key=KEY, models_dir=str(models_dir), sleep_mode=sleep_mode)
     engines = []  # weak references: an unloaded engine must be freed
@@ -321,6 +322,7 @@ def test_sleep_levels_free_memory_and_a_request_wakes_the_model(models_dir):
     (["--models-dir", ".", "--models-memory", "lots"], "--models-memory"),
     (["--enable-sleep-mode", "--sleep-idle-seconds", "0"], "--sleep-idle-seconds"),
     (["--models-preset", "/nonexistent.ini"], "--models-preset"),
+    (["--models-dir", ".", "--models-unload-timeout", "-1"], "--models-unload-timeout"),
 ])
 def test_bad_router_flags_exit_2_naming_the_flag(argv, flag, capsys):
     from asyncengine.entrypoints.cli import main
@@ -586,3 +588,20 @@ def test_sleep_mode_on_one_model_serves_it_under_its_names(tmp_path, caplog):
     assert embedded.path is None and embedded.name == "SmolLM2-135M-Instruct"
     (alone,) = catalog(BASE, RouterSettings(models_dir=str(tmp_path)))  # an empty directory
     assert alone.name == "default" and "no models in" in caplog.text
+
+
+def test_an_unload_with_no_time_to_finish_ends_streams_with_an_error(models_dir):
+    """--models-unload-timeout 0: the running stream ends at once with an error event."""
+
+    async def body(client, registry):
+        r = await client.post("/v1/completions", headers=AUTH, json={
+            "model": "llama", "prompt": "Once", "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True})
+        assert (await r.content.readline()).startswith(b"data: ")
+        unload = await client.post("/models/unload", json={"model": "llama"}, headers=AUTH)
+        rest = await r.read()
+        assert unload.status == 200
+        assert b"\"error\"" in rest and rest.rstrip().endswith(b"[DONE]"), rest[-300:]
+        return True
+
+    assert run_app(models_dir, body, drain_timeout=0)

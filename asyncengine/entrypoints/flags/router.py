@@ -20,6 +20,7 @@ class RouterSettings:
     memory_budget: int | None = None
     sleep_mode: bool = False
     sleep_idle_s: float | None = None
+    unload_timeout: float | None = None  # None: --shutdown-timeout
 
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +43,10 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--models-memory", default=None, metavar="SIZE",
                    help="memory the loaded models may hold together, e.g. 8GiB: checked "
                         "before a load, unloading the least recently used ones")
+    g.add_argument("--models-unload-timeout", type=float, default=None, metavar="S",
+                   help="an unloaded (or sleeping) model's running requests get S seconds to "
+                        "finish, then end with an error (default: --shutdown-timeout; 0: at "
+                        "once)")
     g.add_argument("--enable-sleep-mode", action="store_true",
                    help="POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping (vLLM's)")
     g.add_argument("--sleep-idle-seconds", type=float, default=None, metavar="S",
@@ -70,6 +75,10 @@ def router_settings(args: argparse.Namespace) -> RouterSettings | None:
         raise ValueError(f"--sleep-idle-seconds: must be positive, got {idle}")
     budget = None if args.models_memory is None else parse_size(args.models_memory,
                                                                 "models_memory")
+    unload_timeout = getattr(args, "models_unload_timeout", None)
+    if unload_timeout is not None and unload_timeout < 0:
+        raise ValueError(f"--models-unload-timeout: must be 0 or more, got {unload_timeout}")
     return RouterSettings(models_dir=models_dir, models_preset=preset,
                           models_max=args.models_max, autoload=args.models_autoload,
-                          memory_budget=budget, sleep_mode=sleep_mode, sleep_idle_s=idle)
+                          memory_budget=budget, sleep_mode=sleep_mode, sleep_idle_s=idle,
+                          unload_timeout=unload_timeout)

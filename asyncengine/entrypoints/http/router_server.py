@@ -78,7 +78,8 @@ async def serve_router(config: EngineConfig, settings: ServerSettings, rs: Route
     registry = ModelRegistry(sources, engine_factory(config, make_metrics),
                              max_models=rs.models_max,
                              autoload=rs.autoload, memory_budget=rs.memory_budget,
-                             drain_timeout=settings.shutdown_timeout,
+                             drain_timeout=settings.shutdown_timeout
+                             if rs.unload_timeout is None else rs.unload_timeout,
                              sleep_idle_s=rs.sleep_idle_s)
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with registry:
