@@ -127,6 +127,9 @@ class ModelRegistry:
             raise ModelNotFound(name, [*self.names(), *self._adapters])
         return entry
 
+    def adapters_of(self, entry: ModelEntry) -> list[str]:
+        return [a for a, e in self._adapters.items() if e is entry]
+
     def names(self) -> list[str]:
         return [n for e in self.entries.values() for n in e.source.names]
 

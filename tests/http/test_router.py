@@ -572,6 +572,9 @@ def test_a_presets_lora_adapter_routes_to_its_model(models_dir, tmp_path):
         assert registry.entries["llama"].status == "loaded"
         unknown = await complete(client, "nope")
         assert "`qv4`" in (await unknown.json())["error"]["message"]
+        models = (await (await client.get("/v1/models", headers=AUTH)).json())["data"]
+        assert {"id": "qv4", "parent": "llama"}.items() <= next(
+            m for m in models if m["id"] == "qv4").items()
         return True
 
     assert run_app(models_dir, body, sources=sources)

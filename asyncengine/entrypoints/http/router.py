@@ -56,6 +56,7 @@ class RouterModelCard(msgspec.Struct):
     aliases: list[str] = []
     path: str | None = None
     max_model_len: int | None = None
+    parent: str | None = None  # a LoRA adapter's model
     owned_by: str = "asyncengine"
     object: str = "model"
 
@@ -161,9 +162,21 @@ def _card(state: ServerState, entry: ModelEntry) -> RouterModelCard:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """Every model, then every LoRA adapter (its preset's, and those loaded at run time)
+    with its model as ``parent``."""
     state = request.app[STATE]
-    return json_response(RouterModelList([_card(state, e)
-                                          for e in registry_of(request).entries.values()]))
+    registry = registry_of(request)
+    cards = [_card(state, e) for e in registry.entries.values()]
+    for entry in registry.entries.values():
+        names = dict.fromkeys(registry.adapters_of(entry))
+        lora_names = getattr(entry.engine, "lora_names", None)
+        if lora_names is not None:
+            names.update(dict.fromkeys(lora_names()))
+        for name in names:
+            card = _card(state, entry)
+            card.id, card.aliases, card.parent = name, [], entry.name
+            cards.append(card)
+    return json_response(RouterModelList(cards))
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
