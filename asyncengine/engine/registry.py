@@ -133,9 +133,6 @@ class ModelRegistry:
     def names(self) -> list[str]:
         return [n for e in self.entries.values() for n in e.source.names]
 
-    def loaded(self) -> list[ModelEntry]:
-        return [e for e in self.entries.values() if e.status == ModelStatus.LOADED]
-
     # -- leases ---------------------------------------------------------------------------------
     @asynccontextmanager
     async def use(self, name: str) -> AsyncIterator[Any]:
@@ -297,21 +294,26 @@ class ModelRegistry:
                 self._forget(entry, ModelStatus.FAILED)
                 self._notify()
 
-    async def _stop_engine(self, entry: ModelEntry) -> None:
-        """Finish first: no new leases (the entry is busy), the leases end or time out, the
-        rest is aborted, then the engine is left and dropped."""
+    async def _finish_first(self, entry: ModelEntry) -> None:
+        """No new leases (the entry is busy); the leases end or time out, the rest is
+        aborted; then the engine's requests are all gone (an abort is reaped a step later)."""
         engine = entry.engine
-        if engine is not None:
-            with anyio.move_on_after(self.drain_timeout):
-                while entry.leases:
-                    await entry._idle.wait()
-            if entry.leases:
-                logger.warning("model %s: aborting %d request(s) still running after %.0fs",
-                               entry.name, entry.leases, self.drain_timeout)
-                engine.aborts.all()
-                with anyio.move_on_after(5):
-                    while entry.leases:
-                        await entry._idle.wait()
+        if engine is None:
+            return
+        with anyio.move_on_after(self.drain_timeout):
+            while entry.leases:
+                await entry._idle.wait()
+        if entry.leases:
+            logger.warning("model %s: aborting %d request(s) still running after %.0fs",
+                           entry.name, entry.leases, self.drain_timeout)
+            engine.aborts.all()
+        with anyio.move_on_after(5):
+            while entry.leases or engine.num_unfinished_requests:
+                await anyio.sleep(0.01)
+
+    async def _stop_engine(self, entry: ModelEntry) -> None:
+        """Finish first, then the engine is left and dropped."""
+        await self._finish_first(entry)
         if entry._stop is not None:
             entry._stop.set()
         if entry._host_done is not None:
@@ -334,20 +336,18 @@ class ModelRegistry:
 
     async def _sleep(self, entry: ModelEntry, level: int) -> None:
         engine = entry.engine
-        if level == 2 or engine is None or not KVSleep.possible(engine):
+        if level == 2 or engine is None or not KVSleep.possible(engine) or \
+                engine.error is not None:
             await self._stop_engine(entry)  # the weights go too: reloaded from file on wake
             self._forget(entry, ModelStatus.SLEEPING)
             entry.sleep_level = 2
             self._notify()
             return
-        with anyio.move_on_after(self.drain_timeout):
-            while entry.leases:
-                await entry._idle.wait()
-        if entry.leases:
-            engine.aborts.all()
-            while entry.leases:
-                await entry._idle.wait()
+        await self._finish_first(entry)
         entry._kv = KVSleep.release(engine)
+        if entry._kv is None:  # blocks still in use: the weights go too (level 2)
+            await self._sleep(entry, 2)
+            return
         entry.status, entry.sleep_level = ModelStatus.SLEEPING, 1
         entry.memory = engine_bytes(engine)
         return_memory()

@@ -31,11 +31,12 @@ class KVSleep:
             engine.runner.kv_caches)
 
     @classmethod
-    def release(cls, engine: Any) -> KVSleep:
-        """Free the engine's KV cache (it must have no request in flight)."""
+    def release(cls, engine: Any) -> KVSleep | None:
+        """Free the engine's KV cache; None (nothing freed) while a block is still in use."""
         runner = engine.runner
+        if engine.num_unfinished_requests or not engine.scheduler.reset_prefix_cache():
+            return None  # (cached blocks are forgotten: they would point at nothing)
         state = cls([(tuple(c.shape), c.dtype, c.device) for c in runner.kv_caches])
-        engine.scheduler.reset_prefix_cache()  # cached blocks would point at nothing
         runner.kv_caches = []
         return state
 
