@@ -608,3 +608,20 @@ def test_an_unload_with_no_time_to_finish_ends_streams_with_an_error(models_dir)
         return True
 
     assert run_app(models_dir, body, drain_timeout=0)
+
+
+def test_a_model_added_after_start_loads_by_its_path(models_dir, tmp_path):
+    root = tmp_path / "models"
+    shutil.copytree(models_dir / "llama", root / "llama")
+
+    async def body(client, registry):
+        shutil.copytree(models_dir / "qwen2", root / "late" / "qwen2")
+        r = await client.post("/models/load", json={"model": "late/qwen2"}, headers=AUTH)
+        assert r.status == 200, await r.text()
+        assert (await r.json())["model"]["id"] == "late/qwen2"
+        assert (await complete(client, "late/qwen2")).status == 200
+        again = await client.post("/models/load", json={"model": "late/qwen2"}, headers=AUTH)
+        assert again.status == 200 and len(registry.entries) == 2
+        return True
+
+    assert run_app(root, body)
