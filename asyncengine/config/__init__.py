@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from asyncengine.config.multimodal import MultiModalConfig, validate_multimodal
 from asyncengine.config.observability import ObservabilityConfig, validate_observability
 from asyncengine.config.sections import (
     DEVICES,
@@ -50,8 +51,9 @@ from asyncengine.config.values import flag, flatten, json_object, parse_size
 __all__ = [
     "ALIASES", "DEVICES", "DTYPES", "GENERATION_CONFIG_HELP", "LOAD_FORMATS", "POOLING_TYPES",
     "QUANTIZATIONS", "SECTIONS", "SECTION_TITLES", "CacheConfig", "DeviceConfig", "EngineConfig",
-    "VLLM_QUANTIZATIONS", "LoRAConfig", "LoadConfig", "ModelConfig", "ObservabilityConfig",
-    "ParallelConfig", "PluginConfig", "SchedulerConfig", "SpeculativeConfig", "SpeculativeSettings",
+    "VLLM_QUANTIZATIONS", "LoRAConfig", "LoadConfig", "ModelConfig", "MultiModalConfig",
+    "ObservabilityConfig", "ParallelConfig", "PluginConfig", "SchedulerConfig",
+    "SpeculativeConfig", "SpeculativeSettings",
     "kv_connector_extra_config", "parse_size",
 ]
 
@@ -68,6 +70,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -198,6 +201,10 @@ class EngineConfig:
             self.speculative.speculative_config)
         validate_kv_transfer(self.plugins)
         validate_observability(self.observability)
+        validate_multimodal(self.multimodal)
+        if parse_size(self.multimodal.max_media_bytes, "max_media_bytes") < 1:
+            raise ValueError("--max-media-bytes: must be positive, got "
+                             f"{self.multimodal.max_media_bytes!r}")
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with some leaf fields changed, by flat name."""

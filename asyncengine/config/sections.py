@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncengine.config.multimodal import MultiModalConfig
 from asyncengine.config.observability import ObservabilityConfig
 from asyncengine.config.speculative import SpeculativeConfig
 
@@ -222,14 +223,15 @@ class LoRAConfig:
 SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
             "load": LoadConfig, "device": DeviceConfig, "parallel": ParallelConfig,
             "plugins": PluginConfig, "speculative": SpeculativeConfig, "lora": LoRAConfig,
-            "observability": ObservabilityConfig}
+            "observability": ObservabilityConfig, "multimodal": MultiModalConfig}
 #: ``serve --help`` groups the flags the way vLLM's does.
 SECTION_TITLES = {"model": "ModelConfig", "cache": "CacheConfig",
                   "scheduler": "SchedulerConfig", "load": "LoadConfig",
                   "device": "DeviceConfig", "parallel": "ParallelConfig",
                   "plugins": "StructuredOutputsConfig and KVTransferConfig (plugins)",
                   "speculative": "SpeculativeConfig", "lora": "LoRAConfig",
-                  "observability": "ObservabilityConfig"}
+                  "observability": "ObservabilityConfig",
+                  "multimodal": "MultiModalConfig (images)"}
 
 
 #: The keys of vLLM's --kv-transfer-config that asyncengine reads (others are refused, so a
