@@ -39,3 +39,12 @@ def tiny_classifiers(tmp_path_factory) -> dict[str, str]:
     return {"llama": make_tiny_classifier(root / "llama", "llama", num_labels=2,
                                           id2label={0: "negative", 1: "positive"}),
             "qwen3": make_tiny_classifier(root / "qwen3", "qwen3", num_labels=1)}
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory) -> str:
+    """A tiny random LLaVA-1.5 (CLIP 56 px, 16 image tokens; a 2-layer Llama) with the
+    embedded tokenizer plus ``<image>``, and its processor (``tests/vision_utils.py``)."""
+    from tests.vision_utils import make_tiny_llava
+
+    return make_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))

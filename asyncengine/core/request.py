@@ -119,6 +119,8 @@ class Request:
     grammar: Any = None
     # The LoRA adapter it runs with (None: the base model).
     lora: LoRARequest | None = None
+    # The prompt's images, in prompt order (``core/multimodal.MMInput``); None: text only.
+    mm_inputs: list[Any] | None = None
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

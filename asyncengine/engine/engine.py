@@ -35,9 +35,10 @@ from asyncengine.engine.errors import (
 )
 from asyncengine.engine.kv_transfer import KVTransfer
 from asyncengine.engine.lora_adapters import LoRAAdapters
+from asyncengine.engine.multimodal import prompt_inputs
 from asyncengine.engine.output_processor import Emitted
 from asyncengine.engine.outputs import RequestOutput
-from asyncengine.engine.prompts import check_length, tokenize_prompt
+from asyncengine.engine.prompts import check_length
 from asyncengine.engine.scoring import model_kind
 from asyncengine.engine.step_loop import StepLoop
 from asyncengine.engine.stream_group import GenerateMany
@@ -206,7 +207,7 @@ class AsyncEngine(LoRAAdapters, GenerateMany):
         lora = self.lora_request(lora_name)
         if request_id in self.outputs.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = await tokenize_prompt(self.tokenizer, prompt, self.vocab_size)
+        text, token_ids, mm = await prompt_inputs(self, prompt)  # (images: an ImagePrompt)
         check_length(token_ids, params, self.max_model_len)
         grammars = [None] * params.n
         if params.structured_outputs is not None:
@@ -232,8 +233,7 @@ class AsyncEngine(LoRAAdapters, GenerateMany):
                 request_id=request_id if params.n == 1 else f"{request_id}:{i}",
                 prompt_token_ids=token_ids, sampling_params=sp,
                 eos_token_ids=self.tokenizer.eos_token_ids, max_model_len=self.max_model_len,
-                priority=priority, index=i, tenant=tenant,
-            )
+                priority=priority, index=i, tenant=tenant, mm_inputs=mm)
             req.grammar = grammars[i]
             req.lora = lora
             if sp.prompt_logprobs is not None:

@@ -33,6 +33,8 @@ from asyncengine.executor.kv.sizing import (
 )
 from asyncengine.executor.models.classifier import apply_hf_overrides
 from asyncengine.executor.models.registry import architecture_of
+from asyncengine.executor.models.vision.setup import setup_vision
+from asyncengine.executor.models.vision.spec import describe_vision
 from asyncengine.executor.paths.base import PathContext
 from asyncengine.executor.paths.choose import choose
 from asyncengine.executor.runner import ModelRunner
@@ -135,6 +137,8 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
         overrides=mc.override_generation_config)
     parallel = None
     if tp_size > 1:
+        if describe_vision(source.hf_config) is not None:
+            raise ValueError("--tensor-parallel-size > 1: not for a vision-language model yet")
         from asyncengine.executor.parallel.launch import start_tensor_parallel
         from asyncengine.executor.parallel.loader import load_tp_model
         from asyncengine.executor.parallel.sharding import make_plan
@@ -209,6 +213,8 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
                         sampling_method=_sampling_method(device, model.vocab_size),
                         **runner_kwargs)
     runner.lora = lora
+    if getattr(model, "vision", None) is not None:  # images: vision/, mm_step.py
+        setup_vision(model, runner, config, source.path)
     if parallel is not None:  # stop the workers at exit, unless engine.shutdown() did
         atexit.register(parallel.shutdown, runner)
     # the way each phase's steps run (compiling, capturing CUDA graphs happen here)

@@ -40,6 +40,7 @@ from asyncengine.core.request import PositionLogprobs, Request
 from asyncengine.core.sched.interface import SchedulerOutput
 from asyncengine.executor.attention.base import AttentionBackend, AttentionMetadata
 from asyncengine.executor.kv.blocks import BlockCopy, read_blocks, write_blocks
+from asyncengine.executor.mm_step import forward_with_images, step_slices
 from asyncengine.executor.paths.base import DECODE, MIXED, PREFILL
 from asyncengine.executor.paths.choose import PathPlan, eager_only
 from asyncengine.executor.runtime.staging import DirectStaging
@@ -103,6 +104,10 @@ class ModelRunner:
         # Device side (touched by execute only): the last step's sampled ids, penalty state.
         self._last_sampled: torch.Tensor | None = None
         self.penalty_state = PenaltyState(self.vocab_size, device)
+        # Images (a vision-language model): the encoder's output cache (set by ``build``) and
+        # the requests whose image placeholders are not all computed yet (``mm_step.py``).
+        self.encoder_cache: Any = None
+        self._mm_pending: dict[str, Request] = {}
 
     # -- on the loop -----------------------------------------------------------------------------
     def release(self, out: SchedulerOutput) -> None:
@@ -115,6 +120,9 @@ class ModelRunner:
             ib.remove(rid)
         for rid in out.preempted_req_ids:
             ib.remove(rid)
+        if self._mm_pending:
+            for rid in (*out.finished_req_ids, *out.preempted_req_ids):
+                self._mm_pending.pop(rid, None)
 
     def prepare(self, out: SchedulerOutput, *, with_bitmask: bool = False) -> StepInputs:
         ib = self.batch
@@ -141,6 +149,8 @@ class ModelRunner:
             row = row_of.get(rid)
             if row is None:
                 row = ib.add(req, s.block_ids)
+                if req.mm_inputs:
+                    self._mm_pending[rid] = req
             elif len(s.block_ids) > num_blocks[row]:
                 ib.append_blocks(row, s.block_ids)
             first = len(input_ids)
@@ -244,6 +254,8 @@ class ModelRunner:
         )
         if spec:
             inputs.spec = spec
+        if self._mm_pending:
+            inputs.mm = step_slices(out.scheduled, self._mm_pending) or None
         if lora_slots is not None:  # LoRA: each token's adapter slot
             inputs.lora = self.lora.step_inputs(lora_slots, lora_writes, put)
         if prev_dst:
@@ -311,13 +323,18 @@ class ModelRunner:
         if inputs.resets:
             self.penalty_state.reset(inputs.resets, self.batch.capacity)
         if inputs.lora is None:
-            return self.paths.forward(inputs, self._last_sampled)
+            return self._path_forward(inputs)
         tables = self.lora.tables
         tables.begin(inputs.lora)
         try:
-            return self.paths.forward(inputs, self._last_sampled)
+            return self._path_forward(inputs)
         finally:
             tables.end()
+
+    def _path_forward(self, inputs: StepInputs) -> torch.Tensor:
+        if inputs.mm is not None:  # image placeholders: their embeddings spliced in
+            return forward_with_images(self, inputs, self._last_sampled)
+        return self.paths.forward(inputs, self._last_sampled)
 
     def _greedy_from_hidden(self, inputs: StepInputs, hidden: torch.Tensor,
                             prompt: dict[str, list[PositionLogprobs | None]]

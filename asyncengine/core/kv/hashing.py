@@ -12,6 +12,8 @@ import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from asyncengine.core.multimodal import block_extra_keys
+
 if TYPE_CHECKING:
     from asyncengine.core.request import Request
 
@@ -19,13 +21,16 @@ if TYPE_CHECKING:
 ROOT_HASH = b""
 
 
-def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    """The hash of one full block: sha256(parent hash || token ids as little-endian uint32).
+def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """The hash of one full block: sha256(parent hash || token ids as little-endian uint32
+    || extra), ``extra`` being the block's images (``core/multimodal.block_extra_keys``).
 
     Stable across processes, machines and restarts (a KV connector keys a disk store by it).
     """
     h = hashlib.sha256(parent_hash)
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    if extra:
+        h.update(extra)
     return h.digest()
 
 
@@ -40,7 +45,10 @@ def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
     else:
         lora = request.lora
         parent = ROOT_HASH if lora is None else lora.key
+    mm = request.mm_inputs
     for i in range(len(hashes), len(tokens) // block_size):
-        parent = hash_block_tokens(parent, tokens[i * block_size:(i + 1) * block_size])
+        lo, hi = i * block_size, (i + 1) * block_size
+        extra = block_extra_keys(mm, lo, hi) if mm else b""
+        parent = hash_block_tokens(parent, tokens[lo:hi], extra)
         hashes.append(parent)
     return hashes

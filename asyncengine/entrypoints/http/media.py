@@ -40,10 +40,9 @@ import anyio.to_thread
 from aiohttp.abc import AbstractResolver
 
 from asyncengine.config import parse_size
+from asyncengine.core.multimodal import ImageItem
 
 if TYPE_CHECKING:
-    from PIL.Image import Image
-
     from asyncengine.config.multimodal import MultiModalConfig
 
 MAX_REDIRECTS = 5
@@ -74,22 +73,13 @@ class MediaPolicy:
                    mc.max_image_pixels, mc.image_limit)
 
 
-@dataclass(frozen=True)
-class LoadedImage:
-    """A decoded image (RGB) and the hash of its pixels: the same picture sent as PNG or as
-    JPEG-decoded-equal pixels, by URL or inline, has one hash."""
-
-    image: Image
-    hash: bytes
-
-
 def check_count(n: int, policy: MediaPolicy) -> None:
     if n > policy.limit:
         raise MediaError(f"{n} images in one prompt: at most {policy.limit} "
                          "(--limit-mm-per-prompt)")
 
 
-async def load_images(urls: list[str], policy: MediaPolicy) -> list[LoadedImage]:
+async def load_images(urls: list[str], policy: MediaPolicy) -> list[ImageItem]:
     """Fetch (or read) and decode the images, in order; MediaError on the first refused."""
     check_count(len(urls), policy)
     out = []
@@ -244,7 +234,7 @@ async def _read_body(resp: aiohttp.ClientResponse, policy: MediaPolicy) -> bytes
 
 
 # -- decoding (on a worker thread) -------------------------------------------------------------
-def decode_image(data: bytes, policy: MediaPolicy) -> LoadedImage:
+def decode_image(data: bytes, policy: MediaPolicy) -> ImageItem:
     """Decode ``data`` as an RGB image within the pixel limit (run off the loop)."""
     from PIL import Image, UnidentifiedImageError
 
@@ -267,6 +257,7 @@ def decode_image(data: bytes, policy: MediaPolicy) -> LoadedImage:
         rgb = img.convert("RGB")
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError, EOFError):
         raise MediaError(f"the {img.format} image is corrupt or truncated") from None
+    # The hash of the pixels: one picture sent as PNG or BMP, inline or by URL, is one image.
     h = hashlib.sha256(f"{rgb.width}x{rgb.height}:".encode())
     h.update(rgb.tobytes())
-    return LoadedImage(rgb, h.digest())
+    return ImageItem(rgb, h.digest())

@@ -132,6 +132,23 @@ class TextPart(Body, kw_only=True, tag="text", tag_field="type"):
     text: str
 
 
+class ImageURL(Body, kw_only=True):
+    url: NonEmptyStr  # data:, http(s): or file: (``entrypoints/http/media.py``)
+    detail: str | None = None
+
+
+class ImageURLPart(Body, kw_only=True, tag="image_url", tag_field="type"):
+    image_url: ImageURL | NonEmptyStr
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+#: A part of a message's content: text, or an image (vision-language models).
+ContentPart = TextPart | ImageURLPart
+
+
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
@@ -150,7 +167,7 @@ class ToolCall(Body, kw_only=True):
 
 class ChatMessage(Body, kw_only=True):
     role: Role
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages
@@ -274,14 +291,23 @@ def unsupported(body: Body, allow: frozenset[str] = frozenset()) -> tuple[str, s
     return None
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them: text parts joined by newlines; tool calls
-    with their arguments as objects (transformers' templates ``tojson`` them)."""
+def image_urls(messages: list[ChatMessage]) -> list[str]:
+    """The URLs of the messages' image parts, in order."""
+    return [p.url for m in messages if isinstance(m.content, list)
+            for p in m.content if isinstance(p, ImageURLPart)]
+
+
+def message_dicts(messages: list[ChatMessage],
+                  image_placeholder: str = "") -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: parts joined by newlines, each image part as
+    the model's ``image_placeholder`` (in place: text and images interleave as sent); tool
+    calls with their arguments as objects (transformers' templates ``tojson`` them)."""
     out = []
     for m in messages:
         content = m.content
         if isinstance(content, list):
-            content = "\n".join(p.text for p in content)
+            content = "\n".join(p.text if isinstance(p, TextPart) else image_placeholder
+                                for p in content)
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
                              "content": content or ""}
         if m.name is not None:

@@ -219,9 +219,12 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
-                attn_backend: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
-        h = self.embed(input_ids)
+                attn_backend: AttentionBackend,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (normed).
+        ``inputs_embeds``: the first layer's input instead of ``embed(input_ids)`` (a step
+        with images: their placeholders' rows replaced)."""
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         tables = self.rope_tables(positions, h.dtype)
         residual = None
         with small_matmuls(h), step_requests(attn_metadata.num_requests):

@@ -208,10 +208,14 @@ FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
 }
 
 
+#: Multimodal checkpoints' model types, whose config nests the language model's.
+MULTIMODAL = ("gemma3", "llava")
+
+
 def text_config(config: Any) -> Any:
-    """The language model's config (Gemma 3's multimodal checkpoints nest it)."""
+    """The language model's config (multimodal checkpoints nest it)."""
     inner = getattr(config, "text_config", None)
-    return inner if inner is not None and getattr(config, "model_type", "") == "gemma3" \
+    return inner if inner is not None and getattr(config, "model_type", "") in MULTIMODAL \
         else config
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from asyncengine.executor.models.classifier import SequenceClassifier
 from asyncengine.executor.models.decoder import CausalLM
+from asyncengine.executor.models.vision_lm import VisionLM
 
 BUILTIN_MODELS: dict[str, type] = {
     "LlamaForCausalLM": CausalLM,  # Llama 2/3, SmolLM/SmolLM2
@@ -20,6 +21,7 @@ BUILTIN_MODELS: dict[str, type] = {
     "Gemma3ForCausalLM": CausalLM,  # Gemma 3 1B (text only)
     "Gemma3ForConditionalGeneration": CausalLM,  # Gemma 3 4B+: the language model only
     "Phi3ForCausalLM": CausalLM,  # Phi-3, Phi-3.5, Phi-4-mini
+    "LlavaForConditionalGeneration": VisionLM,  # LLaVA-1.5: CLIP, the MLP projector, Llama
     "MixtralForCausalLM": CausalLM,
     "Qwen2MoeForCausalLM": CausalLM,
     "Qwen3MoeForCausalLM": CausalLM,
@@ -45,6 +47,7 @@ _ARCH_OF_MODEL_TYPE = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
     "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",

@@ -92,6 +92,8 @@ class StepInputs:
     tp_message: Any = None
     # LoRA: the step's per-token slots and slot writes (``lora/manager.LoRAStepInputs``).
     lora: Any = None
+    # Images: the placeholder slices this step computes (``executor/mm_step.MMSlice``).
+    mm: Any = None
 
     @property
     def blocks_host(self) -> bool:

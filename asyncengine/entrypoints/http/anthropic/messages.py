@@ -54,8 +54,10 @@ from asyncengine.entrypoints.http.anthropic.protocol import (
     chat_tools,
 )
 from asyncengine.entrypoints.http.errors import APIError, bad_request, from_value_error
+from asyncengine.entrypoints.http.images import chat_prompt
 from asyncengine.entrypoints.http.openai.chat import render_chat
 from asyncengine.entrypoints.http.params import KNOWN_PARAMS
+from asyncengine.entrypoints.http.protocol import ChatMessage
 from asyncengine.entrypoints.http.reasoning import (
     ReasoningPlan,
     chat_template_kwargs,
@@ -77,23 +79,24 @@ from asyncengine.entrypoints.http.tools import ToolPlan, plan_tools
 from asyncengine.text.tool_parsers import ParsedDelta
 
 
-def _render(state: ServerState, body: MessagesBase) -> tuple[str, ToolPlan]:
+def _render(state: ServerState, body: MessagesBase) -> tuple[str, ToolPlan, list[ChatMessage]]:
     tools, choice, parallel = chat_tools(body)
     plan = plan_tools(tools, choice, parallel, state.settings)
     kwargs = chat_template_kwargs(state, None)
     if body.thinking is not None:  # the templates' thinking switches (Qwen3, DeepSeek-V3.1)
         on = not isinstance(body.thinking, ThinkingDisabled)
         kwargs.update(enable_thinking=on, thinking=on)
-    text = render_chat(state.engine, chat_messages(body), tools=plan.template_tools,
+    messages = chat_messages(body)
+    text = render_chat(state.engine, messages, tools=plan.template_tools,
                        template_kwargs=kwargs)
-    return text, plan
+    return text, plan, messages
 
 
 async def count_tokens(request: web.Request) -> web.Response:
     state = state_of(request)
     body = await read_body(request, CountTokensRequest)
     check_model(state.engine, body.model)
-    text, _ = _render(state, body)
+    text, _, _ = _render(state, body)
     ids = state.engine.tokenizer.encode(text, add_special_tokens=False)
     return json_response(CountTokensResponse(len(ids)))
 
@@ -103,7 +106,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     engine = state.engine
     body = await read_body(request, MessagesRequest)
     check_model(engine, body.model)
-    text, plan = _render(state, body)
+    text, plan, messages = _render(state, body)
     reasoning = plan_reasoning(state, text)
     budget = None
     if isinstance(body.thinking, ThinkingEnabled):
@@ -143,8 +146,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         raise bad_request(e.message, "thinking") from None
     if body.max_tokens == 0:  # Anthropic's cache warm-up: checked as any request, not run
         return await call.empty(request, len(prompt), bool(body.stream))
-    streams = await open_streams(engine, [prompt], params, call.id, 0,
-                                 deltas_only=bool(body.stream))
+    streams = await open_streams(engine, [await chat_prompt(engine, messages, prompt)], params,
+                                 call.id, 0, deltas_only=bool(body.stream))
     if body.stream:
         return await run_sse(request, streams, call.render, call.on_end, done_marker=False,
                              render_error=_error_event)

@@ -4,8 +4,9 @@ messages for the chat template.
 
 Content blocks are read by their ``type``: ``text``, ``tool_use`` (a call the assistant made),
 ``tool_result`` (its result, in a user turn), ``thinking`` / ``redacted_thinking`` (an earlier
-turn's reasoning: dropped, as chat templates drop it). Anything else (images, documents) is a
-400 naming it.
+turn's reasoning: dropped, as chat templates drop it), ``image`` (base64 or url: for a
+vision-language model, ``entrypoints/http/images.py``). Anything else (documents) is a 400
+naming it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from asyncengine.entrypoints.http.protocol import (
     FunctionCall,
     FunctionDefinition,
     FunctionName,
+    ImageURLPart,
     NamedToolChoice,
+    TextPart,
     TokenCount,
     ToolCall,
     ToolChoice,
@@ -55,7 +58,26 @@ class RedactedThinkingBlockIn(Body, kw_only=True, tag="redacted_thinking", tag_f
     data: str
 
 
-BlockIn = (TextBlockIn | ToolUseBlockIn | ToolResultBlockIn | ThinkingBlockIn
+class Base64Source(Body, kw_only=True, tag="base64", tag_field="type"):
+    media_type: str
+    data: str
+
+
+class URLSource(Body, kw_only=True, tag="url", tag_field="type"):
+    url: str
+
+
+class ImageBlockIn(Body, kw_only=True, tag="image", tag_field="type"):
+    source: Base64Source | URLSource
+
+    @property
+    def url(self) -> str:
+        src = self.source
+        return src.url if isinstance(src, URLSource) else \
+            f"data:{src.media_type};base64,{src.data}"
+
+
+BlockIn = (TextBlockIn | ImageBlockIn | ToolUseBlockIn | ToolResultBlockIn | ThinkingBlockIn
            | RedactedThinkingBlockIn)
 
 
@@ -159,10 +181,13 @@ def chat_messages(body: MessagesBase) -> list[ChatMessage]:
         if isinstance(m.content, str):
             messages.append(ChatMessage(role=m.role, content=m.content))
             continue
-        texts, calls = [], []
+        texts: list[TextPart | ImageURLPart] = []
+        calls = []
         for j, block in enumerate(m.content):
             if isinstance(block, TextBlockIn):
-                texts.append(block.text)
+                texts.append(TextPart(text=block.text))
+            elif isinstance(block, ImageBlockIn):
+                texts.append(ImageURLPart(image_url=block.url))
             elif isinstance(block, ToolUseBlockIn):
                 if m.role != "assistant":
                     raise bad_request("tool_use blocks belong to assistant turns",
@@ -181,7 +206,10 @@ def chat_messages(body: MessagesBase) -> list[ChatMessage]:
             # thinking / redacted_thinking: an earlier turn's reasoning, dropped
         results = any(isinstance(b, ToolResultBlockIn) for b in m.content)
         if texts or calls or m.role == "assistant" or not results:  # a turn, even if empty
-            messages.append(ChatMessage(role=m.role, content="\n".join(texts) or (
+            content: str | list[TextPart | ImageURLPart] | None = texts
+            if not any(isinstance(p, ImageURLPart) for p in texts):
+                content = "\n".join(p.text for p in texts)  # type: ignore[union-attr]
+            messages.append(ChatMessage(role=m.role, content=content or (
                 None if calls else ""), tool_calls=calls or None))
     return messages
 

@@ -27,9 +27,12 @@ from aiohttp import web
 from msgspec import Meta, Struct
 
 from asyncengine.core.limits import INT64_MAX
+from asyncengine.core.multimodal import ImagePrompt
 from asyncengine.core.sampling_params import SamplingParams, StructuredOutputsParams
+from asyncengine.engine.multimodal import image_encoder, image_placeholder
 from asyncengine.engine.outputs import CompletionOutput, RequestOutput
 from asyncengine.entrypoints.http.errors import APIError, bad_request
+from asyncengine.entrypoints.http.images import with_images
 from asyncengine.entrypoints.http.params import to_sampling_params
 from asyncengine.entrypoints.http.protocol import Body, GenerationBody, Int64, TokenId
 from asyncengine.entrypoints.http.serving import (
@@ -84,10 +87,39 @@ class LlamaSampling(Body, kw_only=True):
     logit_bias: Annotated[list[Any], Meta(max_length=0)] | None = None
 
 
-class LlamaCompletionRequest(LlamaSampling, kw_only=True):
-    """POST /completion: a prompt as text or token ids."""
+class MultimodalPrompt(Body, kw_only=True):
+    """llama-server's prompt with media: ``prompt_string`` holds one ``<__media__>`` marker
+    per item of ``multimodal_data`` (base64 images), in order."""
 
-    prompt: NonEmptyText | TokenIds
+    prompt_string: NonEmptyText
+    multimodal_data: list[str] | None = None
+
+
+#: llama.cpp's media marker (mtmd's default).
+MEDIA_MARKER = "<__media__>"
+
+
+class LlamaCompletionRequest(LlamaSampling, kw_only=True):
+    """POST /completion: a prompt as text or token ids, or text with images."""
+
+    prompt: NonEmptyText | TokenIds | MultimodalPrompt
+
+
+async def _with_media(state: ServerState, prompt: MultimodalPrompt) -> tuple[str, Any]:
+    """(the prompt text, what the engine takes: the text with the model's image placeholders
+    and the decoded images)."""
+    data = prompt.multimodal_data or []
+    text = prompt.prompt_string
+    if text.count(MEDIA_MARKER) != len(data):
+        raise bad_request(f"prompt_string holds {text.count(MEDIA_MARKER)} {MEDIA_MARKER} "
+                          f"markers for {len(data)} multimodal_data items", "prompt")
+    if not data:
+        return text, text
+    urls = [f"data:;base64,{d}" for d in data]  # the decoder sniffs the format
+    engine = state.engine
+    loaded = await with_images(engine, urls, "", "multimodal_data")
+    text = text.replace(MEDIA_MARKER, image_placeholder(engine) or "")
+    return text, ImagePrompt(text, loaded.images)
 
 
 class LlamaTimings(Struct, kw_only=True):
@@ -169,19 +201,22 @@ def _sampling(body: LlamaSampling, state: ServerState) -> SamplingParams:
 async def llama_completion(request: web.Request) -> web.StreamResponse:
     """POST /completion, /completions: llama-server's completion route."""
     body = await read_body(request, LlamaCompletionRequest)
+    if isinstance(body.prompt, MultimodalPrompt):
+        return await complete(request, body, *await _with_media(state_of(request), body.prompt))
     return await complete(request, body, body.prompt)
 
 
 async def complete(request: web.Request, body: LlamaSampling,
-                   prompt: str | list[int]) -> web.StreamResponse:
-    """Run ``prompt`` with ``body``'s sampling; answer as llama-server (streamed or not)."""
+                   prompt: str | list[int], engine_prompt: Any = None) -> web.StreamResponse:
+    """Run ``prompt`` with ``body``'s sampling; answer as llama-server (streamed or not).
+    ``engine_prompt``: what the engine runs instead (the prompt with its images)."""
     state = state_of(request)
     lora = check_model(state.engine, body.model)
     params = _sampling(body, state)
     call = _Call(state, body, prompt, lora)
     if body.n_predict == 0:  # llama-server: the prompt read, nothing generated
         return json_response(call.nothing())
-    streams = await open_streams(state.engine, [prompt], params,
+    streams = await open_streams(state.engine, [engine_prompt or prompt], params,
                                  request_id(request, "cmpl"), 0, deltas_only=body.stream,
                                  lora_name=lora)
     if body.stream:
@@ -293,5 +328,6 @@ async def props(request: web.Request) -> web.Response:
         model_path=str(engine.config.model.model or engine.model_name),
         model_alias=state.served_model_names[0],
         chat_template=template if isinstance(template, str) else "",
-        modalities={"vision": False, "audio": False}, build_info="asyncengine",
+        modalities={"vision": image_encoder(engine) is not None, "audio": False},
+        build_info="asyncengine",
         is_sleeping=False))

@@ -15,6 +15,7 @@ from asyncengine.engine.engine import AsyncEngine
 from asyncengine.engine.outputs import CompletionOutput, RequestOutput
 from asyncengine.engine.streams import RequestStream
 from asyncengine.entrypoints.http.errors import APIError, bad_request
+from asyncengine.entrypoints.http.images import chat_prompt, placeholder_for
 from asyncengine.entrypoints.http.logprobs import chat_logprobs
 from asyncengine.entrypoints.http.params import structured_outputs_of, to_sampling_params
 from asyncengine.entrypoints.http.protocol import ChatCompletionRequest, ChatMessage, message_dicts
@@ -87,9 +88,11 @@ def render_chat(engine: AsyncEngine, messages: list[ChatMessage],
         kwargs["tools"] = tools
     if continue_final_message:
         kwargs["continue_final_message"] = True
+    placeholder = placeholder_for(engine, messages)  # images: a 400 if the model takes none
     try:
         return engine.tokenizer.apply_chat_template(
-            message_dicts(messages), add_generation_prompt=add_generation_prompt, **kwargs)
+            message_dicts(messages, placeholder), add_generation_prompt=add_generation_prompt,
+            **kwargs)
     except (ValueError, TypeError, jinja2.TemplateError) as e:
         raise bad_request(f"Cannot apply the chat template: {e}", "messages") from None
 
@@ -154,8 +157,9 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, call_id: s
     call = _Chat(state, body, call_id, plan, reasoning)
     if lora is not None:  # responses name the adapter
         call.model = lora
-    streams = await open_streams(engine, [prompt], params, call.id, priority,
-                                 deltas_only=bool(body.stream), lora_name=lora)
+    streams = await open_streams(engine, [await chat_prompt(engine, body.messages, prompt)],
+                                 params, call.id, priority, deltas_only=bool(body.stream),
+                                 lora_name=lora)
     return call, streams, params
 
 

@@ -27,6 +27,7 @@ from aiohttp import web
 from asyncengine.core.sampling_params import SamplingParams, StructuredOutputsParams
 from asyncengine.engine.outputs import RequestOutput
 from asyncengine.entrypoints.http.errors import APIError, bad_request, from_value_error
+from asyncengine.entrypoints.http.images import chat_prompt
 from asyncengine.entrypoints.http.openai.chat import default_max_tokens, render_chat
 from asyncengine.entrypoints.http.openai.responses_protocol import (
     FunctionCallItem,
@@ -82,7 +83,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     plan = plan_tools(tools, choice, body.parallel_tool_calls, state.settings)
     fmt = _text_format(body)
     check_no_other_format(plan, fmt)
-    text = render_chat(engine, chat_messages(body), tools=plan.template_tools,
+    messages = chat_messages(body)
+    text = render_chat(engine, messages, tools=plan.template_tools,
                        template_kwargs=chat_template_kwargs(state, None))
     reasoning = plan_reasoning(state, text)
     prompt = engine.tokenizer.encode(text, add_special_tokens=False)
@@ -108,8 +110,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     call = _Response(state, body, request_id(request, "resp"), plan, reasoning)
     if lora is not None:  # responses name the adapter
         call.model = lora
-    streams = await open_streams(engine, [prompt], params, call.id, 0,
-                                 deltas_only=bool(body.stream), lora_name=lora)
+    streams = await open_streams(engine, [await chat_prompt(engine, messages, prompt)], params,
+                                 call.id, 0, deltas_only=bool(body.stream), lora_name=lora)
     if body.stream:
         return await run_sse(request, streams, call.render, call.on_end, done_marker=False)
     return json_response(call.final((await collect(streams))[0]))

@@ -23,6 +23,7 @@ from asyncengine.entrypoints.http.protocol import (
     FunctionCall,
     FunctionDefinition,
     FunctionName,
+    ImageURLPart,
     NamedToolChoice,
     NonEmptyStr,
     PositiveCount,
@@ -72,14 +73,35 @@ class ResponsesRequest(Body, kw_only=True):
 
 
 # -- input items ----------------------------------------------------------------------------
-class InputText(Body, kw_only=True):
-    type: Literal["input_text", "output_text", "text"]
+class _Text(Body, kw_only=True):
     text: str
+
+
+class InputText(_Text, kw_only=True, tag="input_text", tag_field="type"):
+    pass
+
+
+class OutputTextIn(_Text, kw_only=True, tag="output_text", tag_field="type"):
+    pass
+
+
+class PlainText(_Text, kw_only=True, tag="text", tag_field="type"):
+    pass
+
+
+TextParts = InputText | OutputTextIn | PlainText
+
+
+class InputImage(Body, kw_only=True, tag="input_image", tag_field="type"):
+    """An image part: ``image_url`` a data:, http(s): or file: URL (file ids: not kept)."""
+
+    image_url: Annotated[str, Meta(min_length=1)]
+    detail: str | None = None
 
 
 class InputMessage(Body, kw_only=True):
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputText]
+    content: str | list[TextParts | InputImage]
     type: Literal["message"] = "message"
 
 
@@ -93,7 +115,7 @@ class InputFunctionCall(Body, kw_only=True):
 class InputFunctionCallOutput(Body, kw_only=True):
     type: Literal["function_call_output"]
     call_id: str
-    output: str | list[InputText]
+    output: str | list[TextParts]
 
 
 _ITEMS = {"message": InputMessage, "function_call": InputFunctionCall,
@@ -145,7 +167,8 @@ def chat_messages(body: ResponsesRequest) -> list[ChatMessage]:
                                                              else "")) from None
         if isinstance(item, InputMessage):
             content = item.content if isinstance(item.content, str) else [
-                TextPart(text=p.text) for p in item.content]
+                ImageURLPart(image_url=p.image_url) if isinstance(p, InputImage)
+                else TextPart(text=p.text) for p in item.content]
             messages.append(ChatMessage(role=item.role, content=content))
         elif isinstance(item, InputFunctionCall):
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name,

@@ -1,0 +1,53 @@
+"""Images in a prompt, as the scheduler, the KV-cache manager and the runner see them.
+
+An image's tokens are placeholders in the prompt (the image token's id, repeated as many
+times as the encoder gives it embeddings); :class:`MMInput` says where they are, what the
+encoder reads (``data``: the processor's output, opaque here: no torch in ``core``) and the
+image's content hash. The hash keys the encoder's output cache and is part of the
+prefix-cache hash of every block the placeholders touch, so two prompts share such a block
+only when they hold the same image there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ImageItem:
+    """A decoded image (a PIL RGB image) and the hash of its pixels."""
+
+    image: Any
+    hash: bytes
+
+
+@dataclass(frozen=True, eq=False)
+class MMInput:
+    """One image of a prompt: placeholders ``[offset, offset + length)``, whose embeddings
+    are the encoder's output for ``data`` (row ``i`` for position ``offset + i``)."""
+
+    hash: bytes
+    offset: int
+    length: int
+    data: Any
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def block_extra_keys(inputs: list[MMInput], start: int, end: int) -> bytes:
+    """The hashes of the images whose placeholders meet positions ``[start, end)``, with
+    where they start: what a block's prefix-cache hash adds to its token ids."""
+    return b"".join(m.hash + m.offset.to_bytes(8, "little")
+                    for m in inputs if m.offset < end and m.end > start)
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt with images: text or token ids holding one image placeholder token per
+    image, in order (``AsyncEngine.add_request`` takes it where it takes a prompt)."""
+
+    prompt: str | list[int]
+    images: list[ImageItem]

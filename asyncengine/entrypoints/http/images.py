@@ -1,0 +1,46 @@
+"""The images of an API call: checked against the model and the flags before anything is
+fetched, then fetched and decoded off the loop (``media.py``) and handed to the engine with
+the prompt (an ``ImagePrompt``). Any refusal is a 400 naming the field (Anthropic's shape on
+``/v1/messages``: the error middleware picks it by route)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncengine.core.multimodal import ImagePrompt
+from asyncengine.engine.multimodal import check_images, image_placeholder
+from asyncengine.entrypoints.http.errors import bad_request
+from asyncengine.entrypoints.http.media import MediaError, MediaPolicy, load_images
+from asyncengine.entrypoints.http.protocol import ChatMessage, image_urls
+
+
+def placeholder_for(engine: Any, messages: list[ChatMessage], param: str = "messages") -> str:
+    """The text an image part renders as (400 when the messages' images cannot be taken:
+    a text-only model, more than --limit-mm-per-prompt)."""
+    count = len(image_urls(messages))
+    if not count:
+        return ""
+    try:
+        check_images(engine, count)
+    except ValueError as e:
+        raise bad_request(str(e), param) from None
+    return image_placeholder(engine) or ""
+
+
+async def with_images(engine: Any, urls: list[str], prompt: str | list[int],
+                      param: str = "messages") -> str | list[int] | ImagePrompt:
+    """``prompt`` with the images behind ``urls`` (itself when there are none)."""
+    if not urls:
+        return prompt
+    try:
+        check_images(engine, len(urls))
+        images = await load_images(urls, MediaPolicy.of(engine.config.multimodal))
+    except (MediaError, ValueError) as e:
+        raise bad_request(str(e), param) from None
+    return ImagePrompt(prompt, images)
+
+
+async def chat_prompt(engine: Any, messages: list[ChatMessage], prompt: str | list[int]
+                      ) -> str | list[int] | ImagePrompt:
+    """The prompt of a rendered conversation, with its messages' images."""
+    return await with_images(engine, image_urls(messages), prompt)

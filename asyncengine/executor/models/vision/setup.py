@@ -1,0 +1,22 @@
+"""Start-up of a vision-language model's image side: the checkpoint's processor numbers and
+the encoder's output cache (``--mm-encoder-cache``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from asyncengine.executor.models.vision.encoder_cache import EncoderCache
+from asyncengine.executor.models.vision.spec import with_preprocessor_config
+
+logger = logging.getLogger("asyncengine")
+
+
+def setup_vision(model: Any, runner: Any, config: Any, model_dir: str | None) -> None:
+    encoder = model.vision
+    encoder.spec = with_preprocessor_config(encoder.spec, model_dir)
+    runner.encoder_cache = EncoderCache(config.multimodal.mm_encoder_cache)
+    spec = encoder.spec
+    logger.info("images: %s, %d tokens per image (image token %d), encoder cache %d tokens",
+                spec.family, spec.tokens_per_image, spec.image_token_id,
+                config.multimodal.mm_encoder_cache)

@@ -1,0 +1,146 @@
+"""Vision families as data: what the tower, the connector and the processor of each are.
+
+As ``family.py`` describes a decoder, :func:`describe_vision` reads a multimodal checkpoint's
+transformers config (and its ``preprocessor_config.json``, where the processor's numbers
+live) into a :class:`VisionSpec`: the tower's sizes and switches (CLIP or SigLIP), which of its
+layers feeds the connector, the connector's kind, the image processing, and how an image's
+placeholder tokens look in the prompt. A new family is a describer here and its
+architecture name in ``registry.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+#: OpenAI CLIP's normalization (transformers' OPENAI_CLIP_MEAN / _STD).
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class TowerSpec:
+    """A ViT over square patches (CLIP's or SigLIP's vision model)."""
+
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_layers: int  # in the checkpoint
+    image_size: int
+    patch_size: int
+    activation: str  # quick_gelu, gelu, gelu_pytorch_tanh
+    norm_eps: float
+    class_token: bool  # CLIP: a class embedding before the patches and a pre-norm
+    patch_bias: bool  # SigLIP's patch convolution has a bias, CLIP's none
+    # The hidden states the connector reads: after this many layers (CLIP's feature layer
+    # -2 of 24 is 23); post_norm: then the tower's final norm (SigLIP's last layer).
+    feature_layers: int
+    post_norm: bool = False
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+@dataclass(frozen=True)
+class ImageProcessing:
+    """Resize (shortest edge, or both sides), center crop, rescale, normalize."""
+
+    shortest_edge: int | None
+    size: tuple[int, int] | None  # (height, width) when resized to a fixed size
+    crop: tuple[int, int] | None
+    resample: int  # PIL's filter number (3: bicubic)
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    rescale: float = 1 / 255
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    family: str
+    tower: TowerSpec
+    connector: str  # "llava_mlp"
+    connector_act: str
+    processing: ImageProcessing
+    image_token_id: int  # the placeholder token, repeated once per embedding
+    tokens_per_image: int
+    drop_class_token: bool  # LLaVA's "default" feature strategy
+
+
+def _clip_tower(vc: Any, feature_layer: int) -> TowerSpec:
+    layers = vc.num_hidden_layers
+    used = feature_layer if feature_layer >= 0 else layers + 1 + feature_layer
+    if not 0 < used <= layers:
+        raise ValueError(f"vision_feature_layer {feature_layer} is outside the tower's "
+                         f"{layers} layers")
+    return TowerSpec(hidden=vc.hidden_size, intermediate=vc.intermediate_size,
+                     num_heads=vc.num_attention_heads, num_layers=layers,
+                     image_size=vc.image_size, patch_size=vc.patch_size,
+                     activation=vc.hidden_act, norm_eps=float(vc.layer_norm_eps),
+                     class_token=True, patch_bias=False, feature_layers=used)
+
+
+def _llava(config: Any) -> VisionSpec:
+    vc = config.vision_config
+    if getattr(vc, "model_type", "") != "clip_vision_model":
+        raise ValueError(f"llava: vision tower {vc.model_type!r} is not supported (only CLIP)")
+    layer = config.vision_feature_layer
+    if not isinstance(layer, int):
+        raise ValueError("llava: several vision_feature_layer values are not supported")
+    strategy = config.vision_feature_select_strategy
+    if strategy not in ("default", "full"):
+        raise ValueError(f"llava: vision_feature_select_strategy {strategy!r} is not supported")
+    tower = _clip_tower(vc, layer)
+    size = vc.image_size
+    tokens = tower.num_patches + (0 if strategy == "default" else 1)
+    return VisionSpec(
+        family="llava", tower=tower, connector="llava_mlp",
+        connector_act=config.projector_hidden_act,
+        processing=ImageProcessing(shortest_edge=size, size=None, crop=(size, size), resample=3,
+                                   mean=CLIP_MEAN, std=CLIP_STD),
+        image_token_id=config.image_token_index, tokens_per_image=tokens,
+        drop_class_token=strategy == "default")
+
+
+#: model_type -> describer
+VISION_FAMILIES: dict[str, Callable[[Any], VisionSpec]] = {"llava": _llava}
+
+
+def describe_vision(config: Any) -> VisionSpec | None:
+    """The image side of a multimodal config (None for a text-only model)."""
+    fn = VISION_FAMILIES.get(getattr(config, "model_type", ""))
+    return fn(config) if fn is not None else None
+
+
+def with_preprocessor_config(spec: VisionSpec, model_dir: str | None) -> VisionSpec:
+    """The processing numbers of the checkpoint's ``preprocessor_config.json``, if it has one
+    (sizes, filter, mean and std); the tower's defaults otherwise."""
+    path = Path(model_dir or "", "preprocessor_config.json")
+    if not model_dir or not path.is_file():
+        return spec
+    cfg = json.loads(path.read_text())
+    p = spec.processing
+    size = cfg.get("size")
+    shortest, fixed = p.shortest_edge, p.size
+    if isinstance(size, dict) and "shortest_edge" in size:
+        shortest, fixed = int(size["shortest_edge"]), None
+    elif isinstance(size, dict) and "height" in size:
+        shortest, fixed = None, (int(size["height"]), int(size["width"]))
+    crop = cfg.get("crop_size")
+    if not cfg.get("do_center_crop", p.crop is not None):
+        crop = None
+    elif isinstance(crop, dict):
+        crop = (int(crop["height"]), int(crop["width"]))
+    elif isinstance(crop, int):
+        crop = (crop, crop)
+    else:
+        crop = p.crop
+    processing = replace(
+        p, shortest_edge=shortest, size=fixed, crop=crop,
+        resample=int(cfg.get("resample", p.resample)),
+        mean=tuple(cfg.get("image_mean", p.mean)), std=tuple(cfg.get("image_std", p.std)),
+        rescale=float(cfg.get("rescale_factor", p.rescale)))
+    return replace(spec, processing=processing)

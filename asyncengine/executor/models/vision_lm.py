@@ -1,0 +1,50 @@
+"""A vision-language model: the one decoder (``decoder.py``) with an image encoder beside it
+(``vision/``: tower, connector, processor). LLaVA-1.5 today.
+
+The decoder is unchanged: a step whose tokens include image placeholders gets the encoder's
+outputs spliced into its input embeddings (``executor/mm_step.py``), and every other step
+runs exactly as a text model's does."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from asyncengine.executor.models.decoder import CausalLM
+from asyncengine.executor.models.vision.encoder import ImageEncoder
+from asyncengine.executor.models.vision.spec import describe_vision
+
+#: Checkpoint prefixes -> ours (transformers' legacy and current layouts alike).
+_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+             ("language_model.lm_head.", "lm_head."),
+             ("vision_tower.vision_model.", "vision.vision_tower."),
+             ("model.vision_tower.vision_model.", "vision.vision_tower."),
+             ("model.vision_tower.", "vision.vision_tower."),
+             ("vision_tower.", "vision.vision_tower."),
+             ("model.multi_modal_projector.", "vision.multi_modal_projector."),
+             ("multi_modal_projector.", "vision.multi_modal_projector."))
+
+
+class VisionLM(CausalLM):
+    def __init__(self, config: Any) -> None:
+        spec = describe_vision(config)
+        if spec is None:
+            raise ValueError(f"model type {getattr(config, 'model_type', None)!r} has no "
+                             "image encoder here")
+        super().__init__(config)
+        self.vision = ImageEncoder(spec, self.hidden_size)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_renamed(weights))
+
+
+def _renamed(weights: Iterable[tuple[str, torch.Tensor]]
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        for old, new in _PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        yield name, tensor

@@ -1,0 +1,144 @@
+"""LLaVA-1.5 against transformers: its image processing, its encoder, and greedy tokens
+through the engine with one and two images, chunked prefill through an image, a prefix hit
+on a follow-up turn with the same image, and preemption."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+from asyncengine.config import EngineConfig
+from asyncengine.core.multimodal import ImageItem, ImagePrompt
+from asyncengine.core.sampling_params import SamplingParams
+from asyncengine.engine.engine import AsyncEngine
+from tests.vision_utils import LLAVA_IMAGE_TOKENS, image, llava_processor, llava_reference
+
+PROMPT = "USER: <image>\nWhat is shown here? ASSISTANT:"
+TWO = "USER: <image>\nand <image>\nCompare them. ASSISTANT:"
+N = 8
+
+
+def item(img, key: bytes) -> ImageItem:
+    return ImageItem(img, key.ljust(32, b"\0"))
+
+
+def make_engine(model: str, **kw) -> AsyncEngine:
+    return AsyncEngine(EngineConfig.from_dict({
+        "model": model, "dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 256,
+        "block_size": 8, "num_gpu_blocks_override": 64, "max_model_len": 256, **kw}))
+
+
+async def greedy(engine: AsyncEngine, prompt, n: int = N) -> tuple[list[int], list[int], int]:
+    """(prompt ids as the engine expanded them, new tokens, cached prompt tokens)."""
+    final = None
+    async for out in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=n,
+                                                            ignore_eos=True)):
+        final = out
+    return final.prompt_token_ids, final.outputs[0].token_ids, final.num_cached_tokens or 0
+
+
+def test_image_processing_matches_transformers(tiny_llava):
+    import transformers
+
+    from asyncengine.executor.models.vision.processor import process_image
+    from asyncengine.executor.models.vision.spec import describe_vision, with_preprocessor_config
+
+    spec = with_preprocessor_config(describe_vision(
+        transformers.AutoConfig.from_pretrained(tiny_llava)), tiny_llava)
+    ref = llava_processor(transformers.AutoTokenizer.from_pretrained(tiny_llava)).image_processor
+    for w, h in ((97, 61), (40, 130), (56, 56), (300, 200)):
+        img = image(w, h, seed=w)
+        want = ref(images=img, return_tensors="np")["pixel_values"][0]
+        got = process_image(img, spec.processing)
+        assert got.shape == want.shape == (3, 56, 56)
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def llava_engine(tiny_llava) -> AsyncEngine:
+    return make_engine(tiny_llava)
+
+
+def test_one_and_two_images_match_transformers(tiny_llava, llava_engine):
+    a, b = image(97, 61, seed=1), image(40, 130, seed=2)
+    want_ids, want = llava_reference(tiny_llava, PROMPT, [a], N)
+    want2_ids, want2 = llava_reference(tiny_llava, TWO, [a, b], N)
+    _, text_only = llava_reference(tiny_llava, "USER: What is shown here? ASSISTANT:", [], N)
+
+    async def main():
+        async with llava_engine:
+            one = await greedy(llava_engine, ImagePrompt(PROMPT, [item(a, b"a")]))
+            two = await greedy(llava_engine, ImagePrompt(TWO, [item(a, b"a"), item(b, b"b")]))
+        return one, two
+
+    one, two = anyio.run(main)
+    assert one[0] == want_ids and one[1] == want
+    assert two[0] == want2_ids and two[1] == want2
+    assert want != text_only or want2 != text_only  # the images matter
+    assert llava_engine.num_free_blocks == llava_engine.num_total_blocks
+
+
+def test_chunked_prefill_and_prefix_hits(tiny_llava):
+    """Chunks of 8 tokens split the 16 image tokens; the follow-up turn with the same image
+    hits the prefix cache through the image; a different image at the same place does not:
+    the tokens stay transformers'."""
+    a, b = image(97, 61, seed=1), image(80, 50, seed=3)
+    _, want = llava_reference(tiny_llava, PROMPT, [a], N)
+    follow = PROMPT + " something ASSISTANT: USER: say more ASSISTANT:"
+    _, want_follow = llava_reference(tiny_llava, follow, [a], N)
+    _, want_b = llava_reference(tiny_llava, PROMPT, [b], N)
+    engine = make_engine(tiny_llava, max_num_batched_tokens=8)
+
+    async def main():
+        async with engine:
+            first = await greedy(engine, ImagePrompt(PROMPT, [item(a, b"a")]))
+            again = await greedy(engine, ImagePrompt(follow, [item(a, b"a")]))
+            other = await greedy(engine, ImagePrompt(PROMPT, [item(b, b"b")]))
+        return first, again, other
+
+    first, again, other = anyio.run(main)
+    assert first[1] == want
+    assert again[1] == want_follow
+    image_end = image_end_of(first[0])
+    assert again[2] >= image_end  # the cached prefix covers the image
+    assert other[1] == want_b
+    assert other[2] < image_end  # another image at the same place is not a hit
+    cache = engine.runner.encoder_cache
+    assert len(cache) == 2 and cache.misses == 2  # each image encoded once
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def image_end_of(ids: list[int]) -> int:
+    """Where the image's placeholders end in an expanded prompt."""
+    image_token = max(ids)
+    last = max(i for i, t in enumerate(ids) if t == image_token)
+    assert ids.count(image_token) == LLAVA_IMAGE_TOKENS
+    return last + 1
+
+
+def test_preemption_recomputes_through_images(tiny_llava):
+    """A KV cache too small for four image prompts at once: requests are preempted and
+    recomputed, their images' embeddings from the encoder cache."""
+    imgs = [image(60 + 7 * i, 50 + 3 * i, seed=10 + i) for i in range(4)]
+    wants = [llava_reference(tiny_llava, PROMPT, [im], 24)[1] for im in imgs]
+    engine = make_engine(tiny_llava, num_gpu_blocks_override=12, max_num_batched_tokens=64)
+
+    async def main():
+        results = {}
+
+        async def one(i):
+            results[i] = (await greedy(engine, ImagePrompt(PROMPT, [item(imgs[i], bytes([i]))]),
+                                       24))[1]
+
+        async with engine:
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(one, i)
+        return results
+
+    results = anyio.run(main)
+    assert [results[i] for i in range(4)] == wants
+    assert engine.scheduler.make_stats().num_preemptions > 0
+    assert engine.runner.encoder_cache.misses == 4  # recomputed from the cached outputs
+    assert engine.num_free_blocks == engine.num_total_blocks

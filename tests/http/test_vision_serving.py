@@ -1,0 +1,190 @@
+"""Images through the server: the openai client's data-URL image, the anthropic client's
+base64 block, the Responses API's input_image and llama-server's multimodal_data all get
+transformers' answer; every bad image is a 400 in the API's shape and changes nothing."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.server_utils import KEY, shared_server, tiny_server
+from tests.vision_utils import image, llava_reference
+
+QUESTION = "What is shown here?"
+N = 6
+
+
+def png_bytes(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(img) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(img)).decode()
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("media")
+    (d / "ok.png").write_bytes(png_bytes(image(70, 40, seed=5)))
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llava, media_dir):
+    return shared_server(tiny_llava, "--num-gpu-blocks-override", "128", "--max-model-len",
+                         "256", "--limit-mm-per-prompt", '{"image": 2}',
+                         "--allowed-local-media-path", str(media_dir),
+                         "--max-image-pixels", "1000000", "--served-model-name", "llava",
+                         api_key=KEY)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llava):
+    """transformers' greedy answer to the chat template's prompt with one image."""
+    import transformers
+
+    img = image(97, 61, seed=1)
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_llava)
+    text = tok.apply_chat_template([{"role": "user", "content": f"<image>\n{QUESTION}"}],
+                                   add_generation_prompt=True, tokenize=False)
+    _, new = llava_reference(tiny_llava, text, [img], N)
+    return img, text, tok.decode(new, skip_special_tokens=True)
+
+
+def post(server, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(server.url(path), data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **server.headers()})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def chat_body(parts: list[dict], **kw) -> dict:
+    return {"model": "llava", "messages": [{"role": "user", "content": parts}],
+            "max_tokens": N, "temperature": 0, "ignore_eos": True} | kw
+
+
+def test_openai_client_data_url(server, expected):
+    import openai
+
+    img, _, answer = expected
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0, timeout=60)
+    model = "llava"
+    out = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=N, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(img)}},
+            {"type": "text", "text": QUESTION}]}])
+    assert out.choices[0].message.content == answer
+    assert out.usage.prompt_tokens > 16  # the image's 16 placeholders are in the prompt
+    # the same image again (a PNG file under --allowed-local-media-path is another image)
+    again = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=N, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(img)}},
+            {"type": "text", "text": QUESTION}]}])
+    assert again.choices[0].message.content == answer
+
+
+def test_anthropic_client_base64_block(server, expected):
+    import anthropic
+
+    img, _, answer = expected
+    client = anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0,
+                                 timeout=60)
+    out = client.messages.create(
+        model="llava", max_tokens=N, extra_body={"temperature": 0, "ignore_eos": True},
+        messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png_bytes(img)).decode()}},
+            {"type": "text", "text": QUESTION}]}])
+    assert out.content[0].text == answer
+
+
+def test_responses_input_image_and_llama_server_multimodal_data(server, expected):
+    img, text, answer = expected
+    status, body = post(server, "/v1/responses", {
+        "model": "llava", "max_output_tokens": N, "temperature": 0,
+        "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_url(img)},
+            {"type": "input_text", "text": QUESTION}]}]})
+    assert status == 200, body
+    assert body["output"][-1]["content"][0]["text"] == answer
+    status, body = post(server, "/completion", {
+        "prompt": {"prompt_string": text.replace("<image>", "<__media__>"),
+                   "multimodal_data": [base64.b64encode(png_bytes(img)).decode()]},
+        "n_predict": N, "temperature": 0, "ignore_eos": True})
+    assert status == 200, body
+    assert body["content"] == answer
+    assert server.get_json("/props")["modalities"]["vision"] is True
+
+
+def test_file_urls_and_two_images(server, media_dir):
+    ok = (media_dir / "ok.png").as_uri()
+    status, body = post(server, "/v1/chat/completions", chat_body([
+        {"type": "image_url", "image_url": {"url": ok}}, {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": ok}]))
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] > 32
+
+
+def bad_cases(media_dir) -> list[tuple[str, list[dict], str]]:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (1100, 1000)).save(buf, format="PNG")
+    big = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    good = data_url(image(20, 20, seed=0))
+    corrupt = "data:image/png;base64," + base64.b64encode(
+        png_bytes(image(30, 30, seed=0))[:50]).decode()
+
+    def img(url):
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    return [
+        ("outside domains", [img("http://127.0.0.1:9/a.png")], "public"),
+        ("link-local", [img("http://169.254.169.254/latest/meta-data")], "public"),
+        ("file outside", [img((media_dir.parent / "x.png").as_uri())], "allowed-local"),
+        ("pixels", [img(big)], "max-image-pixels"),
+        ("corrupt", [img(corrupt)], "corrupt|decoded"),
+        ("count", [img(good), img(good), img(good)], "limit-mm-per-prompt"),
+        ("context", [img(good), {"type": "text", "text": "word " * 245}], "context length"),
+    ]
+
+
+def test_bad_images_are_400s_and_change_nothing(server, media_dir, expected):
+    for name, parts, why in bad_cases(media_dir):
+        status, body = post(server, "/v1/chat/completions", chat_body(parts))
+        assert status == 400, (name, body)
+        assert body["error"]["type"] == "invalid_request_error"
+        import re
+
+        assert re.search(why, body["error"]["message"]), (name, body)
+    # Anthropic's shape on /v1/messages
+    status, body = post(server, "/v1/messages", {
+        "model": "llava", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "http://10.1.2.3/a.png"}}]}]})
+    assert status == 400 and body["type"] == "error", body
+    assert body["error"]["type"] == "invalid_request_error"
+    # and the server serves on, every block free again
+    test_openai_client_data_url(server, expected)
+    metrics = server.metrics()
+    assert "asyncengine" in metrics or "vllm" in metrics
+
+
+def test_an_image_to_a_text_only_model_is_a_400(tiny_llama):
+    server = tiny_server(tiny_llama)
+    status, body = post(server, "/v1/chat/completions", chat_body(
+        [{"type": "image_url", "image_url": {"url": data_url(image(20, 20, seed=0))}},
+         {"type": "text", "text": "hi"}], model=None))
+    assert status == 400 and "text-only" in body["error"]["message"], body

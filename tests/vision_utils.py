@@ -1,0 +1,89 @@
+"""Tiny random vision-language models made at test time, and their transformers references."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+#: The tiny LLaVA: CLIP 56 px in 14 px patches (16 image tokens), a 2-layer Llama.
+LLAVA_IMAGE_SIZE, LLAVA_PATCH = 56, 14
+LLAVA_IMAGE_TOKENS = (LLAVA_IMAGE_SIZE // LLAVA_PATCH) ** 2
+
+
+def image(width: int, height: int, seed: int) -> Any:
+    """A random RGB PIL image (noise: every pixel matters)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
+
+
+def make_tiny_llava(directory: str | os.PathLike[str]) -> str:
+    """Save a tiny random ``LlavaForConditionalGeneration`` (float32, seed 0) with the
+    embedded tokenizer plus an ``<image>`` token, and its processor. Returns the directory."""
+    import torch
+    import transformers
+
+    from tests.utils import embedded_tokenizer_dir
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = transformers.AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir()))
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_token = tok.convert_tokens_to_ids("<image>")
+    text = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=image_token + 64, max_position_embeddings=512,
+        tie_word_embeddings=False)
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=LLAVA_IMAGE_SIZE, patch_size=LLAVA_PATCH, projection_dim=32)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text,
+                                      image_token_index=image_token,
+                                      image_seq_length=LLAVA_IMAGE_TOKENS)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).float()
+    with torch.no_grad():  # image embeddings of the text's scale, so that they matter
+        model.model.multi_modal_projector.linear_2.weight.mul_(20.0)
+    model.save_pretrained(str(directory))
+    llava_processor(tok).save_pretrained(str(directory))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (directory / f).is_file() is False and (embedded_tokenizer_dir() / f).is_file():
+            shutil.copy(embedded_tokenizer_dir() / f, directory / f)
+    return str(directory)
+
+
+def llava_processor(tokenizer: Any) -> Any:
+    import transformers
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    images = CLIPImageProcessorPil(size={"shortest_edge": LLAVA_IMAGE_SIZE},
+                                   crop_size={"height": LLAVA_IMAGE_SIZE,
+                                              "width": LLAVA_IMAGE_SIZE})
+    return transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer,
+                                       patch_size=LLAVA_PATCH,
+                                       vision_feature_select_strategy="default",
+                                       num_additional_image_tokens=1,
+                                       chat_template=tokenizer.chat_template)
+
+
+def llava_reference(directory: str, prompt: str, images: list[Any], max_new_tokens: int
+                    ) -> tuple[list[int], list[int]]:
+    """(transformers' expanded prompt ids, its greedy new tokens)."""
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(directory)
+    processor = llava_processor(tok)
+    inputs = processor(text=prompt, images=images or None, return_tensors="pt")
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(
+        directory, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens)
+    ids = inputs["input_ids"][0].tolist()
+    return ids, out[0, len(ids):].tolist()
