@@ -31,6 +31,14 @@ def image_placeholder(engine: Any) -> str | None:
     return engine.tokenizer.hf.convert_ids_to_tokens(encoder.spec.image_token_id)
 
 
+def expanded_length(engine: Any, ids: list[int]) -> int:
+    """How many tokens ``ids`` become once each image placeholder is expanded."""
+    encoder = image_encoder(engine)
+    if encoder is None:
+        return len(ids)
+    return len(ids) + ids.count(encoder.spec.image_token_id) * (encoder.tokens_per_image - 1)
+
+
 def check_images(engine: Any, count: int) -> None:
     """ValueError unless the model takes images and ``count`` is within the limit."""
     if count and image_encoder(engine) is None:

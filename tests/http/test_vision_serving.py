@@ -109,6 +109,11 @@ def test_anthropic_client_base64_block(server, expected):
                                          "data": base64.b64encode(png_bytes(img)).decode()}},
             {"type": "text", "text": QUESTION}]}])
     assert out.content[0].text == answer
+    counted = client.messages.count_tokens(model="llava", messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": base64.b64encode(png_bytes(img)).decode()}},
+        {"type": "text", "text": QUESTION}]}])
+    assert counted.input_tokens == out.usage.input_tokens
 
 
 def test_responses_input_image_and_llama_server_multimodal_data(server, expected):

@@ -8,10 +8,15 @@ from __future__ import annotations
 from typing import Any
 
 from asyncengine.core.multimodal import ImagePrompt
-from asyncengine.engine.multimodal import check_images, image_placeholder
+from asyncengine.engine.multimodal import (
+    TEXT_ONLY,
+    check_images,
+    image_encoder,
+    image_placeholder,
+)
 from asyncengine.entrypoints.http.errors import bad_request
 from asyncengine.entrypoints.http.media import MediaError, MediaPolicy, load_images
-from asyncengine.entrypoints.http.protocol import ChatMessage, image_urls
+from asyncengine.entrypoints.http.protocol import ChatMessage, ImageURLPart, image_urls
 
 
 def placeholder_for(engine: Any, messages: list[ChatMessage], param: str = "messages") -> str:
@@ -20,6 +25,10 @@ def placeholder_for(engine: Any, messages: list[ChatMessage], param: str = "mess
     count = len(image_urls(messages))
     if not count:
         return ""
+    if image_encoder(engine) is None:  # the first image part is what the model cannot take
+        i, j = next((i, j) for i, m in enumerate(messages) if isinstance(m.content, list)
+                    for j, p in enumerate(m.content) if isinstance(p, ImageURLPart))
+        raise bad_request(TEXT_ONLY, f"{param}[{i}].content[{j}].type")
     try:
         check_images(engine, count)
     except ValueError as e:

@@ -24,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from asyncengine.core.sampling_params import SamplingParams, StructuredOutputsParams
+from asyncengine.engine.multimodal import expanded_length
 from asyncengine.engine.outputs import CompletionOutput, RequestOutput
 from asyncengine.entrypoints.http.anthropic.protocol import (
     Block,
@@ -98,7 +99,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     check_model(state.engine, body.model)
     text, _, _ = _render(state, body)
     ids = state.engine.tokenizer.encode(text, add_special_tokens=False)
-    return json_response(CountTokensResponse(len(ids)))
+    return json_response(CountTokensResponse(expanded_length(state.engine, ids)))
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:
