@@ -48,3 +48,12 @@ def tiny_llava(tmp_path_factory) -> str:
     from tests.vision_utils import make_tiny_llava
 
     return make_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory) -> str:
+    """A tiny random Gemma 3 with images (SigLIP 32 px, 4 image tokens; a 3-layer Gemma 3
+    text model) with the embedded tokenizer plus its image tokens (``tests/vision_utils.py``)."""
+    from tests.vision_utils import make_tiny_gemma3
+
+    return make_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))

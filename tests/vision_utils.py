@@ -87,3 +87,85 @@ def llava_reference(directory: str, prompt: str, images: list[Any], max_new_toke
                              min_new_tokens=max_new_tokens)
     ids = inputs["input_ids"][0].tolist()
     return ids, out[0, len(ids):].tolist()
+
+
+#: The tiny Gemma 3: SigLIP 32 px in 8 px patches, pooled to 4 image tokens; a 3-layer Gemma 3
+#: text model with a window of 8 on its sliding layers.
+GEMMA3_IMAGE_SIZE, GEMMA3_PATCH, GEMMA3_IMAGE_TOKENS = 32, 8, 4
+GEMMA3_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+
+
+def make_tiny_gemma3(directory: str | os.PathLike[str]) -> str:
+    """Save a tiny random ``Gemma3ForConditionalGeneration`` (float32, seed 0) with the
+    embedded tokenizer plus Gemma 3's three image tokens. Returns the directory."""
+    import torch
+    import transformers
+
+    from tests.utils import FAMILIES, TINY, embedded_tokenizer_dir
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = transformers.AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir()))
+    tok.add_special_tokens({"additional_special_tokens": list(GEMMA3_TOKENS)})
+    boi, eoi, soft = (tok.convert_tokens_to_ids(t) for t in GEMMA3_TOKENS)
+    text = transformers.Gemma3TextConfig(**{**TINY, **FAMILIES["gemma3"][1],
+                                            "vocab_size": soft + 64, "sliding_window": 8})
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=GEMMA3_IMAGE_SIZE, patch_size=GEMMA3_PATCH, vision_use_head=False)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+                                       boi_token_index=boi, eoi_token_index=eoi,
+                                       image_token_index=soft)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).float()
+    with torch.no_grad():  # a projection of the text's scale (it starts at zeros)
+        proj = model.model.multi_modal_projector.mm_input_projection_weight
+        proj.normal_(0, 1.0)
+    model.save_pretrained(str(directory))
+    tok.save_pretrained(str(directory))
+    gemma3_image_processor().save_pretrained(str(directory))
+    return str(directory)
+
+
+def gemma3_image_processor() -> Any:
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    return Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE_SIZE,
+                                         "width": GEMMA3_IMAGE_SIZE})
+
+
+def gemma3_reference(directory: str, prompt: str, images: list[Any], max_new_tokens: int,
+                     with_logprobs: bool = False, add_special_tokens: bool = True
+                     ) -> tuple[list[int], list[int]]:
+    """(transformers' expanded prompt ids, its greedy new tokens): the prompt's
+    ``<start_of_image>`` expanded as Gemma3Processor does, then tokenized. With
+    ``with_logprobs``, the new tokens' log-probabilities too (a third item)."""
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(directory)
+    boi, eoi, soft = GEMMA3_TOKENS
+    full = f"\n\n{boi}{soft * GEMMA3_IMAGE_TOKENS}{eoi}\n\n"
+    assert prompt.count(boi) == len(images)
+    ids = tok(prompt.replace(boi, full), return_tensors="pt",
+              add_special_tokens=add_special_tokens)["input_ids"]
+    soft_id = tok.convert_tokens_to_ids(soft)
+    kwargs: dict[str, Any] = {}
+    if images:
+        px = gemma3_image_processor()(images=images, return_tensors="pt")["pixel_values"]
+        kwargs = {"pixel_values": px, "token_type_ids": (ids == soft_id).long()}
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        directory, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             **kwargs)
+    new = out.sequences[0, ids.shape[1]:].tolist()
+    if not with_logprobs:
+        return ids[0].tolist(), new
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
+                for step, t in zip(out.logits, new, strict=True)]
+    return ids[0].tolist(), new, logprobs  # type: ignore[return-value]

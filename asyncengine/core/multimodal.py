@@ -31,10 +31,23 @@ class MMInput:
     offset: int
     length: int
     data: Any
+    # Its placeholders attend to each other both ways (Gemma 3): computed in one step.
+    whole: bool = False
 
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+
+def chunk_without_split(inputs: list[MMInput], start: int, num_new: int) -> int:
+    """A prefill chunk ``[start, start + num_new)`` cut short so that it does not end inside
+    an image that must be computed whole (0: not this step; it takes the rest of the image
+    or nothing). A scheduler calls it when it cuts a prompt to its budget."""
+    end = start + num_new
+    for m in inputs:
+        if m.whole and m.offset < end < m.end:
+            return max(0, m.offset - start)
+    return num_new
 
 
 def block_extra_keys(inputs: list[MMInput], start: int, end: int) -> bytes:
@@ -51,3 +64,5 @@ class ImagePrompt:
 
     prompt: str | list[int]
     images: list[ImageItem]
+    # A text prompt rendered by a chat template holds its special tokens already.
+    add_special_tokens: bool = True

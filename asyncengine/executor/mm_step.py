@@ -20,6 +20,7 @@ import torch
 
 from asyncengine.core.multimodal import MMInput
 from asyncengine.core.request import Request
+from asyncengine.executor.attention.image_spans import ImageSpanAttention
 from asyncengine.executor.paths.base import begin
 
 
@@ -31,9 +32,12 @@ class MMSlice:
     item: MMInput
     lo: int
     hi: int
+    # An image attended both ways (``item.whole``): its request's blocks up to its end.
+    blocks: Any = None
 
 
-def step_slices(scheduled: list[Any], pending: dict[str, Request]) -> list[MMSlice]:
+def step_slices(scheduled: list[Any], pending: dict[str, Request], batch: Any,
+                block_size: int) -> list[MMSlice]:
     """The image slices of a step (``scheduled``: its ``ScheduledRequest``s, in order);
     requests whose last placeholder this step computes leave ``pending``."""
     slices: list[MMSlice] = []
@@ -48,8 +52,13 @@ def step_slices(scheduled: list[Any], pending: dict[str, Request]) -> list[MMSli
             for item in req.mm_inputs or ():
                 lo, hi = max(start, item.offset), min(end, item.end)
                 if lo < hi:
+                    blocks = None
+                    if item.whole:  # (a copy: the row may be reused while the step runs)
+                        row = batch.row_of[req.request_id]
+                        n = -(-hi // block_size)
+                        blocks = torch.from_numpy(batch.block_table[row, :n].copy())
                     slices.append(MMSlice(flat + lo - start, item, lo - item.offset,
-                                          hi - item.offset))
+                                          hi - item.offset, blocks))
             if end >= max(item.end for item in req.mm_inputs or ()):
                 del pending[req.request_id]
         flat += width
@@ -94,5 +103,9 @@ def forward_with_images(runner: Any, inputs: Any, last_sampled: torch.Tensor | N
     outs = encoder_outputs(model, runner.encoder_cache, inputs.mm, h.device)
     for s in inputs.mm:
         h[s.flat:s.flat + s.hi - s.lo] = outs[s.item.hash][s.lo:s.hi].to(h.dtype)
+    backend = runner.attn_backend
+    whole = [s for s in inputs.mm if s.blocks is not None]
+    if whole:
+        backend = ImageSpanAttention(backend, whole)
     return model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.attn_metadata,
-                 runner.attn_backend, inputs_embeds=h)
+                 backend, inputs_embeds=h)

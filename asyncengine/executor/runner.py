@@ -255,7 +255,7 @@ class ModelRunner:
         if spec:
             inputs.spec = spec
         if self._mm_pending:
-            inputs.mm = step_slices(out.scheduled, self._mm_pending) or None
+            inputs.mm = step_slices(out.scheduled, self._mm_pending, ib, bs) or None
         if lora_slots is not None:  # LoRA: each token's adapter slot
             inputs.lora = self.lora.step_inputs(lora_slots, lora_writes, put)
         if prev_dst:

@@ -193,3 +193,30 @@ def test_an_image_to_a_text_only_model_is_a_400(tiny_llama):
         [{"type": "image_url", "image_url": {"url": data_url(image(20, 20, seed=0))}},
          {"type": "text", "text": "hi"}], model=None))
     assert status == 400 and "text-only" in body["error"]["message"], body
+
+
+def test_gemma3_through_the_openai_client(tiny_gemma3):
+    """Gemma 3: the chat template sees ``<start_of_image>``, the engine expands it as
+    Gemma3Processor does; two images of different sizes get transformers' answer."""
+    import openai
+    import transformers
+
+    from tests.vision_utils import gemma3_reference
+
+    a, b = image(97, 61, seed=1), image(20, 50, seed=2)
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_gemma3)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": f"<start_of_image>\nand\n<start_of_image>\n{QUESTION}"}],
+        add_generation_prompt=True, tokenize=False)
+    _, new = gemma3_reference(tiny_gemma3, text, [a, b], N, add_special_tokens=False)
+    server = shared_server(tiny_gemma3, "--num-gpu-blocks-override", "64", "--max-model-len",
+                           "256", "--served-model-name", "gemma3", api_key=KEY)
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0, timeout=60)
+    out = client.chat.completions.create(
+        model="gemma3", temperature=0, max_tokens=N, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(a)}},
+            {"type": "text", "text": "and"},
+            {"type": "image_url", "image_url": {"url": data_url(b)}},
+            {"type": "text", "text": QUESTION}]}])
+    assert out.choices[0].message.content == tok.decode(new, skip_special_tokens=True)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from asyncengine.core.kv.hashing import update_block_hashes
 from asyncengine.core.kv.manager import KVCacheManager
+from asyncengine.core.multimodal import chunk_without_split
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.sched.interface import (
     KVConnectorLookup,
@@ -193,6 +194,8 @@ class FCFSScheduler(Scheduler):
                 drafts = _NO_DRAFTS
             if num_new > budget:
                 num_new = budget
+                if request.mm_inputs:  # an image computed whole (Gemma 3) is not split
+                    num_new = chunk_without_split(request.mm_inputs, start, num_new)
             if num_new <= 0:
                 continue
             if not has_room(request.request_id, start + num_new) and \
@@ -251,6 +254,11 @@ class FCFSScheduler(Scheduler):
                     self.max_num_batched_tokens:
                 return False
             num_new = step.budget
+            if request.mm_inputs:  # an image computed whole (Gemma 3) is not split
+                num_new = chunk_without_split(request.mm_inputs, num_cached + num_external,
+                                              num_new)
+                if num_new <= 0:
+                    return False
         while len(self.running) >= self.max_num_seqs or not kv.allocate_slots(
                 request, num_external + num_new, blocks):
             victim = self._admission_victim(request)

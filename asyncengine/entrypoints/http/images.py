@@ -37,7 +37,8 @@ def placeholder_for(engine: Any, messages: list[ChatMessage], param: str = "mess
 
 
 async def with_images(engine: Any, urls: list[str], prompt: str | list[int],
-                      param: str = "messages") -> str | list[int] | ImagePrompt:
+                      param: str = "messages", *, add_special_tokens: bool = True
+                      ) -> str | list[int] | ImagePrompt:
     """``prompt`` with the images behind ``urls`` (itself when there are none)."""
     if not urls:
         return prompt
@@ -46,10 +47,15 @@ async def with_images(engine: Any, urls: list[str], prompt: str | list[int],
         images = await load_images(urls, MediaPolicy.of(engine.config.multimodal))
     except (MediaError, ValueError) as e:
         raise bad_request(str(e), param) from None
-    return ImagePrompt(prompt, images)
+    return ImagePrompt(prompt, images, add_special_tokens)
 
 
-async def chat_prompt(engine: Any, messages: list[ChatMessage], prompt: str | list[int]
-                      ) -> str | list[int] | ImagePrompt:
-    """The prompt of a rendered conversation, with its messages' images."""
-    return await with_images(engine, image_urls(messages), prompt)
+async def chat_prompt(engine: Any, messages: list[ChatMessage], prompt: list[int], text: str
+                      ) -> list[int] | ImagePrompt:
+    """The prompt of a conversation: its token ids, or with its messages' images its
+    rendered text (the engine expands each image in the text, then tokenizes it: the
+    template's special tokens are in the text already)."""
+    urls = image_urls(messages)
+    if not urls:
+        return prompt
+    return await with_images(engine, urls, text, add_special_tokens=False)  # type: ignore

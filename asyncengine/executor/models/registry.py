@@ -19,7 +19,7 @@ BUILTIN_MODELS: dict[str, type] = {
     "Qwen3ForCausalLM": CausalLM,
     "Gemma2ForCausalLM": CausalLM,
     "Gemma3ForCausalLM": CausalLM,  # Gemma 3 1B (text only)
-    "Gemma3ForConditionalGeneration": CausalLM,  # Gemma 3 4B+: the language model only
+    "Gemma3ForConditionalGeneration": VisionLM,  # Gemma 3 4B+: SigLIP, the projector, Gemma 3
     "Phi3ForCausalLM": CausalLM,  # Phi-3, Phi-3.5, Phi-4-mini
     "LlavaForConditionalGeneration": VisionLM,  # LLaVA-1.5: CLIP, the MLP projector, Llama
     "MixtralForCausalLM": CausalLM,

@@ -29,12 +29,10 @@ _PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "mod
 
 class VisionLM(CausalLM):
     def __init__(self, config: Any) -> None:
-        spec = describe_vision(config)
-        if spec is None:
-            raise ValueError(f"model type {getattr(config, 'model_type', None)!r} has no "
-                             "image encoder here")
+        # A config without its vision side (one converted from a GGUF file): the text alone.
+        spec = describe_vision(config) if getattr(config, "vision_config", None) else None
         super().__init__(config)
-        self.vision = ImageEncoder(spec, self.hidden_size)
+        self.vision = None if spec is None else ImageEncoder(spec, self.hidden_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_renamed(weights))

@@ -147,8 +147,9 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         raise bad_request(e.message, "thinking") from None
     if body.max_tokens == 0:  # Anthropic's cache warm-up: checked as any request, not run
         return await call.empty(request, len(prompt), bool(body.stream))
-    streams = await open_streams(engine, [await chat_prompt(engine, messages, prompt)], params,
-                                 call.id, 0, deltas_only=bool(body.stream))
+    engine_prompt = await chat_prompt(engine, messages, prompt, text)
+    streams = await open_streams(engine, [engine_prompt], params, call.id, 0,
+                                 deltas_only=bool(body.stream))
     if body.stream:
         return await run_sse(request, streams, call.render, call.on_end, done_marker=False,
                              render_error=_error_event)

@@ -157,9 +157,9 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, call_id: s
     call = _Chat(state, body, call_id, plan, reasoning)
     if lora is not None:  # responses name the adapter
         call.model = lora
-    streams = await open_streams(engine, [await chat_prompt(engine, body.messages, prompt)],
-                                 params, call.id, priority, deltas_only=bool(body.stream),
-                                 lora_name=lora)
+    engine_prompt = await chat_prompt(engine, body.messages, prompt, text)
+    streams = await open_streams(engine, [engine_prompt], params, call.id, priority,
+                                 deltas_only=bool(body.stream), lora_name=lora)
     return call, streams, params
 
 

@@ -110,8 +110,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     call = _Response(state, body, request_id(request, "resp"), plan, reasoning)
     if lora is not None:  # responses name the adapter
         call.model = lora
-    streams = await open_streams(engine, [await chat_prompt(engine, messages, prompt)], params,
-                                 call.id, 0, deltas_only=bool(body.stream), lora_name=lora)
+    engine_prompt = await chat_prompt(engine, messages, prompt, text)
+    streams = await open_streams(engine, [engine_prompt], params, call.id, 0,
+                                 deltas_only=bool(body.stream), lora_name=lora)
     if body.stream:
         return await run_sse(request, streams, call.render, call.on_end, done_marker=False)
     return json_response(call.final((await collect(streams))[0]))

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.executor.models.vision.processor import process_image
@@ -27,6 +28,30 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
+class Gemma3Projector(nn.Module):
+    """Gemma 3's connector: the tower's patches average-pooled to ``tokens_per_image``, an
+    RMS norm scaled by ``1 + w`` (in float32), then a projection to the text's width."""
+
+    def __init__(self, spec: VisionSpec, text_hidden: int) -> None:
+        super().__init__()
+        vh = spec.tower.hidden
+        self.mm_input_projection_weight = nn.Parameter(torch.empty(vh, text_hidden))
+        self.mm_soft_emb_norm = nn.Module()
+        self.mm_soft_emb_norm.weight = nn.Parameter(torch.empty(vh))
+        self.eps = spec.tower.norm_eps
+        self.patches = spec.tower.image_size // spec.tower.patch_size
+        self.kernel = self.patches // int(spec.tokens_per_image**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, _, d = x.shape
+        grid = x.transpose(1, 2).reshape(n, d, self.patches, self.patches)
+        pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
+        h = pooled.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = (h * (1.0 + self.mm_soft_emb_norm.weight.float())).to(x.dtype)
+        return torch.matmul(h, self.mm_input_projection_weight)
+
+
 class ImageEncoder(nn.Module):
     """Pixels -> one embedding per placeholder token. Parameters as the checkpoint names
     them under ``vision_tower.`` and ``multi_modal_projector.``."""
@@ -35,10 +60,13 @@ class ImageEncoder(nn.Module):
         super().__init__()
         self.spec = spec
         self.vision_tower = VisionTower(spec.tower)
-        if spec.connector != "llava_mlp":
+        if spec.connector == "llava_mlp":
+            self.multi_modal_projector: nn.Module = LlavaProjector(
+                spec.tower.hidden, text_hidden, spec.connector_act)
+        elif spec.connector == "gemma3":
+            self.multi_modal_projector = Gemma3Projector(spec, text_hidden)
+        else:
             raise ValueError(f"connector {spec.connector!r} is not supported")
-        self.multi_modal_projector = LlavaProjector(spec.tower.hidden, text_hidden,
-                                                    spec.connector_act)
 
     # -- loading (CausalLM.load_weights hands it the names under ``vision.``) ---------------
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:

@@ -15,6 +15,11 @@ logger = logging.getLogger("asyncengine")
 def setup_vision(model: Any, runner: Any, config: Any, model_dir: str | None) -> None:
     encoder = model.vision
     encoder.spec = with_preprocessor_config(encoder.spec, model_dir)
+    budget = config.scheduler.max_num_batched_tokens
+    if encoder.spec.bidirectional and encoder.spec.tokens_per_image > budget:
+        raise ValueError(f"--max-num-batched-tokens {budget}: {encoder.spec.family}'s "
+                         f"{encoder.spec.tokens_per_image} tokens per image are computed in "
+                         "one step; raise it to at least that")
     runner.encoder_cache = EncoderCache(config.multimodal.mm_encoder_cache)
     spec = encoder.spec
     logger.info("images: %s, %d tokens per image (image token %d), encoder cache %d tokens",

@@ -62,12 +62,23 @@ class ImageProcessing:
 class VisionSpec:
     family: str
     tower: TowerSpec
-    connector: str  # "llava_mlp"
+    connector: str  # "llava_mlp" or "gemma3" (avg-pool, soft-embedding norm, projection)
     connector_act: str
     processing: ImageProcessing
     image_token_id: int  # the placeholder token, repeated once per embedding
     tokens_per_image: int
-    drop_class_token: bool  # LLaVA's "default" feature strategy
+    drop_class_token: bool = False  # LLaVA's "default" feature strategy
+    # The token a prompt (a chat template) holds for one image, and the tokens around the
+    # image's placeholders once expanded (as text: the processor expands the text, then
+    # tokenizes): LLaVA's ``<image>`` becomes the placeholders alone; Gemma 3's
+    # ``<start_of_image>`` becomes ``\n\n<start_of_image>`` + placeholders +
+    # ``<end_of_image>\n\n``. Token ids; None: the image token itself, nothing around.
+    prompt_token_id: int | None = None
+    before: tuple[str | int, ...] = ()
+    after: tuple[str | int, ...] = ()
+    # Each image's placeholders attend to each other both ways (Gemma 3), so a prefill chunk
+    # never ends inside one (``core/multimodal.py``).
+    bidirectional: bool = False
 
 
 def _clip_tower(vc: Any, feature_layer: int) -> TowerSpec:
@@ -105,8 +116,34 @@ def _llava(config: Any) -> VisionSpec:
         drop_class_token=strategy == "default")
 
 
+def _gemma3(config: Any) -> VisionSpec:
+    vc = config.vision_config
+    if getattr(vc, "model_type", "") != "siglip_vision_model":
+        raise ValueError(f"gemma3: vision tower {vc.model_type!r} is not supported (SigLIP)")
+    tower = TowerSpec(hidden=vc.hidden_size, intermediate=vc.intermediate_size,
+                      num_heads=vc.num_attention_heads, num_layers=vc.num_hidden_layers,
+                      image_size=vc.image_size, patch_size=vc.patch_size,
+                      activation=vc.hidden_act, norm_eps=float(vc.layer_norm_eps),
+                      class_token=False, patch_bias=True,
+                      feature_layers=vc.num_hidden_layers, post_norm=True)
+    tokens = int(config.mm_tokens_per_image)
+    side = int(tokens**0.5)
+    if side * side != tokens or (vc.image_size // vc.patch_size) % side:
+        raise ValueError(f"gemma3: mm_tokens_per_image {tokens} does not pool the tower's "
+                         f"{vc.image_size // vc.patch_size}^2 patches evenly")
+    size = vc.image_size
+    return VisionSpec(
+        family="gemma3", tower=tower, connector="gemma3", connector_act="",
+        processing=ImageProcessing(shortest_edge=None, size=(size, size), crop=None,
+                                   resample=2, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)),
+        image_token_id=config.image_token_index, tokens_per_image=tokens,
+        prompt_token_id=config.boi_token_index,
+        before=("\n\n", config.boi_token_index), after=(config.eoi_token_index, "\n\n"),
+        bidirectional=True)
+
+
 #: model_type -> describer
-VISION_FAMILIES: dict[str, Callable[[Any], VisionSpec]] = {"llava": _llava}
+VISION_FAMILIES: dict[str, Callable[[Any], VisionSpec]] = {"llava": _llava, "gemma3": _gemma3}
 
 
 def describe_vision(config: Any) -> VisionSpec | None:
