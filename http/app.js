@@ -363,7 +363,13 @@
     if (conv.system) messages.push({ role: "system", content: conv.system });
     for (const m of conv.messages) {
       if (m.role === "assistant" && !m.content) continue;
-      messages.push({ role: m.role, content: m.content });
+      if (m.images && m.images.length) {  // the images first, as data URLs, then the text
+        const parts = m.images.map((url) => ({ type: "image_url", image_url: { url } }));
+        if (m.content) parts.push({ type: "text", text: m.content });
+        messages.push({ role: m.role, content: parts });
+      } else {
+        messages.push({ role: m.role, content: m.content });
+      }
     }
     const body = { model: $("model").value || state.models[0] || undefined, messages,
                    stream: true, stream_options: { include_usage: true } };
@@ -480,11 +486,16 @@
 
   function send() {
     const text = $("input").value;
-    if (!text.trim() || state.busy) return;
+    const images = state.attached.slice();
+    if ((!text.trim() && !images.length) || state.busy) return;
     const conv = current() || createConversation();
-    if (!conv.messages.length) conv.title = titleOf(text);
-    conv.messages.push({ role: "user", content: text });
+    if (!conv.messages.length) conv.title = titleOf(text) || "Image";
+    const msg = { role: "user", content: text };
+    if (images.length) msg.images = images;
+    conv.messages.push(msg);
     $("input").value = "";
+    state.attached = [];
+    renderAttachments();
     autoGrow();
     renderSidebar();
     generate(conv);
@@ -563,6 +574,16 @@
       fillAssistant(node, msg, streaming);
       if (msg.error) node.append(el("div", "msg-error", msg.error));
     } else {
+      if (msg.images && msg.images.length) {
+        const strip = el("div", "images");
+        for (const url of msg.images) {
+          const img = el("img");
+          img.src = url;
+          img.alt = "attached image";
+          strip.append(img);
+        }
+        node.insertBefore(strip, body);
+      }
       body.textContent = msg.content;
     }
     const meta = el("div", "meta");
@@ -754,6 +775,74 @@
     input.style.height = "auto";
     input.style.height = Math.min(input.scrollHeight, 240) + "px";
   }
+
+  // ---------------------------------------------------------------- images
+
+  // Images to send with the next message, as data URLs: chosen with the button, dropped on
+  // the page or pasted into the message box.
+  state.attached = [];
+
+  function renderAttachments() {
+    const box = $("attachments");
+    box.replaceChildren();
+    state.attached.forEach((url, i) => {
+      const thumb = el("span", "thumb");
+      const img = el("img");
+      img.src = url;
+      img.alt = "image " + (i + 1);
+      const remove = el("button", "remove", "✕");
+      remove.type = "button";
+      remove.setAttribute("aria-label", "Remove image " + (i + 1));
+      remove.addEventListener("click", () => {
+        state.attached.splice(i, 1);
+        renderAttachments();
+      });
+      thumb.append(img, remove);
+      box.append(thumb);
+    });
+    box.hidden = !state.attached.length;
+  }
+
+  function attachFiles(files) {
+    const images = Array.from(files || []).filter((f) => f.type.startsWith("image/"));
+    return Promise.all(images.map((file) => new Promise((resolve) => {
+      const reader = new FileReader();
+      reader.onload = () => resolve(reader.result);
+      reader.onerror = () => resolve(null);
+      reader.readAsDataURL(file);
+    }))).then((urls) => {
+      for (const url of urls) if (url) state.attached.push(url);
+      renderAttachments();
+      return images.length;
+    });
+  }
+
+  $("attach").addEventListener("click", () => $("image-input").click());
+  $("image-input").addEventListener("change", (e) => {
+    attachFiles(e.target.files).then(() => { e.target.value = ""; });
+  });
+  $("input").addEventListener("paste", (e) => {
+    const files = Array.from(e.clipboardData ? e.clipboardData.files : []);
+    if (files.some((f) => f.type.startsWith("image/"))) {
+      e.preventDefault();
+      attachFiles(files);
+    }
+  });
+  const main = document.querySelector("main");
+  main.addEventListener("dragover", (e) => {
+    if (e.dataTransfer && Array.from(e.dataTransfer.types).includes("Files")) {
+      e.preventDefault();
+      main.classList.add("dropping");
+    }
+  });
+  main.addEventListener("dragleave", () => main.classList.remove("dropping"));
+  main.addEventListener("drop", (e) => {
+    main.classList.remove("dropping");
+    if (e.dataTransfer && e.dataTransfer.files.length) {
+      e.preventDefault();
+      attachFiles(e.dataTransfer.files);
+    }
+  });
 
   $("input").addEventListener("input", autoGrow);
   $("input").addEventListener("keydown", (e) => {

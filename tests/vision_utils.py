@@ -56,6 +56,23 @@ def make_tiny_llava(directory: str | os.PathLike[str]) -> str:
     return str(directory)
 
 
+def llava_server(tiny_llava: str) -> Any:
+    """The tiny LLaVA served (shared by the HTTP test files): API key ``KEY``, model name
+    ``llava``, 2 images per prompt at most, a 1 Mpixel limit, file URLs under
+    ``<model dir>/media`` (which holds ``ok.png``)."""
+    from tests.server_utils import KEY, shared_server
+
+    media = Path(tiny_llava) / "media"
+    if not (media / "ok.png").is_file():
+        media.mkdir(exist_ok=True)
+        image(70, 40, seed=5).save(media / "ok.png", format="PNG")
+    return shared_server(tiny_llava, "--num-gpu-blocks-override", "128", "--max-model-len",
+                         "256", "--limit-mm-per-prompt", '{"image": 2}',
+                         "--allowed-local-media-path", str(media),
+                         "--max-image-pixels", "1000000", "--served-model-name", "llava",
+                         api_key=KEY)
+
+
 def llava_processor(tokenizer: Any) -> Any:
     import transformers
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil

@@ -9,11 +9,12 @@ import io
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from tests.server_utils import KEY, shared_server, tiny_server
-from tests.vision_utils import image, llava_reference
+from tests.vision_utils import image, llava_reference, llava_server
 
 QUESTION = "What is shown here?"
 N = 6
@@ -30,19 +31,13 @@ def data_url(img) -> str:
 
 
 @pytest.fixture(scope="module")
-def media_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("media")
-    (d / "ok.png").write_bytes(png_bytes(image(70, 40, seed=5)))
-    return d
+def server(tiny_llava):
+    return llava_server(tiny_llava)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llava, media_dir):
-    return shared_server(tiny_llava, "--num-gpu-blocks-override", "128", "--max-model-len",
-                         "256", "--limit-mm-per-prompt", '{"image": 2}',
-                         "--allowed-local-media-path", str(media_dir),
-                         "--max-image-pixels", "1000000", "--served-model-name", "llava",
-                         api_key=KEY)
+def media_dir(server, tiny_llava):
+    return Path(tiny_llava) / "media"
 
 
 @pytest.fixture(scope="module")

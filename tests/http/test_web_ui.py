@@ -492,3 +492,64 @@ def test_a_router_lists_models_with_their_status_and_loads_one(new_context, tiny
     assert not button.is_visible()
     statuses = {m["id"]: m["status"]["value"] for m in router.get_json("/models")["data"]}
     assert statuses["qwen2"] == "loaded" and statuses["llama"] == "unloaded"
+
+
+def test_images_attach_by_button_drop_and_paste(new_context, tiny_llava, tmp_path):
+    """A vision model's page: an image chosen with the button, one dropped on the page and
+    one pasted into the message box show as thumbnails (one removed again); sent, they go as
+    data-URL image parts before the text, show in the conversation, and the answer streams."""
+    import base64
+    import io
+
+    from tests.vision_utils import image, llava_server
+
+    llava = llava_server(tiny_llava)
+    page = open_page(new_context(origin=llava.base_url), llava)
+    sent = []
+
+    def short(route):
+        body = json.loads(route.request.post_data)
+        sent.append(body)
+        route.continue_(post_data=json.dumps({**body, "max_tokens": 4, "ignore_eos": True}))
+
+    page.route("**/v1/chat/completions", short)
+
+    def png(seed: int) -> bytes:
+        buf = io.BytesIO()
+        image(30 + seed, 20 + seed, seed=seed).save(buf, format="PNG")
+        return buf.getvalue()
+
+    path = tmp_path / "chosen.png"
+    path.write_bytes(png(1))
+    page.set_input_files("#image-input", str(path))
+    wait_js(page, "document.querySelectorAll('#attachments img').length === 1")
+    make_file = ("const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));"
+                 "const dt = new DataTransfer();"
+                 "dt.items.add(new File([bytes], 'x.png', { type: 'image/png' }));")
+    page.evaluate("(b64) => {" + make_file + "document.querySelector('main').dispatchEvent("
+                  "new DragEvent('drop', { dataTransfer: dt, bubbles: true, cancelable: true }));}",
+                  base64.b64encode(png(2)).decode())
+    wait_js(page, "document.querySelectorAll('#attachments img').length === 2")
+    page.evaluate("(b64) => {" + make_file + "document.getElementById('input').dispatchEvent("
+                  "new ClipboardEvent('paste', { clipboardData: dt, bubbles: true, "
+                  "cancelable: true }));}", base64.b64encode(png(3)).decode())
+    wait_js(page, "document.querySelectorAll('#attachments img').length === 3")
+    page.click("#attachments .thumb:nth-child(3) button")  # the pasted one, removed
+    wait_js(page, "document.querySelectorAll('#attachments img').length === 2")
+
+    box = page.locator("#input")
+    box.click()
+    box.type("What are these?")
+    box.press("Enter")
+    wait_js(page, "document.querySelector('#attachments').hidden")
+    assert page.locator(".msg.user .images img").count() == 2
+    wait_js(page, "document.querySelector('.msg.assistant .stats')?.textContent.length > 0",
+            timeout=30)
+    assert answer_text(page)
+    parts = sent[0]["messages"][0]["content"]
+    assert [p["type"] for p in parts] == ["image_url", "image_url", "text"]
+    urls = [p["image_url"]["url"] for p in parts[:2]]
+    assert all(u.startswith("data:image/png;base64,") for u in urls)
+    assert base64.b64decode(urls[0].split(",", 1)[1]) == png(1)
+    assert base64.b64decode(urls[1].split(",", 1)[1]) == png(2)
+    assert parts[2] == {"type": "text", "text": "What are these?"}
