@@ -31,6 +31,7 @@ from __future__ import annotations
 from asyncengine.config import EngineConfig, kv_connector_extra_config
 from asyncengine.core.kv.hashing import ROOT_HASH, hash_block_tokens, update_block_hashes
 from asyncengine.core.kv.manager import KVCacheManager
+from asyncengine.core.multimodal import MMInput, chunk_without_split
 from asyncengine.core.request import Logprob, PositionLogprobs, Request, RequestStatus
 from asyncengine.core.sampling_params import SamplingParams, StructuredOutputsParams
 from asyncengine.core.sched.fcfs import FCFSScheduler
@@ -79,6 +80,7 @@ __all__ = [
     "KVConnectorLookup",
     "KVLoad",
     "Logprob",
+    "MMInput",
     "ModelRunnerOutput",
     "PositionLogprobs",
     "PriorityQueue",
@@ -91,6 +93,7 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
     "StructuredOutputsParams",
+    "chunk_without_split",
     # structured-output backend
     "Grammar",
     "STRUCTURED_OUTPUT_KINDS",

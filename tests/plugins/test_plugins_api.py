@@ -78,6 +78,10 @@ SNAPSHOT: dict[tuple[str, int], dict[str, tuple[str, ...] | None]] = {
         "Logprob": ("logprob", "rank"),
         "PositionLogprobs": None,
         "EngineConfig": ("from_dict", "replace"),
+        # images (added, optional): a request's placeholders, and the cut that keeps a
+        # bidirectionally attended image in one chunk
+        "MMInput": ("hash", "offset", "length", "whole", "end"),
+        "chunk_without_split": None,
     },
     ("structured_output", 2): {
         "StructuredOutputBackend": ("__init__", "compile_grammar", "allocate_bitmask",

@@ -44,6 +44,11 @@ Invariants every scheduler keeps:
   drafts (schedules one token) stays correct; it only forgoes the speed-up.
 * Faults are per request: an exception from a request's grammar, or a sampled id of -1 (no
   valid token), ends that request with ``FINISHED_ERROR`` and ``request.error`` set.
+* Images (optional). ``request.mm_inputs`` (None for text) lists the prompt's images
+  (``MMInput``: their placeholder positions). A scheduler may ignore it, except that it
+  should not end a prefill chunk inside an image with ``whole`` set (Gemma 3's, attended
+  both ways): where it cuts a prompt to its budget it calls
+  ``chunk_without_split(request.mm_inputs, start, num_new)`` (0: not this step).
 """
 
 from __future__ import annotations
