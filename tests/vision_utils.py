@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +62,8 @@ def make_tiny_llava(directory: str | os.PathLike[str]) -> str:
 def llava_server(tiny_llava: str) -> Any:
     """The tiny LLaVA served (shared by the HTTP test files): API key ``KEY``, model name
     ``llava``, 2 images per prompt at most, a 1 Mpixel limit, file URLs under
-    ``<model dir>/media`` (which holds ``ok.png``)."""
+    ``<model dir>/media`` (which holds ``ok.png``), http(s) from 127.0.0.1 only, fetches of
+    1 s at most."""
     from tests.server_utils import KEY, shared_server
 
     media = Path(tiny_llava) / "media"
@@ -70,6 +74,7 @@ def llava_server(tiny_llava: str) -> Any:
                          "256", "--limit-mm-per-prompt", '{"image": 2}',
                          "--allowed-local-media-path", str(media),
                          "--max-image-pixels", "1000000", "--served-model-name", "llava",
+                         "--allowed-media-domains", "127.0.0.1", "--media-fetch-timeout", "1",
                          api_key=KEY)
 
 
@@ -186,3 +191,62 @@ def gemma3_reference(directory: str, prompt: str, images: list[Any], max_new_tok
     logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
                 for step, t in zip(out.logits, new, strict=True)]
     return ids[0].tolist(), new, logprobs  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def serve_media(body: bytes) -> Iterator[tuple[str, str]]:
+    """A local aiohttp server on its own thread: ``/img`` answers ``body`` (a PNG),
+    ``/slow`` after 1.5 s, ``/delayed`` after 0.4 s, ``/big`` streams 4 MiB of zeros,
+    ``/redirect?to=URL`` redirects. Yields its base URL by address and by name."""
+    import asyncio
+
+    import anyio
+    from aiohttp import web
+
+    async def img(request):
+        return web.Response(body=body, content_type="image/png")
+
+    async def slow(request):
+        await anyio.sleep(1.5)
+        return await img(request)
+
+    async def delayed(request):
+        await anyio.sleep(0.4)
+        return await img(request)
+
+    async def big(request):
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for _ in range(64):
+            await resp.write(b"\0" * 65536)
+        return resp
+
+    async def redirect(request):
+        raise web.HTTPFound(request.query["to"])
+
+    app = web.Application()
+    app.add_routes([web.get("/img", img), web.get("/slow", slow), web.get("/big", big),
+                    web.get("/delayed", delayed), web.get("/redirect", redirect)])
+    started = threading.Event()
+    box: dict[str, Any] = {}
+
+    def serve() -> None:
+        loop = asyncio.new_event_loop()
+        runner = web.AppRunner(app)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        box["port"] = site._server.sockets[0].getsockname()[1]
+        box["loop"] = loop
+        started.set()
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    started.wait(10)
+    try:
+        yield f"http://127.0.0.1:{box['port']}", f"http://localhost:{box['port']}"
+    finally:
+        box["loop"].call_soon_threadsafe(box["loop"].stop)
+        thread.join(10)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import anyio
 import pytest
-from aiohttp import web
 
 from asyncengine.config import EngineConfig
 from asyncengine.entrypoints.http.media import MediaError, MediaPolicy, load_images, read_url
@@ -107,54 +106,12 @@ def test_file_urls_only_under_the_allowed_path(tmp_path: Path):
 
 @pytest.fixture(scope="module")
 def media_server():
-    """A local server: /img, /slow (sleeps), /big (streams past the limit), redirects."""
-    import threading
+    """A local server: /img, /slow (sleeps), /big (streams past the limit), /delayed,
+    /redirect?to=URL (``tests/vision_utils.serve_media``)."""
+    from tests.vision_utils import serve_media
 
-    import aiohttp.web
-
-    async def img(request):
-        return web.Response(body=png(), content_type="image/png")
-
-    async def slow(request):
-        await anyio.sleep(1.5)
-        return web.Response(body=png(), content_type="image/png")
-
-    async def big(request):
-        resp = web.StreamResponse()
-        await resp.prepare(request)
-        for _ in range(64):
-            await resp.write(b"\0" * 65536)
-        return resp
-
-    async def redirect(request):
-        raise web.HTTPFound(request.query["to"])
-
-    app = web.Application()
-    app.add_routes([web.get("/img", img), web.get("/slow", slow), web.get("/big", big),
-                    web.get("/redirect", redirect)])
-    started = threading.Event()
-    box: dict = {}
-
-    def serve():
-        import asyncio
-
-        loop = asyncio.new_event_loop()
-        runner = aiohttp.web.AppRunner(app)
-        loop.run_until_complete(runner.setup())
-        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-        loop.run_until_complete(site.start())
-        box["port"] = site._server.sockets[0].getsockname()[1]
-        box["loop"] = loop
-        started.set()
-        loop.run_forever()
-        loop.run_until_complete(runner.cleanup())
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    started.wait(10)
-    yield f"http://127.0.0.1:{box['port']}", f"http://localhost:{box['port']}"
-    box["loop"].call_soon_threadsafe(box["loop"].stop)
-    t.join(10)
+    with serve_media(png()) as urls:
+        yield urls
 
 
 def test_fetch_from_an_allowed_domain(media_server):
@@ -192,6 +149,18 @@ def test_slow_and_big_fetches_end(media_server):
     p = policy(allowed_media_domains=["127.0.0.1"], max_media_bytes="1MiB")
     with pytest.raises(MediaError, match="max-media-bytes"):
         run(read_url, f"{base}/big", p)
+
+
+def test_several_images_are_fetched_at_once(media_server):
+    import time
+
+    base, _ = media_server
+    p = policy(allowed_media_domains=["127.0.0.1"])
+    t0 = time.monotonic()
+    got = run(load_images, [f"{base}/delayed?i={i}" for i in range(4)], p)
+    assert len(got) == 4 and time.monotonic() - t0 < 1.2  # not 4 x 0.4 s
+    with pytest.raises(MediaError, match="HTTP 404"):  # one refused: the call is
+        run(load_images, [f"{base}/delayed", f"{base}/missing"], p)
 
 
 def test_bad_flags():

@@ -152,8 +152,9 @@ def bad_cases(media_dir) -> list[tuple[str, list[dict], str]]:
         return {"type": "image_url", "image_url": {"url": url}}
 
     return [
-        ("outside domains", [img("http://127.0.0.1:9/a.png")], "public"),
-        ("link-local", [img("http://169.254.169.254/latest/meta-data")], "public"),
+        ("outside domains", [img("http://localhost:9/a.png")], "allowed-media-domains"),
+        ("link-local", [img("http://169.254.169.254/latest/meta-data")],
+         "allowed-media-domains"),
         ("file outside", [img((media_dir.parent / "x.png").as_uri())], "allowed-local"),
         ("pixels", [img(big)], "max-image-pixels"),
         ("corrupt", [img(corrupt)], "corrupt|decoded"),
@@ -180,6 +181,25 @@ def test_bad_images_are_400s_and_change_nothing(server, media_dir, expected):
     test_openai_client_data_url(server, expected)
     metrics = server.metrics()
     assert "asyncengine" in metrics or "vllm" in metrics
+
+
+def test_fetched_urls_redirects_and_timeouts(server, expected):
+    """http(s) URLs from a local server: fetched by the server; a redirect to a host not in
+    --allowed-media-domains and a fetch past --media-fetch-timeout are 400s."""
+    from tests.vision_utils import serve_media
+
+    img, _, answer = expected
+    with serve_media(png_bytes(img)) as (base, by_name):
+        status, body = post(server, "/v1/chat/completions", chat_body([
+            {"type": "image_url", "image_url": {"url": f"{base}/redirect?to=/img"}},
+            {"type": "text", "text": QUESTION}]))
+        assert status == 200, body
+        assert body["choices"][0]["message"]["content"] == answer
+        for url, why in ((f"{base}/redirect?to={by_name}/img", "allowed-media-domains"),
+                         (f"{base}/slow", "media-fetch-timeout")):
+            status, body = post(server, "/v1/chat/completions", chat_body(
+                [{"type": "image_url", "image_url": {"url": url}}]))
+            assert status == 400 and why in body["error"]["message"], body
 
 
 def test_an_image_to_a_text_only_model_is_a_400(tiny_llama):

@@ -80,13 +80,27 @@ def check_count(n: int, policy: MediaPolicy) -> None:
 
 
 async def load_images(urls: list[str], policy: MediaPolicy) -> list[ImageItem]:
-    """Fetch (or read) and decode the images, in order; MediaError on the first refused."""
+    """Fetch (or read) and decode the images, all at once; MediaError if any is refused
+    (the first refusal in order; the others are cancelled)."""
     check_count(len(urls), policy)
-    out = []
-    for url in urls:
-        data = await read_url(url, policy)
-        out.append(await anyio.to_thread.run_sync(decode_image, data, policy))
-    return out
+    out: list[ImageItem | None] = [None] * len(urls)
+    errors: list[MediaError | None] = [None] * len(urls)
+
+    async def one(i: int, url: str) -> None:
+        try:
+            data = await read_url(url, policy)
+            out[i] = await anyio.to_thread.run_sync(decode_image, data, policy)
+        except MediaError as e:
+            errors[i] = e
+            tg.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        for i, url in enumerate(urls):
+            tg.start_soon(one, i, url)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return out  # type: ignore[return-value]
 
 
 async def read_url(url: str, policy: MediaPolicy) -> bytes:
