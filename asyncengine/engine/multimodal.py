@@ -66,11 +66,10 @@ async def prompt_inputs(engine: Any, prompt: Any
     spec = encoder.spec
     tokenizer = engine.tokenizer
     if isinstance(prompt.prompt, str):  # expanded as text, then tokenized (as processors do)
-        text: str | None = expand_text(prompt.prompt, len(images), spec, tokenizer,
-                                       image_placeholder(engine) or "")
-        if not text.strip():
-            raise ValueError("the prompt is empty")
-        tokenize = (tokenizer.encode, text, prompt.add_special_tokens)
+        text: str | None = prompt.prompt  # (outputs echo it as sent, one placeholder each)
+        expanded = expand_text(prompt.prompt, len(images), spec, tokenizer,
+                               image_placeholder(engine) or "")
+        tokenize = (tokenizer.encode, expanded, prompt.add_special_tokens)
     else:
         text, ids = await tokenize_prompt(tokenizer, prompt.prompt, engine.vocab_size)
         tokenize = (expand_ids, ids, spec, tokenizer)
