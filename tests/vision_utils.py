@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import threading
@@ -92,6 +93,16 @@ def llava_processor(tokenizer: Any) -> Any:
                                        chat_template=tokenizer.chat_template)
 
 
+@functools.lru_cache(maxsize=4)
+def _reference_model(directory: str, cls_name: str) -> Any:
+    """transformers' model of ``directory``, float32, loaded once per test session."""
+    import torch
+    import transformers
+
+    model = getattr(transformers, cls_name).from_pretrained(directory, dtype=torch.float32)
+    return model.eval()
+
+
 def llava_reference(directory: str, prompt: str, images: list[Any], max_new_tokens: int
                     ) -> tuple[list[int], list[int]]:
     """(transformers' expanded prompt ids, its greedy new tokens)."""
@@ -101,9 +112,7 @@ def llava_reference(directory: str, prompt: str, images: list[Any], max_new_toke
     tok = transformers.AutoTokenizer.from_pretrained(directory)
     processor = llava_processor(tok)
     inputs = processor(text=prompt, images=images or None, return_tensors="pt")
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(
-        directory, dtype=torch.float32)
-    model.eval()
+    model = _reference_model(directory, "LlavaForConditionalGeneration")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                              min_new_tokens=max_new_tokens)
@@ -177,9 +186,7 @@ def gemma3_reference(directory: str, prompt: str, images: list[Any], max_new_tok
     if images:
         px = gemma3_image_processor()(images=images, return_tensors="pt")["pixel_values"]
         kwargs = {"pixel_values": px, "token_type_ids": (ids == soft_id).long()}
-    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(
-        directory, dtype=torch.float32)
-    model.eval()
+    model = _reference_model(directory, "Gemma3ForConditionalGeneration")
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,

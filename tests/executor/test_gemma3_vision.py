@@ -109,7 +109,7 @@ def test_chunks_prefix_hits_and_preemption(tiny_gemma3):
     _, want, want_lp = gemma3_reference(tiny_gemma3, PROMPT, [a], N, True)
     _, want_follow, follow_lp = gemma3_reference(tiny_gemma3, follow, [a], N, True)
     imgs = [image(40 + 9 * i, 30 + 5 * i, seed=20 + i) for i in range(4)]
-    wants = [gemma3_reference(tiny_gemma3, PROMPT, [im], 24)[1] for im in imgs]
+    wants = [gemma3_reference(tiny_gemma3, PROMPT, [im], 16)[1] for im in imgs]
     engine = make_engine(tiny_gemma3, max_num_batched_tokens=9, max_num_seqs=4,
                          num_gpu_blocks_override=14)
 
@@ -123,7 +123,7 @@ def test_chunks_prefix_hits_and_preemption(tiny_gemma3):
 
             async def one(i):
                 results[i] = (await greedy(engine, ImagePrompt(
-                    PROMPT, [item(imgs[i], bytes([i]))], add_special_tokens=False), 24))[1]
+                    PROMPT, [item(imgs[i], bytes([i]))], add_special_tokens=False), 16))[1]
 
             async with anyio.create_task_group() as tg:
                 for i in range(4):
