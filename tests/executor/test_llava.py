@@ -89,6 +89,15 @@ def test_chunked_prefill_and_prefix_hits(tiny_llava):
     _, want_follow = llava_reference(tiny_llava, follow, [a], N)
     _, want_b = llava_reference(tiny_llava, PROMPT, [b], N)
     engine = make_engine(tiny_llava, max_num_batched_tokens=8)
+    steps = []  # (the step's phase, whether it carries image slices)
+    prepare = engine.runner.prepare
+
+    def spy(out, **kw):
+        inputs = prepare(out, **kw)
+        steps.append((inputs.phase, inputs.mm is not None))
+        return inputs
+
+    engine.runner.prepare = spy
 
     async def main():
         async with engine:
@@ -106,6 +115,10 @@ def test_chunked_prefill_and_prefix_hits(tiny_llava):
     assert other[2] < image_end  # another image at the same place is not a hit
     cache = engine.runner.encoder_cache
     assert len(cache) == 2 and cache.misses == 2  # each image encoded once
+    # the first prompt's 16 placeholders took 2 or 3 chunks of 8; decode steps carry nothing
+    assert sum(mm for _, mm in steps) >= 3 + 1
+    assert not any(mm for phase, mm in steps if phase == "decode")
+    assert not engine.runner._mm_pending
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
