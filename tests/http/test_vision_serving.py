@@ -235,3 +235,12 @@ def test_gemma3_through_the_openai_client(tiny_gemma3):
             {"type": "image_url", "image_url": {"url": data_url(b)}},
             {"type": "text", "text": QUESTION}]}])
     assert out.choices[0].message.content == tok.decode(new, skip_special_tokens=True)
+
+
+def test_the_openapi_document_has_image_parts_only_for_a_vision_model(server, tiny_llama):
+    def refs(doc) -> set[str]:
+        text = json.dumps(doc["components"]["schemas"]["ChatMessage"])
+        return {name for name in ("TextPart", "ImageURLPart") if f"/{name}\"" in text}
+
+    assert refs(server.get_json("/openapi.json")) == {"TextPart", "ImageURLPart"}
+    assert refs(tiny_server(tiny_llama).get_json("/openapi.json")) == {"TextPart"}

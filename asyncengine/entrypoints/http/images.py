@@ -59,3 +59,27 @@ async def chat_prompt(engine: Any, messages: list[ChatMessage], prompt: list[int
     if not urls:
         return prompt
     return await with_images(engine, urls, text, add_special_tokens=False)  # type: ignore
+
+
+#: The components of /openapi.json that carry an image (dropped for a text-only model).
+IMAGE_COMPONENTS = frozenset({"ImageURLPart", "InputImage", "ImageBlockIn", "MultimodalPrompt"})
+
+
+def drop_image_parts(node: Any) -> None:
+    """/openapi.json for a model that takes no images: every union loses its image options
+    (the document says what this server accepts)."""
+    if isinstance(node, list):
+        for item in node:
+            drop_image_parts(item)
+        return
+    if not isinstance(node, dict):
+        return
+    options = node.get("anyOf")
+    if isinstance(options, list):
+        node["anyOf"] = [o for o in options if not (
+            isinstance(o, dict) and o.get("$ref", "").rsplit("/", 1)[-1] in IMAGE_COMPONENTS)]
+        mapping = node.get("discriminator", {}).get("mapping", {})
+        for tag in [t for t, r in mapping.items() if r.rsplit("/", 1)[-1] in IMAGE_COMPONENTS]:
+            del mapping[tag]
+    for value in node.values():
+        drop_image_parts(value)

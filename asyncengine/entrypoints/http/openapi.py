@@ -18,7 +18,9 @@ import msgspec
 from aiohttp import web
 
 from asyncengine.core.limits import SamplingLimits
+from asyncengine.engine.multimodal import image_encoder
 from asyncengine.entrypoints.http.auth import PUBLIC_PATHS
+from asyncengine.entrypoints.http.images import drop_image_parts
 from asyncengine.entrypoints.http.openapi_ranges import Served, publish_bounds, publish_served
 from asyncengine.entrypoints.http.responses import ErrorResponse
 from asyncengine.entrypoints.http.routes import package_version
@@ -91,6 +93,8 @@ def build_openapi(routes: list[Route], app: web.Application, *, version: str,
         schema = components[ref[body]["$ref"].rsplit("/", 1)[1]]
         publish_bounds(schema, limits)
         publish_served(body, schema, limits, served or Served(), components)
+    if image_encoder(engine) is None:  # a text-only model: no image parts
+        drop_image_parts(components)
     error = {"description": "An error in OpenAI's shape",
              "content": {"application/json": {"schema": ref[ErrorResponse]}}}
     unavailable = {"description": "Overloaded (--max-queued-requests) or shutting down: retry "
