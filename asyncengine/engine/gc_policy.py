@@ -15,7 +15,8 @@ So once the process is ready to serve:
   generations' collections come 30 times less often. Objects made later are collected as
   usual, and cyclic garbage still goes: a few MB later than with the default.
 
-``asyncengine serve`` and ``bench host`` call :func:`tune_for_serving` once; an application
+``asyncengine serve`` (once it serves; a router before its first load, since a frozen engine
+would never be freed) and ``bench host`` call :func:`tune_for_serving` once; an application
 that runs ``AsyncEngine`` in its own process may call it after building the engine.
 """
 

@@ -21,6 +21,7 @@ from aiohttp import web
 from asyncengine.config import EngineConfig
 from asyncengine.config.models_preset import load_presets
 from asyncengine.engine.catalog import ModelSource, build_catalog, engine_config
+from asyncengine.engine.gc_policy import tune_for_serving
 from asyncengine.entrypoints.flags.router import RouterSettings
 from asyncengine.entrypoints.http.state import STATE, ServerSettings
 
@@ -101,10 +102,10 @@ async def serve_router(config: EngineConfig, settings: ServerSettings, rs: Route
                                 address[0], address[1], settings.root_path)
                 # What start-up made (modules, the app) is never garbage: frozen, a full
                 # collection (each unload runs one, to free the engine's cycles at once)
-                # walks only what came later. Never after a load: a frozen engine would
-                # never be freed.
-                gc.collect()
-                gc.freeze()
+                # walks only what came later, and collections come less often, as a
+                # single-model server has them (engine/gc_policy.py). Never after a load: a
+                # frozen engine would never be freed.
+                tune_for_serving()
                 for source in sources:
                     if source.load_on_startup and rs.autoload:
                         try:
