@@ -25,6 +25,23 @@ def image(width: int, height: int, seed: int) -> Any:
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), "RGB")
 
 
+
+def image_item(img: Any, key: bytes) -> Any:
+    """An engine-side image: ``img`` with a 32-byte content key made of ``key``."""
+    from asyncengine.core.multimodal import ImageItem
+
+    return ImageItem(img, key.ljust(32, b"\0"))
+
+
+def vision_engine(model: str, **kw: Any) -> Any:
+    """A small float32 engine for the vision tests (8 sequences, 64 blocks of 8 tokens)."""
+    from asyncengine.config import EngineConfig
+    from asyncengine.engine.engine import AsyncEngine
+
+    return AsyncEngine(EngineConfig.from_dict({
+        "model": model, "dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 256,
+        "block_size": 8, "num_gpu_blocks_override": 64, "max_model_len": 256, **kw}))
+
 def make_tiny_llava(directory: str | os.PathLike[str]) -> str:
     """Save a tiny random ``LlavaForConditionalGeneration`` (float32, seed 0) with the
     embedded tokenizer plus an ``<image>`` token, and its processor. Returns the directory."""

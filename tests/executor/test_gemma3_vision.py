@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncengine.config import EngineConfig
-from asyncengine.core.multimodal import ImageItem, ImagePrompt
+from asyncengine.core.multimodal import ImagePrompt
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.engine.engine import AsyncEngine
 from tests.vision_utils import (
@@ -19,6 +18,8 @@ from tests.vision_utils import (
     gemma3_image_processor,
     gemma3_reference,
     image,
+    image_item,
+    vision_engine,
 )
 
 PROMPT = "<bos>User: <start_of_image>What is shown here? Model:"
@@ -26,14 +27,8 @@ TWO = "<bos>User: <start_of_image> and <start_of_image>Compare them. Model:"
 N = 8
 
 
-def item(img, key: bytes) -> ImageItem:
-    return ImageItem(img, key.ljust(32, b"\0"))
-
-
-def make_engine(model: str, **kw) -> AsyncEngine:
-    return AsyncEngine(EngineConfig.from_dict({
-        "model": model, "dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 256,
-        "block_size": 8, "num_gpu_blocks_override": 64, "max_model_len": 256, **kw}))
+item = image_item
+make_engine = vision_engine
 
 
 async def greedy(engine: AsyncEngine, prompt, n: int = N) -> tuple[list[int], list[int], int]:

@@ -8,25 +8,25 @@ import anyio
 import numpy as np
 import pytest
 
-from asyncengine.config import EngineConfig
-from asyncengine.core.multimodal import ImageItem, ImagePrompt
+from asyncengine.core.multimodal import ImagePrompt
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.engine.engine import AsyncEngine
-from tests.vision_utils import LLAVA_IMAGE_TOKENS, image, llava_processor, llava_reference
+from tests.vision_utils import (
+    LLAVA_IMAGE_TOKENS,
+    image,
+    image_item,
+    llava_processor,
+    llava_reference,
+    vision_engine,
+)
 
 PROMPT = "USER: <image>\nWhat is shown here? ASSISTANT:"
 TWO = "USER: <image>\nand <image>\nCompare them. ASSISTANT:"
 N = 8
 
 
-def item(img, key: bytes) -> ImageItem:
-    return ImageItem(img, key.ljust(32, b"\0"))
-
-
-def make_engine(model: str, **kw) -> AsyncEngine:
-    return AsyncEngine(EngineConfig.from_dict({
-        "model": model, "dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 256,
-        "block_size": 8, "num_gpu_blocks_override": 64, "max_model_len": 256, **kw}))
+item = image_item
+make_engine = vision_engine
 
 
 async def greedy(engine: AsyncEngine, prompt, n: int = N) -> tuple[list[int], list[int], int]:

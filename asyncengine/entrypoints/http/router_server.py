@@ -16,18 +16,17 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-from aiohttp import web
 
 from asyncengine.config import EngineConfig
 from asyncengine.config.models_preset import load_presets
 from asyncengine.engine.catalog import ModelSource, build_catalog, engine_config
 from asyncengine.engine.gc_policy import tune_for_serving
 from asyncengine.entrypoints.flags.router import RouterSettings
+from asyncengine.entrypoints.http.listen import listening
 from asyncengine.entrypoints.http.state import STATE, ServerSettings
 
 logger = logging.getLogger("asyncengine.entrypoints.http")
 
-_HANDLER_GRACE_S = 5.0
 
 
 def catalog(config: EngineConfig, rs: RouterSettings) -> list[ModelSource]:
@@ -85,52 +84,44 @@ async def serve_router(config: EngineConfig, settings: ServerSettings, rs: Route
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with registry:
             app = build_app(None, None, settings, registry=registry)
-            runner = web.AppRunner(
-                app, handler_cancellation=True, shutdown_timeout=_HANDLER_GRACE_S,
-                access_log=logging.getLogger("aiohttp.access") if settings.access_log else None)
-            await runner.setup()
-            try:
-                site = web.TCPSite(runner, settings.host, settings.port, ssl_context=tls)
-                try:
-                    await site.start()
-                except OSError as e:
-                    logger.error("cannot listen on %s:%s: %s", settings.host, settings.port, e)
+            async with listening(app, settings, tls) as runner:
+                if runner is None:
                     return 1
-                for address in runner.addresses:
-                    logger.info("serving %d model(s) (%s) on %s://%s:%s%s", len(sources),
-                                ", ".join(s.name for s in sources), "https" if tls else "http",
-                                address[0], address[1], settings.root_path)
-                # What start-up made (modules, the app) is never garbage: frozen, a full
-                # collection (each unload runs one, to free the engine's cycles at once)
-                # walks only what came later, and collections come less often, as a
-                # single-model server has them (engine/gc_policy.py). Never after a load: a
-                # frozen engine would never be freed.
-                tune_for_serving()
-                for source in sources:
-                    if source.load_on_startup and rs.autoload:
-                        try:
-                            await registry.load(source.name)
-                        except Exception as e:  # it shows failed; the others serve
-                            logger.error("load-on-startup: %s", e)
-                async for signum in signals:
-                    logger.info("%s received", signal.Signals(signum).name)
-                    break
-                app[STATE].draining = True
-                logger.info("draining (up to %ss)", settings.shutdown_timeout)
-                with anyio.move_on_after(settings.shutdown_timeout + 1):
-                    async with anyio.create_task_group() as tg:
+                try:
+                    for address in runner.addresses:
+                        logger.info("serving %d model(s) (%s) on %s://%s:%s%s", len(sources),
+                                    ", ".join(s.name for s in sources), "https" if tls else "http",
+                                    address[0], address[1], settings.root_path)
+                    # What start-up made (modules, the app) is never garbage: frozen, a full
+                    # collection (each unload runs one, to free the engine's cycles at once)
+                    # walks only what came later, and collections come less often, as a
+                    # single-model server has them (engine/gc_policy.py). Never after a load: a
+                    # frozen engine would never be freed.
+                    tune_for_serving()
+                    for source in sources:
+                        if source.load_on_startup and rs.autoload:
+                            try:
+                                await registry.load(source.name)
+                            except Exception as e:  # it shows failed; the others serve
+                                logger.error("load-on-startup: %s", e)
+                    async for signum in signals:
+                        logger.info("%s received", signal.Signals(signum).name)
+                        break
+                    app[STATE].draining = True
+                    logger.info("draining (up to %ss)", settings.shutdown_timeout)
+                    with anyio.move_on_after(settings.shutdown_timeout + 1):
+                        async with anyio.create_task_group() as tg:
 
-                        async def second_signal() -> None:
-                            async for _ in signals:
-                                tg.cancel_scope.cancel()
-                                return
+                            async def second_signal() -> None:
+                                async for _ in signals:
+                                    tg.cancel_scope.cancel()
+                                    return
 
-                        tg.start_soon(second_signal)
-                        await registry.drain(settings.shutdown_timeout)
-                        tg.cancel_scope.cancel()
-                await registry.drain(0)
-            finally:
-                await runner.cleanup()
-                gc.unfreeze()
+                            tg.start_soon(second_signal)
+                            await registry.drain(settings.shutdown_timeout)
+                            tg.cancel_scope.cancel()
+                    await registry.drain(0)
+                finally:
+                    gc.unfreeze()
     logger.info("stopped")
     return 0

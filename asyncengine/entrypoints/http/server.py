@@ -21,7 +21,6 @@ import ssl
 from typing import TYPE_CHECKING
 
 import anyio
-from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from asyncengine.config import EngineConfig
@@ -31,6 +30,7 @@ from asyncengine.entrypoints.flags.server import (  # noqa: F401 (the CLI import
     add_serve_arguments,
     settings_from_args,
 )
+from asyncengine.entrypoints.http.listen import listening
 from asyncengine.entrypoints.http.state import STATE, ServerSettings
 
 if TYPE_CHECKING:
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("asyncengine.entrypoints.http")
 
 # After the drain, how long aiohttp waits for handlers to write their last bytes.
-_HANDLER_GRACE_S = 5.0
 _HTTP_LOGGERS = ("aiohttp.access", "aiohttp.server", "aiohttp.web", "aiohttp.internal")
 #: The exit status of ``serve`` after an engine failure.
 ENGINE_FAILED_EXIT = 1
@@ -135,16 +134,8 @@ async def serve(config: EngineConfig, settings: ServerSettings) -> int:
             # Batch jobs: tasks of this graph, unfinished ones resumed; cancelled after the
             # drain and the HTTP cleanup below.
             await jobs.enter_async_context(batch_jobs(app))
-            runner = web.AppRunner(
-                app, handler_cancellation=True, shutdown_timeout=_HANDLER_GRACE_S,
-                access_log=logging.getLogger("aiohttp.access") if settings.access_log else None)
-            await runner.setup()
-            try:
-                site = web.TCPSite(runner, settings.host, settings.port, ssl_context=tls)
-                try:
-                    await site.start()
-                except OSError as e:  # e.g. the port is taken
-                    logger.error("cannot listen on %s:%s: %s", settings.host, settings.port, e)
+            async with listening(app, settings, tls) as runner:  # handlers: HANDLER_GRACE_S
+                if runner is None:
                     return 1
                 tune_for_serving()  # engine/gc_policy.py
                 for address in runner.addresses:
@@ -157,8 +148,6 @@ async def serve(config: EngineConfig, settings: ServerSettings) -> int:
                 if failure is None:
                     logger.info("draining (up to %ss)", settings.shutdown_timeout)
                     await _drain(engine, settings.shutdown_timeout, signals)
-            finally:
-                await runner.cleanup()  # waits up to _HANDLER_GRACE_S for the handlers
     if engine.error is not None:  # also when it failed during a drain
         logger.error("stopped after an engine failure (%s); exiting with status %d so that a "
                      "supervisor restarts the server", engine.error, ENGINE_FAILED_EXIT)
