@@ -76,10 +76,26 @@ class OutputProcessor:
         self._same_itl = 0
         stream_of, emit_one = self._stream_of, self._emit_one
         touched: dict[str, RequestStream] = {}  # streams of several samples, woken once
+        running, last_now = RequestStatus.RUNNING, self._last_now
+        timed = self.metrics is not None
         for req in requests:
             stream = stream_of.get(req.request_id)
             if stream is None:
                 continue
+            if req.status is running and stream.single:
+                # The usual step, without _emit_one's general case: one sample still running,
+                # one new token whose text is plain (Detokenizer.push_plain), and (metrics)
+                # one inter-token interval since the last emission.
+                sample = stream.samples[0]
+                tokens, emitted = req.output_token_ids, sample.num_emitted
+                if len(tokens) == emitted + 1 and (not timed or (
+                        last_now is not None and sample.last_emit is last_now)) and \
+                        sample.detokenizer.push_plain(tokens[emitted]):
+                    self._same_itl += 1
+                    sample.num_emitted = emitted + 1
+                    sample.last_emit = now
+                    stream.notify()
+                    continue
             try:
                 emit_one(stream, req, now, result)
             except RequestFailed as e:
@@ -100,7 +116,7 @@ class OutputProcessor:
             if stream.finished:
                 self._close(stream, now)
             stream.notify()
-        if self._same_itl:  # one token each since the previous emission: one observation
+        if self._same_itl and timed:  # one token each since the previous emission: one observation
             self.metrics.on_token(now - self._last_now, self._same_itl)
         self._last_now = now
         return result

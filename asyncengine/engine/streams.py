@@ -83,6 +83,7 @@ class RequestStream:
         self._first = samples[0].request
         # Whether take_text() may stand in for take() (see there).
         self._plain = deltas_only and len(samples) == 1 and not samples[0].want_logprobs
+        self.single = len(samples) == 1
         self.finished_time: float | None = None
         # A StreamGroup's member (stream_group.py): emission queues the stream on the group
         # (once until the group takes it: ``queued``) instead of waking a consumer of its own.
@@ -123,6 +124,13 @@ class RequestStream:
         """What ``__anext__`` would return now, or None if there is nothing new."""
         if self._delivered_final:
             return None
+        if self._plain:  # (as _take's own fast path)
+            s = self.samples[0]
+            if s.finish_reason is None:
+                if s.sent_tokens == s.num_emitted and \
+                        s.sent_chunks == len(s.detokenizer.chunks):
+                    return None
+                return self._take_plain(s)
         for s in self.samples:
             if s.finish_reason is not None or s.has_news:
                 break

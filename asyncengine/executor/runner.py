@@ -49,7 +49,6 @@ from asyncengine.executor.sampler.greedy_head import MIN_ROWS as GREEDY_HEAD_MIN
 from asyncengine.executor.sampler.greedy_head import greedy_from_hidden
 from asyncengine.executor.sampler.inputs import gather_sampling_batch
 from asyncengine.executor.sampler.penalty_state import PenaltyState
-from asyncengine.executor.spec.accept import SpecGroup
 from asyncengine.executor.step.input_batch import InputBatch
 from asyncengine.executor.step.inputs import (
     BitmaskSlot,
@@ -58,6 +57,7 @@ from asyncengine.executor.step.inputs import (
     StepInputs,
 )
 from asyncengine.executor.step.output import PendingOutput, pending_output
+from asyncengine.executor.step.step_rows import StepRows, gather_rows
 from asyncengine.executor.weights.int4 import step_requests
 
 __all__ = ["BitmaskSlot", "ModelRunner", "PromptLogprobsTask", "StepAbandoned", "StepInputs"]
@@ -99,8 +99,9 @@ class ModelRunner:
         self.graphs: Any = None
         # --enable-lora: the adapters' registry and slots (``lora/manager.LoRAManager``).
         self.lora: Any = None
-        # Where each request's token sits in the last prepared step's sampled ids.
-        self._sample_pos: dict[str, int] = {}
+        # The last prepared step's rows (``step/step_rows.py``): where each request's token
+        # sits in its sampled ids, and what a steady decode step reuses.
+        self._rows: StepRows | None = None
         # Device side (touched by execute only): the last step's sampled ids, penalty state.
         self._last_sampled: torch.Tensor | None = None
         self.penalty_state = PenaltyState(self.vocab_size, device)
@@ -127,82 +128,11 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput, *, with_bitmask: bool = False) -> StepInputs:
         ib = self.batch
         self.release(out)
-        num_reqs = len(out.scheduled)
-        rows_l: list[int] = []
-        starts_l: list[int] = []
-        lens_l: list[int] = []
-        input_ids: list[int] = []
-        prev_dst: list[int] = []
-        prev_src: list[int] = []
-        sample_flat: list[int] = []
-        sample_req_ids: list[str] = []
-        sample_rows: list[int] = []
-        counters: list[int] = []
-        prompt_tasks: list[PromptLogprobsTask] = []
-        spec: list[SpecGroup] = []
-        prev_pos, sample_pos = self._sample_pos, {}
-        row_of, num_blocks = ib.row_of, ib.num_blocks
-        add_id = input_ids.append
-        for s in out.scheduled:  # O(1) Python per request: this loop runs every step
-            req, start, n = s.request, s.start, s.num_new_tokens
-            rid = req.request_id
-            row = row_of.get(rid)
-            if row is None:
-                row = ib.add(req, s.block_ids)
-                if req.mm_inputs:
-                    self._mm_pending[rid] = req
-            elif len(s.block_ids) > num_blocks[row]:
-                ib.append_blocks(row, s.block_ids)
-            first = len(input_ids)
-            tokens = req.all_token_ids
-            drafts = s.spec_token_ids
-            if drafts:  # verification: the last token and the drafts, one query row each
-                add_id(tokens[start])
-                input_ids.extend(drafts)
-                m = len(drafts) + 1
-                rows_l += [row] * m
-                starts_l += range(start, start + m)
-                lens_l += [1] * m
-                spec.append((rid, len(sample_req_ids), drafts))
-                sample_flat += range(first, first + m)
-                sample_req_ids += [rid] * m
-                sample_rows += [row] * m
-                out_pos = len(req.output_token_ids)
-                counters += range(out_pos, out_pos + m)
-                continue
-            rows_l.append(row)
-            starts_l.append(start)
-            lens_l.append(n)
-            if n == 1:  # a decode step
-                if start < len(tokens):
-                    add_id(tokens[start])
-                else:  # its input is the token sampled by the step still in flight
-                    add_id(0)
-                    prev_dst.append(first)
-                    prev_src.append(prev_pos[rid])
-            elif start + n <= len(tokens):
-                input_ids.extend(tokens[start:start + n])
-            else:  # the last input token was sampled by the step still in flight
-                input_ids.extend(tokens[start:start + n - 1])
-                add_id(0)
-                prev_dst.append(first + n - 1)
-                prev_src.append(prev_pos[rid])
-            if req.sampling_params.prompt_logprobs is not None:
-                task = self._prompt_logprobs_task(req, start, n, first)
-                if task is not None:
-                    prompt_tasks.append(task)
-            if s.samples:
-                sample_pos[rid] = len(sample_req_ids)
-                sample_flat.append(first + n - 1)
-                sample_req_ids.append(rid)
-                sample_rows.append(row)
-                # This token's output position: the ones known, plus earlier in-flight ones.
-                counters.append(len(req.output_token_ids) + req.num_output_placeholders - 1)
-        num_reqs = len(rows_l)  # attention rows: a request's drafts are one row each
-        rows = np.array(rows_l, dtype=np.int64)
-        starts = np.array(starts_l, dtype=np.int64)
-        lens = np.array(lens_l, dtype=np.int64)
-        self._sample_pos = sample_pos
+        rows = self._rows = gather_rows(self._rows, out, ib, self._on_join,
+                                        self._prompt_logprobs_task)
+        num_reqs = len(rows.rows)  # attention rows: a request's drafts are one row each
+        starts, lens, spec = rows.starts, rows.lens, rows.spec
+        sample_req_ids = rows.sample_req_ids
 
         staging = self.staging
         staging.begin()
@@ -213,11 +143,11 @@ class ModelRunner:
         total = int(cu[-1])
         # positions: start_i, start_i + 1, ... for each request's tokens, laid end to end
         positions = np.repeat(starts - cu[:-1], lens) + np.arange(total, dtype=np.int64)
-        row_of_token = np.repeat(rows, lens)
+        row_of_token = np.repeat(rows.rows, lens)
         slots = ib.block_table[row_of_token, positions // bs] * bs + positions % bs
         seq_lens = starts + lens
         width = int((seq_lens.max() + bs - 1) // bs) if num_reqs else 0
-        table = ib.block_table[rows, :width]
+        table = ib.block_table[rows.rows, :width]
         decode_only = total == num_reqs
         phase = DECODE if decode_only else (MIXED if (lens == 1).any() else PREFILL)
         lora_slots, lora_writes = (None, None) if self.lora is None else \
@@ -236,16 +166,16 @@ class ModelRunner:
             requests=len(out.scheduled) if spec else None,
         )
         self.attn_backend.prepare(meta)
-        sample_np = np.array(sample_flat, dtype=np.int64)
+        sample_np = rows.sample_flat
         inputs = StepInputs(
-            input_ids=put(np.array(input_ids, dtype=np.int64)),
+            input_ids=put(rows.input_ids),
             positions=put(positions),
             attn_metadata=meta,
             sample_indices=put(sample_np),
             sample_indices_host=sample_np,
             sample_req_ids=sample_req_ids,
             sampling_batch=None,
-            prompt_tasks=prompt_tasks,
+            prompt_tasks=rows.prompt_tasks,
             bitmask=BitmaskSlot() if with_bitmask else None,
             num_tokens=total,
             decode_only=decode_only,
@@ -258,9 +188,8 @@ class ModelRunner:
             inputs.mm = step_slices(out.scheduled, self._mm_pending, ib, bs) or None
         if lora_slots is not None:  # LoRA: each token's adapter slot
             inputs.lora = self.lora.step_inputs(lora_slots, lora_writes, put)
-        if prev_dst:
-            inputs.from_previous = (put(np.array(prev_dst, dtype=np.int64)),
-                                    put(np.array(prev_src, dtype=np.int64)))
+        if rows.prev_dst is not None:
+            inputs.from_previous = (put(rows.prev_dst), put(rows.prev_src))
         if ib.pending_resets:
             inputs.resets, ib.pending_resets = ib.pending_resets, []
             for r in inputs.resets:
@@ -268,12 +197,15 @@ class ModelRunner:
                             put(np.array(r.output_token_ids, dtype=np.int64))
                             if r.output_token_ids else None)
         if sample_req_ids:
-            srows = np.array(sample_rows, dtype=np.int64)
             inputs.sampling_batch, inputs.penalty_rows = gather_sampling_batch(
-                ib, srows, np.array(counters, dtype=np.int64), self.device, put=put,
+                ib, rows.sample_rows, rows.counters, self.device, put=put,
                 method=self.sampling_method)
         staging.flush()
         return inputs
+
+    def _on_join(self, req: Request) -> None:
+        if req.mm_inputs:
+            self._mm_pending[req.request_id] = req
 
     @staticmethod
     def _prompt_logprobs_task(req: Request, start: int, n: int,

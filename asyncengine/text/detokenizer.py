@@ -116,6 +116,23 @@ class IncrementalDetokenizer:
             new = self._check_stops(new)
         return self._emit(new)
 
+    def push_plain(self, token_id: int) -> bool:
+        """``update((token_id,))`` for the usual step, when it needs none of the general
+        case: a token of whole characters (or a skipped special token), nothing held back, no
+        stop strings to watch. Returns False, having changed nothing, when ``update`` is
+        needed instead."""
+        texts = self._texts
+        if texts is None or self._held or self._stops or self.finished or \
+                not 0 <= token_id < len(texts):
+            return False
+        text = texts[token_id]
+        if text is None:
+            return False
+        if text:
+            self._chunks.append(text)
+            self._text = None
+        return True
+
     def flush(self) -> str:
         """The text still held back, for a request that ends without a stop string."""
         if self.finished:

@@ -40,11 +40,7 @@ from asyncengine.core.sched.interface import (
 )
 from asyncengine.core.sched.lora_slots import LoRASlots
 from asyncengine.core.sched.queues import FCFSQueue
-from asyncengine.core.sched.request_state import (
-    apply_sampled,
-    needs_every_position,
-    store_prompt_logprobs,
-)
+from asyncengine.core.sched.request_state import apply_step_results, needs_every_position
 
 if TYPE_CHECKING:
     from asyncengine.config import EngineConfig
@@ -167,7 +163,7 @@ class FCFSScheduler(Scheduler):
     def schedule(self) -> SchedulerOutput:
         step = _Step(budget=self.max_num_batched_tokens)
         kv = self.kv_cache_manager
-        has_room, block_ids = kv.has_room, kv.get_block_ids
+        block_ids, bs = kv.get_block_ids, self.block_size
         scheduled = step.scheduled
         running = RequestStatus.RUNNING
         for request in self._running_order():
@@ -198,12 +194,14 @@ class FCFSScheduler(Scheduler):
                     num_new = chunk_without_split(request.mm_inputs, start, num_new)
             if num_new <= 0:
                 continue
-            if not has_room(request.request_id, start + num_new) and \
-                    not self._allocate_running(request, num_new, step):
-                continue
             rid = request.request_id
+            table = block_ids(rid)  # the live list: an allocation extends it
+            if len(table) * bs < start + num_new:
+                if not self._allocate_running(request, num_new, step):
+                    continue
+                table = block_ids(rid)
             samples = start + num_new >= num_tokens + placeholders
-            scheduled[rid] = ScheduledRequest(request, start, num_new, block_ids(rid), None,
+            scheduled[rid] = ScheduledRequest(request, start, num_new, table, None,
                                               samples, drafts)
             request.num_computed_tokens = start + num_new
             if drafts:  # (then samples is true: the drafts follow the request's last token)
@@ -326,61 +324,8 @@ class FCFSScheduler(Scheduler):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
-        updated: list[Request] = []
-        now = time.monotonic()
-        cache_full_blocks = self.kv_cache_manager.cache_full_blocks
-        prompt_logprobs = runner_output.prompt_logprobs
-        sampled = runner_output.sampled_token_ids
-        logprobs = runner_output.logprobs
-        running = RequestStatus.RUNNING
-        for scheduled in scheduler_output.scheduled:
-            request = scheduled.request
-            if request.status is not running:
-                continue  # finished, aborted or preempted while the step ran: dropped
-            rid = request.request_id
-            drafts = scheduled.spec_token_ids
-            if drafts:
-                self._apply_spec(request, scheduled, runner_output, now)
-                updated.append(request)
-                continue
-            cache_full_blocks(request, scheduled.start + scheduled.num_new_tokens)
-            if prompt_logprobs:
-                entries = prompt_logprobs.get(rid)
-                if entries:
-                    store_prompt_logprobs(request, scheduled.start + 1, entries)
-            if not scheduled.samples:
-                continue
-            token = sampled.get(rid)
-            if token is None:
-                raise RuntimeError(f"the runner sampled no token for request {rid!r}")
-            request.num_output_placeholders -= 1
-            status = apply_sampled(request, token, logprobs.get(rid) if logprobs else None, now)
-            if status is not None:
-                self._finish(request, status)
-            updated.append(request)
-        return updated
-
-    def _apply_spec(self, request: Request, scheduled: ScheduledRequest,
-                    runner_output: ModelRunnerOutput, now: float) -> None:
-        """A step that verified drafts: its accepted drafts and the token after them."""
-        rid = request.request_id
-        tokens = runner_output.spec_token_ids.get(rid)
-        if not tokens:
-            raise RuntimeError(f"the runner returned no tokens for request {rid!r}, which "
-                               "was scheduled with draft tokens")
-        lps = runner_output.spec_logprobs.get(rid)
-        request.num_output_placeholders -= 1 + len(scheduled.spec_token_ids)
-        # KV is valid for the last token and the accepted drafts; rejected slots are reused.
-        request.num_computed_tokens = scheduled.start + len(tokens)
-        status = None
-        for i, token in enumerate(tokens):
-            status = apply_sampled(request, token, lps[i] if lps else None, now)
-            if status is not None:
-                break
-        if status is not None:
-            self._finish(request, status)
-        else:
-            self.kv_cache_manager.cache_full_blocks(request, request.num_computed_tokens)
+        return apply_step_results(scheduler_output, runner_output, self.kv_cache_manager,
+                                  self._finish)
 
     # -- misc ------------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

@@ -1,10 +1,26 @@
-"""What the built-in schedulers do to one request's state: apply a sampled token (and say
-whether it ends the request), keep prompt logprobs, and the two questions they ask of a request
-(is its in-flight token its last; does it need every prompt position computed)."""
+"""What the built-in schedulers do to one request's state: apply a step's results (a sampled
+token, and whether it ends the request; verified drafts; prompt logprobs), and the two
+questions they ask of a request (is its in-flight token its last; does it need every prompt
+position computed)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from asyncengine.core.request import PositionLogprobs, Request, RequestStatus
+from asyncengine.core.sched.interface import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+
+if TYPE_CHECKING:
+    from asyncengine.core.kv.manager import KVCacheManager
+
+#: ``finish(request, status)``: the scheduler ends a request (frees its blocks).
+Finish = Callable[[Request, RequestStatus], None]
 
 
 def finishes_in_flight(request: Request) -> bool:
@@ -61,3 +77,81 @@ def store_prompt_logprobs(
     have = len(request.prompt_logprobs)
     if start <= have:
         request.prompt_logprobs.extend(entries[have - start:])
+
+
+def apply_step_results(scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                       kv: KVCacheManager, finish: Finish) -> list[Request]:
+    """``update_from_output`` of the built-in schedulers: each running request's computed
+    blocks indexed, its token (or verified drafts) and logprobs applied, its stop conditions
+    checked (``finish`` ends it). Returns the requests that got a token or finished."""
+    updated: list[Request] = []
+    add = updated.append
+    now = time.monotonic()
+    cache_full_blocks = kv.cache_full_blocks
+    # Without a sliding window, a step adds full blocks to index only when it crosses a
+    # block boundary, or starts on one (after a prefix hit or a KV-connector load).
+    bs = kv.block_size if kv.sliding_window is None else 1
+    prompt_logprobs = runner_output.prompt_logprobs
+    sampled = runner_output.sampled_token_ids
+    logprobs = runner_output.logprobs
+    running = RequestStatus.RUNNING
+    for scheduled in scheduler_output.scheduled:  # O(1) Python per request
+        request = scheduled.request
+        if request.status is not running:
+            continue  # finished, aborted or preempted while the step ran: dropped
+        rid = request.request_id
+        if scheduled.spec_token_ids:
+            apply_spec(request, scheduled, runner_output, now, kv, finish)
+            add(request)
+            continue
+        start = scheduled.start
+        end = start + scheduled.num_new_tokens
+        if bs == 1 or not start % bs or end // bs != start // bs:
+            cache_full_blocks(request, end)
+        if prompt_logprobs:
+            entries = prompt_logprobs.get(rid)
+            if entries:
+                store_prompt_logprobs(request, start + 1, entries)
+        if not scheduled.samples:
+            continue
+        token = sampled.get(rid)
+        if token is None:
+            raise RuntimeError(f"the runner sampled no token for request {rid!r}")
+        request.num_output_placeholders -= 1
+        if token >= 0 and request.grammar is None and (not logprobs or rid not in logprobs):
+            # apply_sampled's plain case, inlined
+            request.output_token_ids.append(token)
+            request.all_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            status = request.check_stop()
+        else:
+            status = apply_sampled(request, token, logprobs.get(rid) if logprobs else None, now)
+        if status is not None:
+            finish(request, status)
+        add(request)
+    return updated
+
+
+def apply_spec(request: Request, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput,
+               now: float, kv: KVCacheManager, finish: Finish) -> None:
+    """A step that verified drafts: its accepted drafts and the token after them."""
+    rid = request.request_id
+    tokens = runner_output.spec_token_ids.get(rid)
+    if not tokens:
+        raise RuntimeError(f"the runner returned no tokens for request {rid!r}, which "
+                           "was scheduled with draft tokens")
+    lps = runner_output.spec_logprobs.get(rid)
+    request.num_output_placeholders -= 1 + len(scheduled.spec_token_ids)
+    # KV is valid for the last token and the accepted drafts; rejected slots are reused.
+    request.num_computed_tokens = scheduled.start + len(tokens)
+    status = None
+    for i, token in enumerate(tokens):
+        status = apply_sampled(request, token, lps[i] if lps else None, now)
+        if status is not None:
+            break
+    if status is not None:
+        finish(request, status)
+    else:
+        kv.cache_full_blocks(request, request.num_computed_tokens)

@@ -54,7 +54,8 @@ class InputBatch:
         self.request_of: list[Request | None] = []
         self._free_rows: list[int] = []
         self.block_table = np.zeros((0, max_blocks_per_row), dtype=np.int64)
-        self.num_blocks: list[int] = []  # per row: how many of its table's entries are set
+        # per row: how many of its table's entries are set
+        self.num_blocks = np.zeros(0, dtype=np.int64)
         self.temperature = np.zeros(0, dtype=np.float32)
         self.top_p = np.zeros(0, dtype=np.float32)
         self.top_k = np.zeros(0, dtype=np.int64)
@@ -75,7 +76,7 @@ class InputBatch:
         self.table_log: list[tuple[int, int, list[int]]] | None = None
         self._grow(max_rows)
 
-    _COLUMNS = ("block_table", "temperature", "top_p", "top_k", "min_p",
+    _COLUMNS = ("block_table", "num_blocks", "temperature", "top_p", "top_k", "min_p",
                 "repetition", "presence", "frequency", "seed", "seeded", "penalized",
                 "min_tokens", "num_logprobs")
 
@@ -91,7 +92,6 @@ class InputBatch:
             grown[:old] = col
             setattr(self, name, grown)
         self.request_of += [None] * (rows - old)
-        self.num_blocks += [0] * (rows - old)
         self._free_rows = list(range(rows - 1, old - 1, -1)) + self._free_rows
 
     # -- rows in and out (on the loop) -------------------------------------------------------
@@ -153,7 +153,7 @@ class InputBatch:
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         """Copy the blocks of ``block_ids`` (the request's whole table) this row lacks."""
-        have = self.num_blocks[row]
+        have = int(self.num_blocks[row])
         n = len(block_ids)
         if n > have:
             if n > self.max_blocks:

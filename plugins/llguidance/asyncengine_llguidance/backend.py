@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
@@ -101,6 +100,10 @@ class LLGuidanceBackend(StructuredOutputBackend):
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        # llguidance.torch (the bitmask functions) imports torch.compile's machinery, seconds
+        # of start-up: imported here, where the engine makes the backend (off its loop, for
+        # the first request that needs one), not when the plugin registers.
+        import llguidance.torch  # noqa: F401
         self.ll_tokenizer = llguidance.hf.from_tokenizer(
             tokenizer.hf, n_vocab=vocab_size, eos_token=sorted(self.eos_token_ids) or None)
         # Special tokens other than EOS (<|im_start|> and the like) are never allowed, as with
