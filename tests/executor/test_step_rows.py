@@ -12,7 +12,11 @@ import pytest
 
 from asyncengine.core.request import RequestStatus
 from asyncengine.core.sched import FCFSScheduler
-from asyncengine.core.sched.interface import ModelRunnerOutput
+from asyncengine.core.sched.interface import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from asyncengine.executor.step.input_batch import InputBatch
 from asyncengine.executor.step.step_rows import StepRows, _gather_each, gather_rows
 from tests.core.test_scheduler import make_config, make_request
@@ -76,3 +80,26 @@ def test_array_rows_equal_request_by_request_rows(seed):
             break
         steps += 1
     assert mixes["steady"] > 10 and mixes["mixed"] > 10, mixes
+
+
+def test_a_request_id_back_under_a_new_request_is_not_taken_for_the_old_one():
+    """An aborted request's id, reused at once by a request whose one new token sits where
+    the old one's next token would have: its input is its own prompt token, not the last
+    step's sample, and it gets a row of its own."""
+    ib = InputBatch(4, 16, 1000, frozenset({0}))
+    old = make_request("x", list(range(1, 17)), max_tokens=8)
+    other = make_request("y", list(range(100, 110)), max_tokens=8)
+    step1 = SchedulerOutput(scheduled=[ScheduledRequest(old, 0, 16, [1, 2, 3, 4]),
+                                       ScheduledRequest(other, 0, 10, [5, 6, 7])])
+    prev = gather_rows(None, step1, ib, lambda r: None, lambda *a: None)
+    assert prev.sample_pos == {"x": 0, "y": 1} and prev.sample_next.tolist() == [16, 10]
+    ib.remove("x")  # aborted; a new "x" has 17 tokens, 16 of them a prefix hit
+    new = make_request("x", list(range(1, 18)), max_tokens=8)
+    other.num_output_placeholders = 1
+    step2 = SchedulerOutput(scheduled=[ScheduledRequest(new, 16, 1, [1, 2, 3, 4, 8]),
+                                       ScheduledRequest(other, 10, 1, [5, 6, 7])])
+    rows = gather_rows(prev, step2, ib, lambda r: None, lambda *a: None)
+    assert rows.input_ids.tolist() == [17, 0]  # x: its own token; y: fed from the device
+    assert rows.prev_dst.tolist() == [1] and rows.prev_src.tolist() == [1]
+    assert ib.row_of["x"] == rows.rows[0] and ib.request_of[rows.rows[0]] is new
+    assert ib.block_table[rows.rows[0], :5].tolist() == [1, 2, 3, 4, 8]

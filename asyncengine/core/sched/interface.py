@@ -57,6 +57,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
+
 from asyncengine.core.request import PositionLogprobs, Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -89,8 +91,7 @@ class KVLoad:
     first_token: int
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
+class ScheduledRequest(msgspec.Struct):
     """One request in a step: compute tokens ``[start, start + num_new_tokens)`` of the
     request's sequence, with its KV in ``block_ids``.
 
@@ -112,10 +113,10 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]
     kv_load: KVLoad | None = None
-    samples: bool = field(default=None)  # type: ignore[assignment]
+    samples: bool = None  # type: ignore[assignment]
     # Draft tokens this step verifies after the request's last token (speculative decoding):
     # they are the step's last ``len(spec_token_ids)`` input tokens.
-    spec_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] = []
 
     def __post_init__(self) -> None:
         if self.samples is None:

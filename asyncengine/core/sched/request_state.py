@@ -119,13 +119,18 @@ def apply_step_results(scheduler_output: SchedulerOutput, runner_output: ModelRu
             raise RuntimeError(f"the runner sampled no token for request {rid!r}")
         request.num_output_placeholders -= 1
         if token >= 0 and request.grammar is None and (not logprobs or rid not in logprobs):
-            # apply_sampled's plain case, inlined
-            request.output_token_ids.append(token)
-            request.all_token_ids.append(token)
+            # apply_sampled's plain case, inlined, and check_stop only where it may stop
+            out, tokens = request.output_token_ids, request.all_token_ids
+            out.append(token)
+            tokens.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
-            status = request.check_stop()
+            sp = request.sampling_params
+            status = request.check_stop() if (
+                len(out) >= request.max_tokens or len(tokens) >= request.max_model_len
+                or ((token in request.eos_token_ids or token in sp.stop_token_ids)
+                    and len(out) >= sp.min_tokens)) else None
         else:
             status = apply_sampled(request, token, logprobs.get(rid) if logprobs else None, now)
         if status is not None:

@@ -38,8 +38,9 @@ class PagedKVPlan:
 
     @property
     def decode_only(self) -> bool:
-        """Every request has exactly one query token."""
-        return bool((np.diff(self.qo_indptr) == 1).all())
+        """Every request has exactly one query token (``qo_indptr`` is 0, 1, 2, ...)."""
+        q = self.qo_indptr
+        return int(q[-1]) == len(q) - 1  # (indptr never decreases, and no request is empty)
 
 
 def plan_paged_kv(block_tables: np.ndarray, seq_lens: np.ndarray | list[int],

@@ -72,6 +72,7 @@ class PinnedStaging:
         self._host: torch.Tensor | None = None
         self._host_np: np.ndarray | None = None
         self._dev: torch.Tensor | None = None
+        self._dev_as: dict[torch.dtype, torch.Tensor] = {}
         self._used = 0
         self._step_bytes = 0
 
@@ -86,8 +87,10 @@ class PinnedStaging:
         self._open(self.capacity)
 
     def _open(self, nbytes: int) -> None:
+        nbytes = -(-nbytes // ALIGN) * ALIGN  # (viewable as any dtype)
         with self._on_stream():
             self._dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._dev_as = {}  # the device buffer viewed as each dtype put() returned
         self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
         self._host_np = self._host.numpy()
         self._used = 0
@@ -108,7 +111,12 @@ class PinnedStaging:
         self._host_np[offset:offset + n] = a.reshape(-1).view(np.uint8)
         self._used = offset + n
         self._step_bytes += n + ALIGN
-        return self._dev[offset:offset + n].view(dtype).view(a.shape)
+        typed = self._dev_as.get(dtype)
+        if typed is None:  # one view per dtype and buffer, then one slice per array
+            typed = self._dev_as[dtype] = self._dev.view(dtype)
+        first = offset // a.itemsize
+        out = typed[first:first + a.size]
+        return out if a.ndim == 1 else out.view(a.shape)
 
     def flush(self) -> None:
         """Upload what was put since ``begin``; the step's kernels may be enqueued after this."""
@@ -116,6 +124,7 @@ class PinnedStaging:
             return
         self._upload()
         self._host = self._host_np = self._dev = None
+        self._dev_as = {}
         # The next steps get buffers big enough for this one.
         self.capacity = max(self.capacity, -(-self._step_bytes // ALIGN) * ALIGN)
 

@@ -69,11 +69,13 @@ def gather_rows(prev: StepRows | None, out: SchedulerOutput, ib: InputBatch, on_
     lens = np.fromiter(map(_NUM_NEW, scheduled), np.int64, n)
     starts = np.fromiter(map(_START, scheduled), np.int64, n)
     pidx = np.fromiter(map(prev.sample_pos.get, ids, repeat(-1, n)), np.int64, n)
+    # A request keeps its row while it runs: one whose row went (it finished or was
+    # preempted, and maybe came back under the same id) has none now, or another.
+    rows = np.fromiter(map(ib.row_of.get, ids, repeat(-1, n)), np.int64, n)
     known = pidx >= 0
     pi = np.where(known, pidx, 0)
-    cont = known & (lens == 1) & (starts == prev.sample_next[pi]) if len(prev.sample_next) \
-        else np.zeros(n, dtype=bool)
-    rows = prev.sample_rows[pi] if len(prev.sample_rows) else np.zeros(n, dtype=np.int64)
+    cont = known & (lens == 1) & (starts == prev.sample_next[pi]) & \
+        (rows == prev.sample_rows[pi]) if len(prev.sample_next) else np.zeros(n, dtype=bool)
     counters = prev.counters[pi] + 1 if len(prev.counters) else np.zeros(n, dtype=np.int64)
     num_blocks = np.fromiter(map(len, map(_BLOCK_IDS, scheduled)), np.int64, n)
     for i in np.flatnonzero(cont & (num_blocks > ib.num_blocks[rows])).tolist():
