@@ -139,3 +139,15 @@ def reference(family: str, directory: str, prompt: str, images: list[Any],
                              min_new_tokens=max_new_tokens)
     ids = inputs["input_ids"][0].tolist()
     return ids, out[0, len(ids):].tolist()
+
+
+async def greedy(engine: Any, prompt: Any, n: int) -> tuple[list[int], list[int], int]:
+    """(prompt ids as the engine expanded them, ``n`` greedy new tokens, cached prompt
+    tokens)."""
+    from asyncengine.core.sampling_params import SamplingParams
+
+    final = None
+    async for out in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=n,
+                                                            ignore_eos=True)):
+        final = out
+    return final.prompt_token_ids, final.outputs[0].token_ids, final.num_cached_tokens or 0
