@@ -22,6 +22,8 @@ def setup_vision(model: Any, runner: Any, config: Any, model_dir: str | None) ->
                          "one step; raise it to at least that")
     runner.encoder_cache = EncoderCache(config.multimodal.mm_encoder_cache)
     spec = encoder.spec
-    logger.info("images: %s, %d tokens per image (image token %d), encoder cache %d tokens",
-                spec.family, spec.tokens_per_image, spec.image_token_id,
-                config.multimodal.mm_encoder_cache)
+    per = {"idefics3": f"{spec.tokens_per_image} tokens per tile",
+           "anyres": "tokens by the image's size"}.get(spec.layout,
+                                                     f"{spec.tokens_per_image} tokens per image")
+    logger.info("images: %s, %s (image token %d), encoder cache %d tokens", spec.family, per,
+                spec.image_token_id, config.multimodal.mm_encoder_cache)
