@@ -70,6 +70,14 @@ def tiny_idefics3(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_smolvlm(tmp_path_factory) -> str:
+    """The tiny Idefics3's twin as a ``SmolVLMForConditionalGeneration``."""
+    from tests.vision_tiling_utils import make_tiny_idefics3
+
+    return make_tiny_idefics3(tmp_path_factory.mktemp("tiny-smolvlm"), "SmolVLM")
+
+
+@pytest.fixture(scope="session")
 def tiny_llava_next(tmp_path_factory) -> str:
     """A tiny random LLaVA-NeXT (CLIP 32 px, anyres grids up to 64 x 64 or 3 x 1; a 2-layer
     Llama) with its processor (``tests/vision_tiling_utils.py``)."""

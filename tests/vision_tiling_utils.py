@@ -41,24 +41,24 @@ def _llama(vocab: int) -> Any:
         tie_word_embeddings=False)
 
 
-def make_tiny_idefics3(directory: str | os.PathLike[str]) -> str:
-    """Save a tiny random ``Idefics3ForConditionalGeneration`` (float32, seed 0), the
-    embedded tokenizer plus Idefics3's image tokens, and its processor."""
+def make_tiny_idefics3(directory: str | os.PathLike[str], family: str = "Idefics3") -> str:
+    """Save a tiny random ``Idefics3ForConditionalGeneration`` (or, with ``family``
+    "SmolVLM", ``SmolVLMForConditionalGeneration``: the same architecture) (float32, seed 0),
+    the embedded tokenizer plus Idefics3's image tokens, and its processor."""
     import torch
     import transformers
 
     directory = Path(directory)
     tok = _tokenizer(IDEFICS3_TOKENS)
     image_token = tok.convert_tokens_to_ids("<image>")
-    vision = transformers.Idefics3VisionConfig(
+    vision = getattr(transformers, f"{family}VisionConfig")(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         image_size=IDEFICS3_TILE, patch_size=IDEFICS3_PATCH)
-    config = transformers.Idefics3Config(vision_config=vision.to_dict(),
-                                         text_config=_llama(len(tok) + 64).to_dict(),
-                                         scale_factor=2, image_token_id=image_token,
-                                         tie_word_embeddings=False)
+    config = getattr(transformers, f"{family}Config")(
+        vision_config=vision.to_dict(), text_config=_llama(len(tok) + 64).to_dict(),
+        scale_factor=2, image_token_id=image_token, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = transformers.Idefics3ForConditionalGeneration(config).float()
+    model = getattr(transformers, f"{family}ForConditionalGeneration")(config).float()
     with torch.no_grad():  # image embeddings of the text's scale, so that they matter
         model.model.connector.modality_projection.proj.weight.mul_(20.0)
     model.save_pretrained(str(directory))
@@ -120,7 +120,9 @@ def llava_next_processor(tok: Any) -> Any:
 
 
 _FAMILIES = {"idefics3": ("Idefics3ForConditionalGeneration", idefics3_processor),
-             "llava_next": ("LlavaNextForConditionalGeneration", llava_next_processor)}
+             "llava_next": ("LlavaNextForConditionalGeneration", llava_next_processor),
+             # (SmolVLM's processor writes Idefics3's prompt and cuts the same tiles)
+             "smolvlm": ("SmolVLMForConditionalGeneration", idefics3_processor)}
 
 
 def reference(family: str, directory: str, prompt: str, images: list[Any],

@@ -135,3 +135,18 @@ def test_chunked_prefill_and_prefix_hit(tiny_idefics3):
     assert runs == 7  # 2 x 3 tiles and the global image
     assert engine.runner.encoder_cache.misses == runs
     assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_smolvlm_matches_transformers(tiny_smolvlm):
+    """SmolVLM is Idefics3's architecture under its own names: two images, greedy tokens."""
+    a, b = image(97, 61, seed=1), image(40, 130, seed=2)
+    want_ids, want = reference("smolvlm", tiny_smolvlm, TWO, [a, b], N)
+    engine = vision_engine(tiny_smolvlm)
+
+    async def main():
+        async with engine:
+            return await greedy(engine, ImagePrompt(TWO, [image_item(a, b"a"),
+                                                          image_item(b, b"b")]), N)
+
+    ids, new, _ = anyio.run(main)
+    assert ids == want_ids and new == want
