@@ -12,6 +12,19 @@ from asyncengine.executor.models.vision.spec import with_preprocessor_config
 logger = logging.getLogger("asyncengine")
 
 
+def attach_mmproj(model: Any, path: str, tokenizer: Any, dtype: Any, device: Any) -> None:
+    """``--mmproj``: the image encoder of a llama.cpp projector file beside a GGUF model's
+    decoder (``gguf_mmproj.py``)."""
+    from asyncengine.executor.models.vision.gguf_mmproj import load_mmproj
+
+    if getattr(model, "vision", None) is not None:
+        raise ValueError("--mmproj: the model has an image encoder of its own")
+    if not hasattr(model, "embed") or not hasattr(model, "hidden_size"):
+        raise ValueError("--mmproj: only for a generative model")
+    model.vision = device.run_at_start_up(lambda: load_mmproj(
+        path, model.hidden_size, tokenizer, dtype, device.torch_device))
+
+
 def setup_vision(model: Any, runner: Any, config: Any, model_dir: str | None) -> None:
     encoder = model.vision
     encoder.spec = with_preprocessor_config(encoder.spec, model_dir)
