@@ -150,3 +150,32 @@ def test_smolvlm_matches_transformers(tiny_smolvlm):
 
     ids, new, _ = anyio.run(main)
     assert ids == want_ids and new == want
+
+
+def test_preemption_recomputes_through_tiles(tiny_idefics3):
+    """A KV cache too small for three image prompts at once: requests are preempted and
+    recomputed, each tile's embeddings from the encoder cache (each tile encoded once)."""
+    imgs = [image(60 + 30 * i, 50 + 9 * i, seed=20 + i) for i in range(3)]
+    wants = [reference("idefics3", tiny_idefics3, PROMPT, [im], 16) for im in imgs]
+    engine = vision_engine(tiny_idefics3, num_gpu_blocks_override=14, max_num_batched_tokens=64)
+
+    async def main():
+        results = {}
+
+        async def one(i):
+            results[i] = await greedy(engine, ImagePrompt(PROMPT, [
+                image_item(imgs[i], bytes([i + 1]))]), 16)
+
+        async with engine:
+            async with anyio.create_task_group() as tg:
+                for i in range(3):
+                    tg.start_soon(one, i)
+        return results
+
+    results = anyio.run(main)
+    assert [results[i][:2] for i in range(3)] == [tuple(w) for w in wants]
+    assert engine.scheduler.make_stats().num_preemptions > 0
+    image_token = engine.runner.model.vision.spec.image_token_id
+    tiles = sum(ids.count(image_token) for ids, _ in wants) // IDEFICS3_TILE_TOKENS
+    assert engine.runner.encoder_cache.misses == tiles
+    assert engine.num_free_blocks == engine.num_total_blocks
