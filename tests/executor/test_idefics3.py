@@ -155,9 +155,10 @@ def test_smolvlm_matches_transformers(tiny_smolvlm):
 def test_preemption_recomputes_through_tiles(tiny_idefics3):
     """A KV cache too small for three image prompts at once: requests are preempted and
     recomputed, each tile's embeddings from the encoder cache (each tile encoded once)."""
-    imgs = [image(60 + 30 * i, 50 + 9 * i, seed=20 + i) for i in range(3)]
+    imgs = [image(90 + 30 * i, 59 + 9 * i, seed=20 + i) for i in range(3)]  # 57 tokens each
     wants = [reference("idefics3", tiny_idefics3, PROMPT, [im], 16) for im in imgs]
-    engine = vision_engine(tiny_idefics3, num_gpu_blocks_override=14, max_num_batched_tokens=64)
+    # two prompts fit (8 blocks each), not their 16 new tokens (10 blocks each)
+    engine = vision_engine(tiny_idefics3, num_gpu_blocks_override=17, max_num_batched_tokens=64)
 
     async def main():
         results = {}
