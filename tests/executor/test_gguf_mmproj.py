@@ -44,10 +44,25 @@ def test_llava_pair_matches_transformers(tiny_llava, llava_pair, tmp_path):
     want_ids, want = llava_reference(tiny_llava, LLAVA, [a], N)
     ids, new, _ = run(vision_engine(text, tokenizer=tiny_llava, mmproj=mmproj), LLAVA, [a])
     assert ids == want_ids and new == want
+    # Q8_0 tower matrices: kept as the file's blocks on the CPU, multiplied by the packed
+    # kernels; their output is the dequantized weights' to rounding
+    import torch
+
+    from asyncengine.executor.models.vision.gguf_mmproj import load_mmproj
+    from asyncengine.executor.weights.kquants import GGUFLinear
+
     q8 = write_mmproj(tiny_llava, tmp_path / "mmproj-q8.gguf", "mlp", quant="Q8_0")
     engine = vision_engine(text, tokenizer=tiny_llava, mmproj=q8)
+    packed = engine.runner.model.vision
+    q_proj = packed.vision_tower.encoder.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, GGUFLinear)
     ids, new, _ = run(engine, LLAVA, [a])
     assert ids == want_ids and len(new) == N
+    plain = load_mmproj(q8, 64, engine.tokenizer, torch.float32, torch.device("cpu"),
+                        packed=False)
+    px = torch.randn(2, 3, 56, 56)
+    with torch.no_grad():
+        torch.testing.assert_close(packed.encode(px), plain.encode(px), atol=2e-2, rtol=2e-2)
 
 
 def test_idefics3_pair_matches_transformers(tiny_idefics3, tmp_path):

@@ -5,11 +5,13 @@ legacy LLaVA converter).
 The file's ``clip.*`` metadata becomes a :class:`~spec.VisionSpec` (projector types ``mlp``:
 LLaVA-1.5's CLIP and MLP; ``idefics3``: SmolVLM's SigLIP tiles and pixel shuffle; ``gemma3``:
 Gemma 3's SigLIP and pooling projector) and its tensors load into the same
-:class:`~encoder.ImageEncoder` a safetensors checkpoint builds, dequantized to the model's
-dtype. The placeholder tokens are the tokenizer's (the text GGUF has no vision config):
-``<image>``; Gemma 3's ``<start_of_image>``, ``<image_soft_token>``, ``<end_of_image>``.
-Image processing is the family's transformers processing with the file's mean and std, so a
-GGUF + mmproj pair answers as the safetensors checkpoint it was converted from.
+:class:`~encoder.ImageEncoder` a safetensors checkpoint builds: on the CPU its quantized
+matrices stay in the file's types (``kquants.GGUFLinear``), the rest (and everything on CUDA)
+is dequantized to the model's dtype. The placeholder tokens are the tokenizer's (the text
+GGUF has no vision config): ``<image>``; Gemma 3's ``<start_of_image>``,
+``<image_soft_token>``, ``<end_of_image>``. Image processing is the family's transformers
+processing with the file's mean and std, so a GGUF + mmproj pair answers as the safetensors
+checkpoint it was converted from.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from asyncengine.executor.models.vision.encoder import ImageEncoder
 from asyncengine.executor.models.vision.spec import ImageProcessing, TowerSpec, VisionSpec
@@ -123,10 +126,9 @@ def mmproj_spec(md: dict[str, Any], names: set[str], tokenizer: Any) -> VisionSp
         before=("\n\n", boi), after=(eoi, "\n\n"), bidirectional=True)
 
 
-def _read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(metadata, tensors dequantized to float32 in transformers' shapes)."""
+def _read(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(metadata, the tensors as GGUFReader gives them)."""
     import gguf
-    from gguf.quants import dequantize
 
     try:
         reader = gguf.GGUFReader(path)
@@ -142,34 +144,81 @@ def _read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     if md.get("general.architecture") != "clip":
         raise ValueError(f"--mmproj {path}: not a vision projector file (architecture "
                          f"{md.get('general.architecture')!r}, not 'clip')")
-    tensors = {}
-    for t in reader.tensors:
-        shape = tuple(int(d) for d in reversed(t.shape))
-        data = dequantize(t.data, t.tensor_type) if t.tensor_type.value > 1 else t.data
-        tensors[t.name] = np.asarray(data, dtype=np.float32).reshape(shape)
-    return md, tensors
+    return md, {t.name: t for t in reader.tensors}
+
+
+_FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16
+
+
+def _as_float(t: Any) -> np.ndarray:
+    """A tensor dequantized to float32 in transformers' shape."""
+    from gguf.quants import dequantize
+
+    shape = tuple(int(d) for d in reversed(t.shape))
+    data = t.data if t.tensor_type.value in (0, 1) else dequantize(t.data, t.tensor_type)
+    return np.array(data, dtype=np.float32).reshape(shape)
+
+
+def _ffn_unswapped(tensors: dict[str, Any], intermediate: int) -> dict[str, Any]:
+    """The legacy LLaVA converter's FFN names (``ffn_down`` for fc1) put right, found by the
+    tensors' shapes as llama.cpp finds them."""
+    fc = tensors.get("v.blk.0.ffn_up.weight")
+    if fc is None or int(fc.shape[-1]) == intermediate:  # (GGUF dims: rows last)
+        return tensors
+    swap = {".ffn_up.": ".ffn_down.", ".ffn_down.": ".ffn_up."}
+    out = {}
+    for name, t in tensors.items():
+        for a, b in swap.items():
+            if a in name:
+                name = name.replace(a, b)
+                break
+        out[name] = t
+    return out
+
+
+def _pack(encoder: ImageEncoder, ours: str, t: Any) -> bool:
+    """A quantized matrix kept as the file's blocks (``kquants.GGUFLinear``, the CPU's packed
+    kernels) in place of its linear; False where that does not apply."""
+    from asyncengine.executor.weights import kquants
+
+    module_name = ours.rpartition(".")[0]
+    module = encoder.get_submodule(module_name) if module_name else None
+    if not isinstance(module, nn.Linear) or not ours.endswith(".weight") \
+            or t.tensor_type.value not in kquants.TYPES:
+        return False
+    raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))
+    bias = None if module.bias is None else module.bias.detach().clone()
+    packed = kquants.GGUFLinear(module.in_features, [kquants.Part(raw, t.tensor_type.value)],
+                                bias)
+    parent, _, leaf = module_name.rpartition(".")
+    setattr(encoder.get_submodule(parent) if parent else encoder, leaf, packed)
+    return True
 
 
 def load_mmproj(path: str, text_hidden: int, tokenizer: Any, dtype: torch.dtype,
-                device: torch.device) -> ImageEncoder:
-    """The image encoder of an mmproj file, on ``device`` in ``dtype``."""
+                device: torch.device, packed: bool | None = None) -> ImageEncoder:
+    """The image encoder of an mmproj file, on ``device`` in ``dtype``; ``packed`` (default:
+    on the CPU) its quantized matrices stay in the file's types (the packed kernels multiply
+    them)."""
     md, tensors = _read(path)
     spec = mmproj_spec(md, set(tensors), tokenizer)
     encoder = ImageEncoder(spec, text_hidden)
-    fc = tensors.get("v.blk.0.ffn_up.weight")
-    swapped = fc is not None and fc.shape[0] != spec.tower.intermediate  # the legacy converter
-    for name, w in tensors.items():
-        if swapped and ".ffn_" in name:
-            name = name.replace(".ffn_up.", ".ffn_x.").replace(".ffn_down.", ".ffn_up.") \
-                .replace(".ffn_x.", ".ffn_down.")
+    tensors = _ffn_unswapped(tensors, spec.tower.intermediate)
+    kept = set()
+    if packed if packed is not None else device.type == "cpu":
+        for name, t in tensors.items():
+            ours = encoder_name(name)
+            if ours is not None and t.tensor_type.value not in _FLOAT_TYPES \
+                    and _pack(encoder, ours, t):
+                kept.add(name)
+    for name, t in tensors.items():
         ours = encoder_name(name)
-        if ours is None:
+        if ours is None or name in kept:
             continue
+        w = _as_float(t)
         if name == "mm.soft_emb_norm.weight":  # stored as 1 + w (Gemma's norms)
             w = w - 1.0
-        if ours.endswith("class_embedding") or ours.endswith("position_embedding.weight"):
-            w = w.reshape(-1, w.shape[-1]) if w.ndim > 1 else w
-        encoder.load_checkpoint_tensor(ours, torch.from_numpy(np.array(w, dtype=np.float32)))
+        encoder.load_checkpoint_tensor(ours, torch.from_numpy(w))
     missing = [n for n in encoder.missing_weights()  # (a tower without its final norm)
                if spec.tower.post_norm or not n.startswith("vision_tower.post_layernorm.")]
     if missing:
