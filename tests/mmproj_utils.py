@@ -42,7 +42,9 @@ def write_mmproj(vlm_dir: str, path: str | os.PathLike[str], projector: str, *,
 
     config = transformers.AutoConfig.from_pretrained(vlm_dir)
     vc = config.vision_config
-    cls = {"mlp": "LlavaForConditionalGeneration",
+    next_ = projector == "mlp" and config.model_type == "llava_next"
+    cls = {"mlp": "LlavaNextForConditionalGeneration" if next_ else
+           "LlavaForConditionalGeneration",
            "idefics3": "Idefics3ForConditionalGeneration",
            "gemma3": "Gemma3ForConditionalGeneration"}[projector]
     model = getattr(transformers, cls).from_pretrained(vlm_dir, dtype=torch.float32)
@@ -80,6 +82,10 @@ def write_mmproj(vlm_dir: str, path: str | os.PathLike[str], projector: str, *,
         w.add_vision_image_mean(list(CLIP_MEAN))
         w.add_vision_image_std(list(CLIP_STD))
         w.add_vision_use_gelu(vc.hidden_act == "gelu")
+        if next_:  # (flattened (height, width) pairs, as the legacy converter writes them)
+            w.add_array("clip.vision.image_grid_pinpoints",
+                        [int(x) for pin in config.image_grid_pinpoints for x in pin])
+            w.add_string("clip.vision.mm_patch_merge_type", "spatial_unpad")
     qtype = gguf.GGMLQuantizationType[quant] if quant else None
     for name, t in model.state_dict().items():
         if "text_model" in name or "language_model" in name or name.startswith("lm_head") \
@@ -114,7 +120,7 @@ def _mmproj_name(names: Any, name: str) -> str:
     bare = name.removeprefix("model.")
     legacy = bare.replace("vision_tower.", "vision_tower.vision_model.", 1)
     for candidate in (name, bare, legacy):
-        if candidate.endswith("class_embedding"):
+        if not candidate.endswith((".weight", ".bias")):  # a bare parameter (class_embedding)
             found = names.get_name(candidate)
             if found:
                 return found

@@ -100,3 +100,14 @@ def test_llama_servers_mm_flag():
 
     out, said = _translate("-m", "x.gguf", "-mm", "mmproj-x.gguf", "--port=1")
     assert out == ["--model", "x.gguf", "--mmproj", "mmproj-x.gguf", "--port=1"]
+
+
+def test_llava_next_pair_matches_transformers(tiny_llava_next, tmp_path):
+    """LLaVA-NeXT's projector file: the grid pinpoints, spatial unpadding, the newline."""
+    text, mmproj = gguf_pair(tiny_llava_next, tmp_path, "mlp",
+                             "LlavaNextForConditionalGeneration")
+    a = image(130, 45, seed=4)
+    want_ids, want = reference("llava_next", tiny_llava_next, LLAVA, [a], N)
+    engine = vision_engine(text, tokenizer=tiny_llava_next, mmproj=mmproj)
+    ids, new, _ = run(engine, LLAVA, [a])
+    assert ids == want_ids and new == want

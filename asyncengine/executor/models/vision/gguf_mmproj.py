@@ -3,8 +3,9 @@ a GGUF model, as llama.cpp's converters write it (``convert_hf_to_gguf.py --mmpr
 legacy LLaVA converter).
 
 The file's ``clip.*`` metadata becomes a :class:`~spec.VisionSpec` (projector types ``mlp``:
-LLaVA-1.5's CLIP and MLP; ``idefics3``: SmolVLM's SigLIP tiles and pixel shuffle; ``gemma3``:
-Gemma 3's SigLIP and pooling projector) and its tensors load into the same
+LLaVA-1.5's CLIP and MLP, LLaVA-NeXT's with its grid pinpoints and newline; ``idefics3``:
+SmolVLM's SigLIP tiles and pixel shuffle; ``gemma3``: Gemma 3's SigLIP and pooling
+projector) and its tensors load into the same
 :class:`~encoder.ImageEncoder` a safetensors checkpoint builds: on the CPU its quantized
 matrices stay in the file's types (``kquants.GGUFLinear``), the rest (and everything on CUDA)
 is dequantized to the model's dtype. The placeholder tokens are the tokenizer's (the text
@@ -17,6 +18,7 @@ checkpoint it was converted from.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -37,6 +39,7 @@ _GLOBAL = {"v.patch_embd": "vision_tower.embeddings.patch_embedding",
            "mm.model.fc": "multi_modal_projector.modality_projection.proj",
            "mm.soft_emb_norm": "multi_modal_projector.mm_soft_emb_norm"}
 _BARE = {"v.class_embd": "vision_tower.embeddings.class_embedding",
+         "v.image_newline": "image_newline", "model.image_newline": "image_newline",
          "mm.input_projection.weight": "multi_modal_projector.mm_input_projection_weight"}
 _BLOCK_RE = re.compile(r"^v\.blk\.(\d+)\.(\w+)\.(weight|bias)$")
 PROJECTORS = ("mlp", "idefics3", "gemma3")
@@ -99,12 +102,14 @@ def mmproj_spec(md: dict[str, Any], names: set[str], tokenizer: Any) -> VisionSp
         navit_positions=proj == "idefics3")
     side = size // patch
     if proj == "mlp":
-        return VisionSpec(
+        llava = VisionSpec(
             family="llava", tower=tower, connector="llava_mlp", connector_act="gelu",
             processing=ImageProcessing(shortest_edge=size, size=None, crop=(size, size),
                                        resample=3, mean=mean, std=std),
             image_token_id=_token(tokenizer, "<image>"), tokens_per_image=side * side,
             drop_class_token=tower.class_token)
+        return _llava_next(llava, md, names) if md.get("clip.vision.image_grid_pinpoints") \
+            else llava
     if proj == "idefics3":
         scale = int(md.get("clip.vision.projector.scale_factor", 2))
         return VisionSpec(
@@ -124,6 +129,23 @@ def mmproj_spec(md: dict[str, Any], names: set[str], tokenizer: Any) -> VisionSp
         image_token_id=_token(tokenizer, "<image_soft_token>"),
         tokens_per_image=(side // scale) ** 2, prompt_token_id=boi,
         before=("\n\n", boi), after=(eoi, "\n\n"), bidirectional=True)
+
+
+def _llava_next(spec: VisionSpec, md: dict[str, Any], names: set[str]) -> VisionSpec:
+    """LLaVA-NeXT's file: the grid resolutions, unpadding, the newline embedding."""
+    flat = [int(x) for x in md["clip.vision.image_grid_pinpoints"]]
+    merge = md.get("clip.vision.mm_patch_merge_type", "flat")
+    if merge != "spatial_unpad" or len(flat) % 2 or not spec.tower.class_token \
+            or not names & {"v.image_newline", "model.image_newline"}:
+        raise ValueError(f"--mmproj: an anyres projector with patch merge {merge!r} is not "
+                         "supported (LLaVA-NeXT's spatial_unpad with image_newline is)")
+    pins = tuple((flat[i], flat[i + 1]) for i in range(0, len(flat), 2))
+    size = spec.tower.image_size
+    if any(h % size or w % size for h, w in pins):
+        raise ValueError(f"--mmproj: image_grid_pinpoints {pins} are not multiples of the "
+                         f"tower's {size} px")
+    return replace(spec, family="llava_next", layout="anyres", image_newline=True,
+                   processing=replace(spec.processing, pinpoints=pins))
 
 
 def _read(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
