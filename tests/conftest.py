@@ -57,3 +57,30 @@ def tiny_gemma3(tmp_path_factory) -> str:
     from tests.vision_utils import make_tiny_gemma3
 
     return make_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_idefics3(tmp_path_factory) -> str:
+    """A tiny random Idefics3 (SigLIP 32 px tiles, 4 tokens a tile, images up to 96 px: 3 x 3
+    tiles and the global one; a 2-layer Llama) with its processor
+    (``tests/vision_tiling_utils.py``)."""
+    from tests.vision_tiling_utils import make_tiny_idefics3
+
+    return make_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_smolvlm(tmp_path_factory) -> str:
+    """The tiny Idefics3's twin as a ``SmolVLMForConditionalGeneration``."""
+    from tests.vision_tiling_utils import make_tiny_idefics3
+
+    return make_tiny_idefics3(tmp_path_factory.mktemp("tiny-smolvlm"), "SmolVLM")
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_next(tmp_path_factory) -> str:
+    """A tiny random LLaVA-NeXT (CLIP 32 px, anyres grids up to 64 x 64 or 3 x 1; a 2-layer
+    Llama) with its processor (``tests/vision_tiling_utils.py``)."""
+    from tests.vision_tiling_utils import make_tiny_llava_next
+
+    return make_tiny_llava_next(tmp_path_factory.mktemp("tiny-llava-next"))

@@ -10,6 +10,8 @@ plus three keys of the router's own:
 - ``alias``: other names requests may use (a list, or comma-separated);
 - ``load-on-startup``: load it when the server starts.
 
+``mmproj`` (a GGUF model's vision projector file) is relative to ``--models-dir`` too.
+
 llama-server's short and long names are read for the common ones (``c`` / ``ctx-size`` as
 ``max-model-len``, ``chat-template-file`` as ``chat-template``, ``np`` / ``parallel`` as
 ``max-num-seqs``); its ``version`` key and its ``[*]`` section (defaults for every model) are
@@ -33,7 +35,7 @@ _RENAMES = {"c": "max_model_len", "ctx_size": "max_model_len", "np": "max_num_se
 _IGNORED = frozenset({"n_gpu_layers", "ngl", "flash_attn", "fa", "jinja", "ubatch_size", "ub",
                       "mlock", "no_mmap", "cont_batching", "cb", "threads_http", "temp",
                       "top_k", "top_p", "min_p", "presence_penalty", "repeat_penalty",
-                      "cache_reuse", "no_webui", "numa", "version", "mmproj"})
+                      "cache_reuse", "no_webui", "numa", "version"})
 _ROUTER_KEYS = frozenset({"model", "alias", "load_on_startup"})
 
 

@@ -42,6 +42,10 @@ class ModelConfig:
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer path or id "
                                                           "(default: the model's)"})
     revision: str | None = field(default=None, metadata={"help": "hub revision"})
+    mmproj: str | None = field(default=None, metadata={
+        "help": "a GGUF model's vision projector file, as llama-server's --mmproj (llama.cpp's "
+                "clip tensors: projector types mlp, idefics3, gemma3); the model then takes "
+                "images, its placeholder tokens from the tokenizer"})
     dtype: str = field(default="auto", metadata={
         "help": "weights and activations dtype (auto: bfloat16 on CUDA and on CPUs with "
                 "bf16 instructions, else float32)", "choices": DTYPES})

@@ -10,6 +10,7 @@ only when they hold the same image there.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,28 @@ def block_extra_keys(inputs: list[MMInput], start: int, end: int) -> bytes:
     where they start: what a block's prefix-cache hash adds to its token ids."""
     return b"".join(m.hash + m.offset.to_bytes(8, "little")
                     for m in inputs if m.offset < end and m.end > start)
+
+
+@dataclass(frozen=True)
+class ImageRun:
+    """``length`` placeholder tokens in a row whose embeddings are one encoder output (of
+    ``data``: what the encoder reads; None where the run is only counted)."""
+
+    length: int
+    data: Any = None
+
+
+#: One image's sequence in a prompt, as its family's processor writes it: pieces of text
+#: (a string, or a token id) and runs of placeholders. LLaVA-1.5: one run; Gemma 3: text,
+#: a run, text; Idefics3: a run per tile with the tile's row and column tags between.
+ImageLayout = tuple["str | int | ImageRun", ...]
+
+
+def run_hash(image_hash: bytes, index: int, count: int) -> bytes:
+    """The content key of an image's ``index``-th run (the image's own when it has one)."""
+    if count == 1:
+        return image_hash
+    return hashlib.blake2b(image_hash + index.to_bytes(4, "little"), digest_size=32).digest()
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 Discovery follows llama-server: a ``.gguf`` file directly in the directory is a model named by
 its file name without the extension; a subdirectory is a model named by the subdirectory when
 it holds a ``config.json`` (a Hugging Face checkpoint) or a GGUF file (projector files,
-``mmproj*``, are never the model; a split model, ``*-00001-of-0000N.gguf``, is refused when
-loaded). Anything else is skipped.
+``mmproj*``, are never the model: one beside a subdirectory's GGUF model is its ``--mmproj``;
+a split model, ``*-00001-of-0000N.gguf``, is refused when loaded). Anything else is skipped.
 
 Every path a model is read from must stay inside the directory once resolved: ``../``,
 absolute paths and symlinks that leave it are refused (``resolve_inside``), for discovery, for
@@ -92,6 +92,14 @@ def model_file(path: Path) -> Path | None:
     return ggufs[0] if ggufs else None
 
 
+def projector_file(path: Path) -> Path | None:
+    """The vision projector beside a subdirectory's GGUF model: its one ``mmproj*.gguf``."""
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(path.glob("mmproj*.gguf"))
+    return found[0] if len(found) == 1 else None
+
+
 def discover(root: str | Path) -> list[ModelSource]:
     """The models in ``root``, by name, sorted (a ValueError naming ``--models-dir`` when it is
     not a directory)."""
@@ -113,7 +121,9 @@ def discover(root: str | Path) -> list[ModelSource]:
         if file is None:
             continue
         name = entry.name[:-len(".gguf")] if entry.is_file() else entry.name
-        found[name] = ModelSource(name, str(file))
+        projector = projector_file(target)
+        found[name] = ModelSource(name, str(file),
+                                  options={"mmproj": str(projector)} if projector else {})
     return list(found.values())
 
 
@@ -141,7 +151,15 @@ def build_catalog(models_dir: str | None, presets: dict[str, ModelPreset],
                                  "model (a .gguf file or a directory with config.json)")
             source = ModelSource(name, str(file))
         source.aliases = list(preset.aliases)
-        source.options = dict(preset.options)
+        source.options = {**source.options, **preset.options}
+        if preset.options.get("mmproj") is not None:  # read from inside --models-dir too
+            if models_dir is None:
+                raise ValueError(f"--models-preset: [{name}] mmproj needs --models-dir")
+            try:
+                source.options["mmproj"] = str(resolve_inside(models_dir,
+                                                              str(preset.options["mmproj"])))
+            except PathRefused as e:
+                raise ValueError(f"--models-preset: [{name}] mmproj: {e}") from None
         source.load_on_startup = preset.load_on_startup
         sources[name] = source
     if embedded and EMBEDDED not in sources:  # the model `serve` runs without one

@@ -2,8 +2,9 @@
 encoder's pixels off the loop, and their placeholder tokens expanded to one per embedding.
 
 The prompt holds one placeholder token (the model's image token) per image, where the chat
-template or the caller put it; each becomes ``tokens_per_image`` copies, which the
-:class:`~asyncengine.core.multimodal.MMInput` of the request points at."""
+template or the caller put it; each becomes the image's sequence as its family's processor
+writes it (``ImageLayout``: text, and runs of image tokens, one per encoder output), and
+each run becomes an :class:`~asyncengine.core.multimodal.MMInput` of the request."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from asyncengine.core.multimodal import ImageItem, ImagePrompt, MMInput
+from asyncengine.core.multimodal import (
+    ImageItem,
+    ImageLayout,
+    ImagePrompt,
+    ImageRun,
+    MMInput,
+    run_hash,
+)
 from asyncengine.engine.prompts import tokenize_prompt
 
 TEXT_ONLY = "this model takes no images (it is a text-only model)"
@@ -34,12 +42,18 @@ def image_placeholder(engine: Any) -> str | None:
     return engine.tokenizer.hf.convert_ids_to_tokens(token)
 
 
-def expanded_length(engine: Any, ids: list[int]) -> int:
-    """How many tokens ``ids`` become once each image placeholder is expanded."""
+def expanded_ids(engine: Any, text: str, sizes: list[tuple[int, int]],
+                 add_special_tokens: bool) -> list[int]:
+    """The token ids of ``text`` with each image placeholder expanded as the engine expands
+    it, for images of ``sizes`` ((width, height) each, in order; tiling families' counts
+    follow the size): what /tokenize and count_tokens count."""
     encoder = image_encoder(engine)
     if encoder is None:
-        return len(ids)
-    return len(expand_ids(ids, encoder.spec, engine.tokenizer))
+        raise ValueError(TEXT_ONLY)
+    layouts = [encoder.layout(w, h) for w, h in sizes]
+    expanded = expand_text(text, layouts, encoder.spec, engine.tokenizer,
+                           image_placeholder(engine) or "")
+    return engine.tokenizer.encode(expanded, add_special_tokens)
 
 
 def check_images(engine: Any, count: int) -> None:
@@ -65,71 +79,88 @@ async def prompt_inputs(engine: Any, prompt: Any
     encoder = image_encoder(engine)
     spec = encoder.spec
     tokenizer = engine.tokenizer
+    source: list[int] | None = None
     if isinstance(prompt.prompt, str):  # expanded as text, then tokenized (as processors do)
         text: str | None = prompt.prompt  # (outputs echo it as sent, one placeholder each)
-        expanded = expand_text(prompt.prompt, len(images), spec, tokenizer,
-                               image_placeholder(engine) or "")
-        tokenize = (tokenizer.encode, expanded, prompt.add_special_tokens)
     else:
-        text, ids = await tokenize_prompt(tokenizer, prompt.prompt, engine.vocab_size)
-        tokenize = (expand_ids, ids, spec, tokenizer)
+        text, source = await tokenize_prompt(tokenizer, prompt.prompt, engine.vocab_size)
+    placeholder = image_placeholder(engine) or ""
 
-    def work() -> tuple[list[int], list[Any]]:
-        return tokenize[0](*tokenize[1:]), [encoder.process(im.image) for im in images]
+    def work() -> tuple[list[int], list[ImageLayout]]:
+        layouts = [encoder.process(im.image) for im in images]
+        if source is not None:
+            return expand_ids(source, layouts, spec, tokenizer), layouts
+        expanded = expand_text(prompt.prompt, layouts, spec, tokenizer, placeholder)
+        return tokenizer.encode(expanded, prompt.add_special_tokens), layouts
 
-    ids, pixels = await anyio.to_thread.run_sync(work)
-    return text, ids, locate(ids, images, pixels, spec)
+    ids, layouts = await anyio.to_thread.run_sync(work)
+    return text, ids, locate(ids, images, layouts, spec)
 
 
 def _piece(piece: str | int, tokenizer: Any) -> str:
     return piece if isinstance(piece, str) else tokenizer.hf.convert_ids_to_tokens(piece)
 
 
-def expand_text(text: str, count: int, spec: Any, tokenizer: Any, placeholder: str) -> str:
-    """Each ``placeholder`` in ``text`` -> the image's whole sequence (its placeholders and
-    the tokens around them), as the family's processor writes it."""
-    found = text.count(placeholder)
-    if found != count:
-        raise ValueError(f"the prompt has {found} image placeholders ({placeholder}) for "
-                         f"{count} images")
+def _text(layout: ImageLayout, spec: Any, tokenizer: Any) -> str:
     image = _piece(spec.image_token_id, tokenizer)
-    full = ("".join(_piece(p, tokenizer) for p in spec.before) + image * spec.tokens_per_image
-            + "".join(_piece(p, tokenizer) for p in spec.after))
-    return text.replace(placeholder, full)
+    return "".join(image * p.length if isinstance(p, ImageRun) else _piece(p, tokenizer)
+                   for p in layout)
 
 
-def expand_ids(ids: list[int], spec: Any, tokenizer: Any) -> list[int]:
+def expand_text(text: str, layouts: list[ImageLayout], spec: Any, tokenizer: Any,
+                placeholder: str) -> str:
+    """Each ``placeholder`` in ``text`` -> its image's whole sequence (its placeholders and
+    the tokens around them), as the family's processor writes it."""
+    parts = text.split(placeholder)
+    if len(parts) - 1 != len(layouts):
+        raise ValueError(f"the prompt has {len(parts) - 1} image placeholders ({placeholder}) "
+                         f"for {len(layouts)} images")
+    out = [parts[0]]
+    for layout, part in zip(layouts, parts[1:], strict=True):
+        out += [_text(layout, spec, tokenizer), part]
+    return "".join(out)
+
+
+def expand_ids(ids: list[int], layouts: list[ImageLayout], spec: Any, tokenizer: Any
+               ) -> list[int]:
     """The same, for a prompt given as token ids (each piece of text tokenized alone)."""
     prompt_token = spec.prompt_token_id if spec.prompt_token_id is not None \
         else spec.image_token_id
+    found = sum(1 for t in ids if t == prompt_token)
+    if found != len(layouts):
+        raise ValueError(f"the prompt has {found} image placeholders (token {prompt_token}) "
+                         f"for {len(layouts)} images")
 
-    def pieces(parts: tuple[str | int, ...]) -> list[int]:
-        out: list[int] = []
-        for p in parts:
-            out += tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else [p]
-        return out
+    def piece(p: str | int | ImageRun) -> list[int]:
+        if isinstance(p, ImageRun):
+            return [spec.image_token_id] * p.length
+        return tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else [p]
 
-    full = pieces(spec.before) + [spec.image_token_id] * spec.tokens_per_image + \
-        pieces(spec.after)
+    pending = iter(layouts)
     out: list[int] = []
     for t in ids:
-        out += full if t == prompt_token else [t]
+        out += [i for p in next(pending) for i in piece(p)] if t == prompt_token else [t]
     return out
 
 
-def locate(ids: list[int], images: list[ImageItem], pixels: list[Any], spec: Any
+def locate(ids: list[int], images: list[ImageItem], layouts: list[ImageLayout], spec: Any
            ) -> list[MMInput]:
-    """The images' placeholders in an expanded prompt: ``tokens_per_image`` image tokens
-    each, in order (adjacent images' runs split)."""
-    n = spec.tokens_per_image
+    """The images' runs of placeholders in an expanded prompt, in order (adjacent runs of
+    image tokens split by their lengths): one MMInput each."""
+    runs = [[p for p in layout if isinstance(p, ImageRun)] for layout in layouts]
     found = [i for i, t in enumerate(ids) if t == spec.image_token_id]
-    if len(found) != n * len(images):
-        raise ValueError(f"the prompt has {len(found)} image tokens; {len(images)} images "
-                         f"need {n * len(images)}")
+    need = sum(r.length for rs in runs for r in rs)
+    if len(found) != need:
+        raise ValueError(f"the prompt has {len(found)} image tokens; its {len(images)} images "
+                         f"need {need}")
     mm = []
-    for k, (image, px) in enumerate(zip(images, pixels, strict=True)):
-        first = found[k * n]
-        if found[k * n + n - 1] != first + n - 1:
-            raise ValueError("an image's placeholder tokens are not consecutive")
-        mm.append(MMInput(image.hash, first, n, px, whole=spec.bidirectional))
+    k = 0
+    for image, rs in zip(images, runs, strict=True):
+        for j, run in enumerate(rs):
+            first = found[k]
+            if found[k + run.length - 1] != first + run.length - 1:
+                raise ValueError("an image's placeholder tokens are not consecutive")
+            mm.append(MMInput(run_hash(image.hash, j, len(rs)), first, run.length, run.data,
+                              whole=spec.bidirectional))
+            k += run.length
     return mm

@@ -33,7 +33,7 @@ from asyncengine.executor.kv.sizing import (
 )
 from asyncengine.executor.models.classifier import apply_hf_overrides
 from asyncengine.executor.models.registry import architecture_of
-from asyncengine.executor.models.vision.setup import setup_vision
+from asyncengine.executor.models.vision.setup import attach_mmproj, setup_vision
 from asyncengine.executor.models.vision.spec import describe_vision
 from asyncengine.executor.paths.base import PathContext
 from asyncengine.executor.paths.choose import choose
@@ -169,6 +169,8 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
         mc.tokenizer or source.path, gguf_file=None if mc.tokenizer else source.gguf_file,
         revision=mc.revision, chat_template=mc.chat_template)
     tokenizer.byte_pieces()  # the detokenizer's table, built now rather than at a request
+    if mc.mmproj:  # a GGUF model's image side (llama-server's --mmproj)
+        attach_mmproj(model, mc.mmproj, tokenizer, dtype, device)
     if hasattr(model, "bind_tokens"):  # a classifier's head from its vocabulary head's rows
         device.run_at_start_up(lambda: model.bind_tokens(tokenizer.hf))
     model_name = (mc.served_model_name or [source.name])[0]

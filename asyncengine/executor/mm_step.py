@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from asyncengine.core.multimodal import MMInput
@@ -67,8 +66,8 @@ def step_slices(scheduled: list[Any], pending: dict[str, Request], batch: Any,
 
 def encoder_outputs(model: Any, cache: Any, slices: list[MMSlice],
                     device: torch.device) -> dict[bytes, torch.Tensor]:
-    """Each image's encoder output ``[tokens, hidden]``: from the cache, or encoded now (the
-    missing ones of the step in one batch per pixel shape)."""
+    """Each image run's encoder output ``[tokens, hidden]``: from the cache, or encoded now
+    (the missing ones of the step at once: ``ImageEncoder.encode_many``)."""
     outs: dict[bytes, torch.Tensor] = {}
     missing: dict[bytes, MMInput] = {}
     for s in slices:
@@ -80,12 +79,9 @@ def encoder_outputs(model: Any, cache: Any, slices: list[MMSlice],
             outs[key] = hit
         else:
             missing[key] = s.item
-    by_shape: dict[tuple[int, ...], list[MMInput]] = {}
-    for item in missing.values():
-        by_shape.setdefault(tuple(np.shape(item.data)), []).append(item)
-    for items in by_shape.values():
-        pixels = torch.from_numpy(np.stack([it.data for it in items])).to(device)
-        encoded = model.vision.encode(pixels)
+    if missing:
+        items = list(missing.values())
+        encoded = model.vision.encode_many([it.data for it in items], device)
         for it, out in zip(items, encoded, strict=True):
             outs[it.hash] = out
             if cache is not None:

@@ -91,6 +91,25 @@ def test_openai_client_data_url(server, expected):
     assert again.choices[0].message.content == answer
 
 
+def test_tokenize_counts_an_image_as_its_placeholders(server, expected):
+    """/tokenize renders a conversation with an image as the engine sees it: the image is its
+    16 placeholders (not the one token its placeholder text is); a bad image is a 400."""
+    img, _, _ = expected
+    parts = [{"type": "image_url", "image_url": {"url": data_url(img)}},
+             {"type": "text", "text": QUESTION}]
+    status, chat = post(server, "/v1/chat/completions", chat_body(parts, max_tokens=1))
+    assert status == 200, chat
+    status, body = post(server, "/tokenize", {"model": "llava", "messages": [
+        {"role": "user", "content": parts}], "add_generation_prompt": True})
+    assert status == 200, body
+    assert body["count"] == chat["usage"]["prompt_tokens"] == len(body["tokens"])
+    assert body["tokens"].count(max(body["tokens"])) == 16
+    status, body = post(server, "/tokenize", {"model": "llava", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64,AAAA"}}]}]})
+    assert status == 400, body
+
+
 def test_anthropic_client_base64_block(server, expected):
     import anthropic
 

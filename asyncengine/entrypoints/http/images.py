@@ -11,6 +11,7 @@ from asyncengine.core.multimodal import ImagePrompt
 from asyncengine.engine.multimodal import (
     TEXT_ONLY,
     check_images,
+    expanded_ids,
     image_encoder,
     image_placeholder,
 )
@@ -59,6 +60,22 @@ async def chat_prompt(engine: Any, messages: list[ChatMessage], prompt: list[int
     if not urls:
         return prompt
     return await with_images(engine, urls, text, add_special_tokens=False)  # type: ignore
+
+
+async def counted_ids(engine: Any, messages: list[ChatMessage], text: str,
+                      add_special_tokens: bool = False, param: str = "messages") -> list[int]:
+    """The token ids of a conversation's rendered ``text`` as the engine will see them: each
+    image counted as its placeholders. The images are fetched and decoded as for a request
+    (their sizes decide the count for the tiling families), each refusal a 400."""
+    urls = image_urls(messages)
+    if not urls:
+        return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    prompt = await with_images(engine, urls, text, param)
+    sizes = [(im.image.width, im.image.height) for im in prompt.images]
+    try:
+        return expanded_ids(engine, text, sizes, add_special_tokens)
+    except ValueError as e:
+        raise bad_request(str(e), param) from None
 
 
 #: The components of /openapi.json that carry an image (dropped for a text-only model).

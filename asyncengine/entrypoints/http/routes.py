@@ -8,6 +8,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from asyncengine.entrypoints.http.errors import APIError, bad_request
+from asyncengine.entrypoints.http.images import counted_ids
 from asyncengine.entrypoints.http.openai.chat import render_chat
 from asyncengine.entrypoints.http.protocol import DetokenizeRequest, TokenizeRequest
 from asyncengine.entrypoints.http.reasoning import chat_template_kwargs
@@ -125,7 +126,8 @@ async def tokenize(request: web.Request) -> web.Response:
         text = render_chat(engine, body.messages, body.add_generation_prompt is not False,
                            tools=template_tools(body.tools),
                            template_kwargs=chat_template_kwargs(state, body.chat_template_kwargs))
-        ids = engine.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        # (each image counted as its placeholders, as the engine expands it)
+        ids = await counted_ids(engine, body.messages, text, bool(body.add_special_tokens))
     else:
         ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens
                                       is not False)

@@ -209,7 +209,7 @@ FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
 
 
 #: Multimodal checkpoints' model types, whose config nests the language model's.
-MULTIMODAL = ("gemma3", "llava")
+MULTIMODAL = ("gemma3", "llava", "llava_next", "idefics3", "smolvlm")
 
 
 def text_config(config: Any) -> Any:

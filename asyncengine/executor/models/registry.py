@@ -22,6 +22,9 @@ BUILTIN_MODELS: dict[str, type] = {
     "Gemma3ForConditionalGeneration": VisionLM,  # Gemma 3 4B+: SigLIP, the projector, Gemma 3
     "Phi3ForCausalLM": CausalLM,  # Phi-3, Phi-3.5, Phi-4-mini
     "LlavaForConditionalGeneration": VisionLM,  # LLaVA-1.5: CLIP, the MLP projector, Llama
+    "LlavaNextForConditionalGeneration": VisionLM,  # LLaVA-NeXT: anyres tiles, image_newline
+    "Idefics3ForConditionalGeneration": VisionLM,  # SigLIP tiles, the pixel-shuffle connector
+    "SmolVLMForConditionalGeneration": VisionLM,  # SmolVLM: Idefics3's, on SmolLM2
     "MixtralForCausalLM": CausalLM,
     "Qwen2MoeForCausalLM": CausalLM,
     "Qwen3MoeForCausalLM": CausalLM,
@@ -48,6 +51,9 @@ _ARCH_OF_MODEL_TYPE = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
+    "llava_next": "LlavaNextForConditionalGeneration",
+    "idefics3": "Idefics3ForConditionalGeneration",
+    "smolvlm": "SmolVLMForConditionalGeneration",
     "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",

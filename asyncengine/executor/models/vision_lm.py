@@ -1,5 +1,6 @@
 """A vision-language model: the one decoder (``decoder.py``) with an image encoder beside it
-(``vision/``: tower, connector, processor). LLaVA-1.5 today.
+(``vision/``: tower, connector, processor): LLaVA-1.5, LLaVA-NeXT, Gemma 3, Idefics3 and
+SmolVLM.
 
 The decoder is unchanged: a step whose tokens include image placeholders gets the encoder's
 outputs spliced into its input embeddings (``executor/mm_step.py``), and every other step
@@ -24,7 +25,12 @@ _PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "mod
              ("model.vision_tower.", "vision.vision_tower."),
              ("vision_tower.", "vision.vision_tower."),
              ("model.multi_modal_projector.", "vision.multi_modal_projector."),
-             ("multi_modal_projector.", "vision.multi_modal_projector."))
+             ("multi_modal_projector.", "vision.multi_modal_projector."),
+             ("model.image_newline", "vision.image_newline"),  # LLaVA-NeXT
+             ("image_newline", "vision.image_newline"),
+             ("model.text_model.", "model."),  # Idefics3, SmolVLM
+             ("model.vision_model.", "vision.vision_tower."),
+             ("model.connector.", "vision.multi_modal_projector."))
 
 
 class VisionLM(CausalLM):

@@ -24,7 +24,6 @@ from typing import Any
 from aiohttp import web
 
 from asyncengine.core.sampling_params import SamplingParams, StructuredOutputsParams
-from asyncengine.engine.multimodal import expanded_length
 from asyncengine.engine.outputs import CompletionOutput, RequestOutput
 from asyncengine.entrypoints.http.anthropic.protocol import (
     Block,
@@ -55,7 +54,7 @@ from asyncengine.entrypoints.http.anthropic.protocol import (
     chat_tools,
 )
 from asyncengine.entrypoints.http.errors import APIError, bad_request, from_value_error
-from asyncengine.entrypoints.http.images import chat_prompt
+from asyncengine.entrypoints.http.images import chat_prompt, counted_ids
 from asyncengine.entrypoints.http.openai.chat import render_chat
 from asyncengine.entrypoints.http.params import KNOWN_PARAMS
 from asyncengine.entrypoints.http.protocol import ChatMessage
@@ -97,9 +96,9 @@ async def count_tokens(request: web.Request) -> web.Response:
     state = state_of(request)
     body = await read_body(request, CountTokensRequest)
     check_model(state.engine, body.model)
-    text, _, _ = _render(state, body)
-    ids = state.engine.tokenizer.encode(text, add_special_tokens=False)
-    return json_response(CountTokensResponse(expanded_length(state.engine, ids)))
+    text, _, messages = _render(state, body)
+    ids = await counted_ids(state.engine, messages, text)
+    return json_response(CountTokensResponse(len(ids)))
 
 
 async def create_message(request: web.Request) -> web.StreamResponse:

@@ -1,5 +1,6 @@
 """Image processing as transformers' image processors do it (PIL resize, then numpy):
-resize, center crop, rescale, normalize -> float32 ``[3, H, W]``. Runs off the loop."""
+resize, center crop, rescale, normalize -> float32 ``[3, H, W]``. Runs off the loop.
+(Idefics3's tiles and LLaVA-NeXT's anyres grid: ``tiling.py``.)"""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def resized_size(width: int, height: int, p: ImageProcessing) -> tuple[int, int]
 
 def process_image(image: Any, p: ImageProcessing) -> np.ndarray:
     """A PIL RGB image -> pixel values ``[3, H, W]`` (float32)."""
-    image = image.convert("RGB") if image.mode != "RGB" else image
+    image = rgb(image)
     size = resized_size(image.width, image.height, p)
     if size != image.size:
         image = image.resize(size, resample=p.resample)
@@ -36,6 +37,15 @@ def process_image(image: Any, p: ImageProcessing) -> np.ndarray:
             x, h, w = padded, padded.shape[0], padded.shape[1]
         top, left = (h - ch) // 2, (w - cw) // 2
         x = x[top:top + ch, left:left + cw]
+    return normalize(x, p)
+
+
+def rgb(image: Any) -> Any:
+    return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def normalize(x: np.ndarray, p: ImageProcessing) -> np.ndarray:
+    """uint8 ``[H, W, 3]`` -> rescaled, normalized float32 ``[3, H, W]``."""
     x = (x.astype(np.float64) * p.rescale).astype(np.float32)
     x = (x - np.asarray(p.mean, dtype=np.float32)) / np.asarray(p.std, dtype=np.float32)
     return np.ascontiguousarray(x.transpose(2, 0, 1))

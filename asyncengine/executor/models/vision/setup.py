@@ -12,6 +12,19 @@ from asyncengine.executor.models.vision.spec import with_preprocessor_config
 logger = logging.getLogger("asyncengine")
 
 
+def attach_mmproj(model: Any, path: str, tokenizer: Any, dtype: Any, device: Any) -> None:
+    """``--mmproj``: the image encoder of a llama.cpp projector file beside a GGUF model's
+    decoder (``gguf_mmproj.py``)."""
+    from asyncengine.executor.models.vision.gguf_mmproj import load_mmproj
+
+    if getattr(model, "vision", None) is not None:
+        raise ValueError("--mmproj: the model has an image encoder of its own")
+    if not hasattr(model, "embed") or not hasattr(model, "hidden_size"):
+        raise ValueError("--mmproj: only for a generative model")
+    model.vision = device.run_at_start_up(lambda: load_mmproj(
+        path, model.hidden_size, tokenizer, dtype, device.torch_device))
+
+
 def setup_vision(model: Any, runner: Any, config: Any, model_dir: str | None) -> None:
     encoder = model.vision
     encoder.spec = with_preprocessor_config(encoder.spec, model_dir)
@@ -20,8 +33,14 @@ def setup_vision(model: Any, runner: Any, config: Any, model_dir: str | None) ->
         raise ValueError(f"--max-num-batched-tokens {budget}: {encoder.spec.family}'s "
                          f"{encoder.spec.tokens_per_image} tokens per image are computed in "
                          "one step; raise it to at least that")
+    p, size = encoder.spec.processing, encoder.spec.tower.image_size
+    if encoder.spec.layout == "anyres" and (p.crop or p.size or (p.shortest_edge,))[0] != size:
+        raise ValueError(f"{encoder.spec.family}: the image processor's patches are not the "
+                         f"vision tower's {size} px")
     runner.encoder_cache = EncoderCache(config.multimodal.mm_encoder_cache)
     spec = encoder.spec
-    logger.info("images: %s, %d tokens per image (image token %d), encoder cache %d tokens",
-                spec.family, spec.tokens_per_image, spec.image_token_id,
-                config.multimodal.mm_encoder_cache)
+    per = {"idefics3": f"{spec.tokens_per_image} tokens per tile",
+           "anyres": "tokens by the image's size"}.get(spec.layout,
+                                                     f"{spec.tokens_per_image} tokens per image")
+    logger.info("images: %s, %s (image token %d), encoder cache %d tokens", spec.family, per,
+                spec.image_token_id, config.multimodal.mm_encoder_cache)

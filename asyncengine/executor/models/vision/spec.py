@@ -39,6 +39,9 @@ class TowerSpec:
     # -2 of 24 is 23); post_norm: then the tower's final norm (SigLIP's last layer).
     feature_layers: int
     post_norm: bool = False
+    # Idefics3's SigLIP: positions by bucketing fractional patch coordinates (NaViT), which
+    # is not the identity for every grid side.
+    navit_positions: bool = False
 
     @property
     def num_patches(self) -> int:
@@ -56,13 +59,22 @@ class ImageProcessing:
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
     rescale: float = 1 / 255
+    # Idefics3: the longest edge resized to this first, then the image cut into ``tile``-px
+    # squares (with the whole image at ``tile`` px after them) when ``split``.
+    longest_edge: int | None = None
+    tile: int | None = None
+    split: bool = False
+    # LLaVA-NeXT (anyres): the grid resolutions (height, width) an image is fitted to.
+    pinpoints: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
 class VisionSpec:
     family: str
     tower: TowerSpec
-    connector: str  # "llava_mlp" or "gemma3" (avg-pool, soft-embedding norm, projection)
+    # "llava_mlp", "gemma3" (avg-pool, soft-embedding norm, projection) or "pixel_shuffle"
+    # (Idefics3: space to depth by ``scale_factor``, then a projection)
+    connector: str
     connector_act: str
     processing: ImageProcessing
     image_token_id: int  # the placeholder token, repeated once per embedding
@@ -79,6 +91,12 @@ class VisionSpec:
     # Each image's placeholders attend to each other both ways (Gemma 3), so a prefill chunk
     # never ends inside one (``core/multimodal.py``).
     bidirectional: bool = False
+    # How an image becomes placeholders: "fixed" (one run of ``tokens_per_image``),
+    # "idefics3" (a run of ``tokens_per_image`` per tile, tagged with its row and column)
+    # or "anyres" (LLaVA-NeXT: one run whose length follows the image's size).
+    layout: str = "fixed"
+    scale_factor: int = 1
+    image_newline: bool = False  # LLaVA-NeXT: a learned embedding ends each row of patches
 
 
 def _clip_tower(vc: Any, feature_layer: int) -> TowerSpec:
@@ -97,7 +115,8 @@ def _clip_tower(vc: Any, feature_layer: int) -> TowerSpec:
 def _llava(config: Any) -> VisionSpec:
     vc = config.vision_config
     if getattr(vc, "model_type", "") != "clip_vision_model":
-        raise ValueError(f"llava: vision tower {vc.model_type!r} is not supported (only CLIP)")
+        raise ValueError(f"{config.model_type}: vision tower {vc.model_type!r} is not "
+                         "supported (only CLIP)")
     layer = config.vision_feature_layer
     if not isinstance(layer, int):
         raise ValueError("llava: several vision_feature_layer values are not supported")
@@ -142,8 +161,48 @@ def _gemma3(config: Any) -> VisionSpec:
         bidirectional=True)
 
 
+def _llava_next(config: Any) -> VisionSpec:
+    spec = _llava(config)
+    if not spec.drop_class_token:
+        raise ValueError("llava_next: only vision_feature_select_strategy 'default' is "
+                         "supported")
+    pinpoints = tuple((int(h), int(w)) for h, w in config.image_grid_pinpoints)
+    size = config.vision_config.image_size
+    if not pinpoints or any(h % size or w % size for h, w in pinpoints):
+        raise ValueError(f"llava_next: image_grid_pinpoints {pinpoints} are not multiples of "
+                         f"the tower's {size} px")
+    return replace(spec, family="llava_next", layout="anyres", image_newline=True,
+                   processing=replace(spec.processing, pinpoints=pinpoints))
+
+
+def _idefics3(config: Any) -> VisionSpec:
+    """Idefics3 and SmolVLM: SigLIP over tiles, the pixel-shuffle connector, Llama."""
+    vc = config.vision_config
+    tower = TowerSpec(hidden=vc.hidden_size, intermediate=vc.intermediate_size,
+                      num_heads=vc.num_attention_heads, num_layers=vc.num_hidden_layers,
+                      image_size=vc.image_size, patch_size=vc.patch_size,
+                      activation=vc.hidden_act, norm_eps=float(vc.layer_norm_eps),
+                      class_token=False, patch_bias=True, feature_layers=vc.num_hidden_layers,
+                      post_norm=True, navit_positions=True)
+    scale = int(config.scale_factor)
+    side = vc.image_size // vc.patch_size
+    if side % scale:
+        raise ValueError(f"{config.model_type}: scale_factor {scale} does not divide the "
+                         f"tower's {side} patches a side")
+    size = vc.image_size
+    return VisionSpec(
+        family=config.model_type, tower=tower, connector="pixel_shuffle", connector_act="",
+        processing=ImageProcessing(shortest_edge=None, size=None, crop=None, resample=1,
+                                   mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
+                                   longest_edge=4 * size, tile=size, split=True),
+        image_token_id=config.image_token_id, tokens_per_image=(side // scale) ** 2,
+        layout="idefics3", scale_factor=scale)
+
+
 #: model_type -> describer
-VISION_FAMILIES: dict[str, Callable[[Any], VisionSpec]] = {"llava": _llava, "gemma3": _gemma3}
+VISION_FAMILIES: dict[str, Callable[[Any], VisionSpec]] = {
+    "llava": _llava, "gemma3": _gemma3, "llava_next": _llava_next,
+    "idefics3": _idefics3, "smolvlm": _idefics3}
 
 
 def describe_vision(config: Any) -> VisionSpec | None:
@@ -152,17 +211,34 @@ def describe_vision(config: Any) -> VisionSpec | None:
     return fn(config) if fn is not None else None
 
 
+def _image_processor_config(model_dir: str | None) -> dict[str, Any] | None:
+    """``preprocessor_config.json``, or the ``image_processor`` of ``processor_config.json``
+    (where transformers 5 saves it)."""
+    if not model_dir:
+        return None
+    path = Path(model_dir, "preprocessor_config.json")
+    if path.is_file():
+        return json.loads(path.read_text())
+    path = Path(model_dir, "processor_config.json")
+    if path.is_file():
+        inner = json.loads(path.read_text()).get("image_processor")
+        return inner if isinstance(inner, dict) else None
+    return None
+
+
 def with_preprocessor_config(spec: VisionSpec, model_dir: str | None) -> VisionSpec:
-    """The processing numbers of the checkpoint's ``preprocessor_config.json``, if it has one
-    (sizes, filter, mean and std); the tower's defaults otherwise."""
-    path = Path(model_dir or "", "preprocessor_config.json")
-    if not model_dir or not path.is_file():
+    """The processing numbers of the checkpoint's image processor config, if it has one
+    (sizes, filter, mean and std, tiling); the tower's defaults otherwise."""
+    cfg = _image_processor_config(model_dir)
+    if cfg is None:
         return spec
-    cfg = json.loads(path.read_text())
     p = spec.processing
     size = cfg.get("size")
     shortest, fixed = p.shortest_edge, p.size
-    if isinstance(size, dict) and "shortest_edge" in size:
+    longest = p.longest_edge
+    if isinstance(size, dict) and "longest_edge" in size:
+        longest = int(size["longest_edge"])
+    elif isinstance(size, dict) and "shortest_edge" in size:
         shortest, fixed = int(size["shortest_edge"]), None
     elif isinstance(size, dict) and "height" in size:
         shortest, fixed = None, (int(size["height"]), int(size["width"]))
@@ -179,5 +255,13 @@ def with_preprocessor_config(spec: VisionSpec, model_dir: str | None) -> VisionS
         p, shortest_edge=shortest, size=fixed, crop=crop,
         resample=int(cfg.get("resample", p.resample)),
         mean=tuple(cfg.get("image_mean", p.mean)), std=tuple(cfg.get("image_std", p.std)),
-        rescale=float(cfg.get("rescale_factor", p.rescale)))
+        rescale=float(cfg.get("rescale_factor", p.rescale)), longest_edge=longest,
+        split=bool(cfg.get("do_image_splitting", p.split)))
+    if p.tile is not None:  # (the tile stays the tower's size: its position table's)
+        tile = (cfg.get("max_image_size") or {}).get("longest_edge", p.tile)
+        if int(tile) != p.tile:
+            raise ValueError(f"max_image_size {tile} is not the vision tower's {p.tile} px")
+    if cfg.get("image_grid_pinpoints"):
+        processing = replace(processing, pinpoints=tuple(
+            (int(h), int(w)) for h, w in cfg["image_grid_pinpoints"]))
     return replace(spec, processing=processing)

@@ -34,6 +34,7 @@ class _Embeddings(nn.Module):
         if spec.class_token:
             self.class_embedding = nn.Parameter(torch.empty(spec.hidden))
         self.class_token = spec.class_token
+        self.positions = _navit_positions(spec) if spec.navit_positions else None
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         x = self.patch_embedding(pixels.to(self.patch_embedding.weight.dtype))
@@ -41,7 +42,20 @@ class _Embeddings(nn.Module):
         if self.class_token:
             cls = self.class_embedding.expand(x.shape[0], 1, -1)
             x = torch.cat([cls, x], dim=1)
-        return x + self.position_embedding.weight
+        table = self.position_embedding.weight
+        if self.positions is not None:
+            table = table[self.positions.to(table.device)]
+        return x + table
+
+
+def _navit_positions(spec: TowerSpec) -> torch.Tensor:
+    """Idefics3's position ids of a whole tile: fractional coordinates bucketed in float32,
+    as transformers computes them (not the identity for every side)."""
+    n = spec.image_size // spec.patch_size
+    boundaries = torch.arange(1 / n, 1.0, 1 / n)
+    coords = torch.arange(n, dtype=torch.float32) * (1.0 / torch.tensor(n))
+    buckets = torch.bucketize(torch.clamp(coords, max=1.0 - 1e-6), boundaries, right=True)
+    return (buckets[:, None] * n + buckets[None, :]).reshape(-1)
 
 
 class _Attention(nn.Module):
