@@ -181,11 +181,7 @@ class StepLoop:
             engine.kv_transfer.save(tg, step.out)
         metrics = engine.metrics
         if metrics is not None:
-            prompt_tokens = 0
-            for s in step.out.scheduled:
-                start, num_prompt = s.start, len(s.request.prompt_token_ids)
-                if start < num_prompt:
-                    prompt_tokens += min(start + s.num_new_tokens, num_prompt) - start
+            prompt_tokens = step.inputs.num_prompt_tokens
             generated = len(result.sampled_token_ids)
             if step.inputs.spec:
                 generated += record_spec(metrics, step.inputs.spec, result)

@@ -178,6 +178,7 @@ class ModelRunner:
             prompt_tasks=rows.prompt_tasks,
             bitmask=BitmaskSlot() if with_bitmask else None,
             num_tokens=total,
+            num_prompt_tokens=rows.num_prompt_tokens,
             decode_only=decode_only,
             phase=phase,
             graph_batch=graph_batch,

@@ -34,6 +34,7 @@ def assert_same(a: StepRows, b: StepRows) -> None:
             np.testing.assert_array_equal(x, y, err_msg=name)
     assert a.sample_req_ids == b.sample_req_ids
     assert a.sample_pos == b.sample_pos
+    assert a.num_prompt_tokens == b.num_prompt_tokens
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -77,6 +77,7 @@ class StepInputs:
     prompt_tasks: list[PromptLogprobsTask] = field(default_factory=list)
     bitmask: BitmaskSlot | None = None
     num_tokens: int = 0  # real tokens (before any padding)
+    num_prompt_tokens: int = 0  # of which prompt tokens (the rest: outputs, drafts)
     decode_only: bool = False  # every request computes one token
     # decode (every request one token), prefill (prompt chunks only) or mixed: which chain of
     # paths runs the step (``executor/paths/choose.py``).

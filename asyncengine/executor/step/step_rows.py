@@ -53,6 +53,7 @@ class StepRows:
     prev_src: np.ndarray | None = None
     prompt_tasks: list[Any] = field(default_factory=list)
     spec: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    num_prompt_tokens: int = 0  # prompt tokens the step computes (for the metrics)
 
 
 def gather_rows(prev: StepRows | None, out: SchedulerOutput, ib: InputBatch, on_join: Any,
@@ -96,10 +97,13 @@ def gather_rows(prev: StepRows | None, out: SchedulerOutput, ib: InputBatch, on_
     prev_dst, prev_src = firsts[cont].tolist(), pidx[cont].tolist()
     prompt_tasks: list[Any] = []
     row_of, prev_pos = ib.row_of, prev.sample_pos
+    num_prompt = 0
     for i in others:
         s = scheduled[i]
         req, start, m = s.request, s.start, s.num_new_tokens
         rid = req.request_id
+        if start < req.num_prompt_tokens:
+            num_prompt += min(start + m, req.num_prompt_tokens) - start
         row = row_of.get(rid)
         if row is None:
             row = ib.add(req, s.block_ids)
@@ -129,7 +133,7 @@ def gather_rows(prev: StepRows | None, out: SchedulerOutput, ib: InputBatch, on_
         sample_rows=rows[samples], counters=counters[samples],
         sample_next=(starts + lens)[samples],
         sample_pos=dict(zip(sample_req_ids, range(len(sample_req_ids)), strict=True)),
-        prompt_tasks=prompt_tasks)
+        prompt_tasks=prompt_tasks, num_prompt_tokens=num_prompt)
     if prev_dst:
         result.prev_dst = np.array(prev_dst, dtype=np.int64)
         result.prev_src = np.array(prev_src, dtype=np.int64)
@@ -155,9 +159,12 @@ def _gather_each(prev_pos: dict[str, int], out: SchedulerOutput, ib: InputBatch,
     sample_pos: dict[str, int] = {}
     row_of, num_blocks = ib.row_of, ib.num_blocks
     add_id = input_ids.append
+    num_prompt = 0
     for s in out.scheduled:
         req, start, n = s.request, s.start, s.num_new_tokens
         rid = req.request_id
+        if start < req.num_prompt_tokens:
+            num_prompt += min(start + n, req.num_prompt_tokens) - start
         row = row_of.get(rid)
         if row is None:
             row = ib.add(req, s.block_ids)
@@ -210,7 +217,7 @@ def _gather_each(prev_pos: dict[str, int], out: SchedulerOutput, ib: InputBatch,
         sample_rows=np.array(sample_rows, dtype=np.int64),
         counters=np.array(counters, dtype=np.int64),
         sample_next=np.array(sample_next, dtype=np.int64), sample_pos=sample_pos,
-        prompt_tasks=prompt_tasks, spec=spec)
+        prompt_tasks=prompt_tasks, spec=spec, num_prompt_tokens=num_prompt)
     if prev_dst:
         rows.prev_dst = np.array(prev_dst, dtype=np.int64)
         rows.prev_src = np.array(prev_src, dtype=np.int64)
