@@ -164,7 +164,7 @@ def test_engine_greedy_steps_use_it_and_match_transformers(family, tiny_models, 
 def test_argmax_rows_is_torch_argmax(rows, vocab):
     # the sampler's argmax kernel (argmax_rows.cpp) against torch.argmax: ties to the first
     # index, all -inf rows, +inf, a row's first NaN, -0.0 beside +0.0
-    from asyncengine.executor.sampler.argmax import _kernel, argmax_rows
+    from asyncengine.executor.sampler.argmax import _kernel, argmax_rows, greedy_rows
 
     if _kernel() is None:
         pytest.skip("the CPU kernels do not build here")
@@ -179,4 +179,10 @@ def test_argmax_rows_is_torch_argmax(rows, vocab):
     zeros[:, 0] = -0.0
     for case in (x, ties, nans, infs, zeros, torch.full((rows, vocab), float("-inf"))):
         assert torch.equal(argmax_rows(case), case.argmax(dim=-1))
+        # the greedy sampler's pass: the argmax, or -1 where the chosen logit is not finite,
+        # in the kernel and in the fallback (a strided tensor) alike
+        ids = case.argmax(dim=-1)
+        want = torch.where(torch.isfinite(case.gather(1, ids[:, None]).squeeze(1)), ids, -1)
+        assert torch.equal(greedy_rows(case, -1), want)
+        assert torch.equal(greedy_rows(case.t().contiguous().t(), -1), want)
     assert torch.equal(argmax_rows(x.t().contiguous().t()), x.argmax(dim=-1))  # strided

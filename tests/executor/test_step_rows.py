@@ -17,6 +17,7 @@ from asyncengine.core.sched.interface import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from asyncengine.executor.step import step_rows
 from asyncengine.executor.step.input_batch import InputBatch
 from asyncengine.executor.step.step_rows import StepRows, _gather_each, gather_rows
 from tests.core.test_scheduler import make_config, make_request
@@ -38,7 +39,8 @@ def assert_same(a: StepRows, b: StepRows) -> None:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_array_rows_equal_request_by_request_rows(seed):
+def test_array_rows_equal_request_by_request_rows(seed, monkeypatch):
+    monkeypatch.setattr(step_rows, "FEW_ROWS", 0)  # the array path for every step
     rng = random.Random(seed)
     sched = FCFSScheduler(make_config(block_size=4, max_num_seqs=12,
                                       max_num_batched_tokens=40), num_blocks=48)
@@ -83,10 +85,11 @@ def test_array_rows_equal_request_by_request_rows(seed):
     assert mixes["steady"] > 10 and mixes["mixed"] > 10, mixes
 
 
-def test_a_request_id_back_under_a_new_request_is_not_taken_for_the_old_one():
+def test_a_request_id_back_under_a_new_request_is_not_taken_for_the_old_one(monkeypatch):
     """An aborted request's id, reused at once by a request whose one new token sits where
     the old one's next token would have: its input is its own prompt token, not the last
     step's sample, and it gets a row of its own."""
+    monkeypatch.setattr(step_rows, "FEW_ROWS", 0)
     ib = InputBatch(4, 16, 1000, frozenset({0}))
     old = make_request("x", list(range(1, 17)), max_tokens=8)
     other = make_request("y", list(range(100, 110)), max_tokens=8)

@@ -17,15 +17,31 @@ from asyncengine.executor.kernels.build import load
 def _kernel():
     if not layer_ops.ENABLED:
         return None
-    return load("argmax_rows", ("const float*", "int64_t*", "int64_t", "int64_t"))
+    return load("argmax_rows", ("const float*", "int64_t*", "int64_t", "int64_t", "int64_t"))
+
+
+def _on_kernel(x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype is torch.float32 and x.dim() == 2
+            and x.shape[1] > 0 and x.is_contiguous() and not torch.compiler.is_compiling())
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of a 2-D tensor."""
-    if (x.device.type == "cpu" and x.dtype is torch.float32 and x.dim() == 2
-            and x.shape[1] > 0 and x.is_contiguous() and not torch.compiler.is_compiling()
-            and (fn := _kernel()) is not None):
+    if _on_kernel(x) and (fn := _kernel()) is not None:
         ids = torch.empty(x.shape[0], dtype=torch.long)
-        fn(x, ids, x.shape[0], x.shape[1])
+        fn(x, ids, x.shape[0], x.shape[1], 0)
         return ids
     return x.argmax(dim=-1)
+
+
+def greedy_rows(x: torch.Tensor, no_token: int) -> torch.Tensor:
+    """Each row's argmax, or ``no_token`` (< 0) where the row's largest value is not finite
+    (a NaN, +inf, or nothing but -inf): one kernel pass on the CPU; elsewhere ``max``, whose
+    index is the first largest value's (a NaN's where there is one, as ``argmax``), and a
+    ``where``."""
+    if _on_kernel(x) and (fn := _kernel()) is not None:
+        ids = torch.empty(x.shape[0], dtype=torch.long)
+        fn(x, ids, x.shape[0], x.shape[1], no_token)
+        return ids
+    values, ids = x.max(dim=-1)
+    return torch.where(torch.isfinite(values), ids, no_token)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncengine.core.request import PositionLogprobs
-from asyncengine.executor.sampler.argmax import argmax_rows
+from asyncengine.executor.sampler.argmax import greedy_rows
 from asyncengine.executor.sampler.batch import SamplingBatch
 from asyncengine.executor.sampler.flashinfer_sampling import (
     sample_with_flashinfer,
@@ -106,11 +106,8 @@ def _sample_torch(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _greedy(x: torch.Tensor) -> torch.Tensor:
-    ids = argmax_rows(x)
-    # argmax returns a NaN's index if there is one; an all -inf row returns -inf; a +inf
-    # logit means the numbers broke. All show in the chosen value.
-    chosen = x.gather(1, ids[:, None]).squeeze(1)
-    return torch.where(torch.isfinite(chosen), ids, NO_TOKEN)
+    # A NaN, an all -inf row, or a +inf logit (the numbers broke): no token.
+    return greedy_rows(x, NO_TOKEN)
 
 
 def _noise(batch: SamplingBatch, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
