@@ -58,6 +58,9 @@ class StepRows:
     prompt_tasks: list[Any] = field(default_factory=list)
     spec: list[tuple[str, int, list[int]]] = field(default_factory=list)
     num_prompt_tokens: int = 0  # prompt tokens the step computes (for the metrics)
+    # When every request of the step samples once, in step order (no drafts): the requests,
+    # for the next step's check that it schedules the same ones (else None).
+    requests: list[Any] | None = None
 
 
 def gather_rows(prev: StepRows | None, out: SchedulerOutput, ib: InputBatch, on_join: Any,
@@ -70,18 +73,29 @@ def gather_rows(prev: StepRows | None, out: SchedulerOutput, ib: InputBatch, on_
     n = len(scheduled)
     if prev is None or n <= FEW_ROWS or any(map(_DRAFTS, scheduled)):
         return _gather_each(prev.sample_pos if prev else {}, out, ib, on_join, prompt_task)
-    ids = list(map(_ID, map(_REQUEST, scheduled)))
+    requests = list(map(_REQUEST, scheduled))
     lens = np.fromiter(map(_NUM_NEW, scheduled), np.int64, n)
     starts = np.fromiter(map(_START, scheduled), np.int64, n)
-    pidx = np.fromiter(map(prev.sample_pos.get, ids, repeat(-1, n)), np.int64, n)
-    # A request keeps its row while it runs: one whose row went (it finished or was
-    # preempted, and maybe came back under the same id) has none now, or another.
-    rows = np.fromiter(map(ib.row_of.get, ids, repeat(-1, n)), np.int64, n)
-    known = pidx >= 0
-    pi = np.where(known, pidx, 0)
-    cont = known & (lens == 1) & (starts == prev.sample_next[pi]) & \
-        (rows == prev.sample_rows[pi]) if len(prev.sample_next) else np.zeros(n, dtype=bool)
-    counters = prev.counters[pi] + 1 if len(prev.counters) else np.zeros(n, dtype=np.int64)
+    if requests == prev.requests and not out.preempted_req_ids:
+        # The same requests in the same order (by identity), none of them re-admitted: the
+        # last step's rows and ids.
+        ids, sample_pos = prev.sample_req_ids, prev.sample_pos
+        pidx = np.arange(n, dtype=np.int64)
+        rows = prev.sample_rows
+        cont = (lens == 1) & (starts == prev.sample_next)
+        counters = prev.counters + 1
+    else:
+        ids = list(map(_ID, requests))
+        sample_pos = None
+        pidx = np.fromiter(map(prev.sample_pos.get, ids, repeat(-1, n)), np.int64, n)
+        # A request keeps its row while it runs: one whose row went (it finished or was
+        # preempted, and maybe came back under the same id) has none now, or another.
+        rows = np.fromiter(map(ib.row_of.get, ids, repeat(-1, n)), np.int64, n)
+        known = pidx >= 0
+        pi = np.where(known, pidx, 0)
+        cont = known & (lens == 1) & (starts == prev.sample_next[pi]) & \
+            (rows == prev.sample_rows[pi]) if len(prev.sample_next) else np.zeros(n, dtype=bool)
+        counters = prev.counters[pi] + 1 if len(prev.counters) else np.zeros(n, dtype=np.int64)
     num_blocks = np.fromiter(map(len, map(_BLOCK_IDS, scheduled)), np.int64, n)
     for i in np.flatnonzero(cont & (num_blocks > ib.num_blocks[rows])).tolist():
         ib.append_blocks(int(rows[i]), scheduled[i].block_ids)  # ~1 in block_size rows
@@ -91,9 +105,11 @@ def gather_rows(prev: StepRows | None, out: SchedulerOutput, ib: InputBatch, on_
         return StepRows(
             rows=rows, starts=starts, lens=lens, input_ids=np.zeros(n, dtype=np.int64),
             sample_flat=index, sample_req_ids=ids, sample_rows=rows, counters=counters,
-            sample_next=starts + 1, sample_pos=dict(zip(ids, range(n), strict=True)),
-            prev_dst=index, prev_src=pidx)
+            sample_next=starts + 1,
+            sample_pos=sample_pos or dict(zip(ids, range(n), strict=True)),
+            prev_dst=index, prev_src=pidx, requests=requests)
     # Continuing rows as above; the others one by one.
+    rows = rows.copy()  # (it may be the last step's)
     ends = np.cumsum(lens)
     firsts = ends - lens
     input_ids = np.zeros(int(ends[-1]), dtype=np.int64)
@@ -137,7 +153,8 @@ def gather_rows(prev: StepRows | None, out: SchedulerOutput, ib: InputBatch, on_
         sample_rows=rows[samples], counters=counters[samples],
         sample_next=(starts + lens)[samples],
         sample_pos=dict(zip(sample_req_ids, range(len(sample_req_ids)), strict=True)),
-        prompt_tasks=prompt_tasks, num_prompt_tokens=num_prompt)
+        prompt_tasks=prompt_tasks, num_prompt_tokens=num_prompt,
+        requests=requests if len(sample_req_ids) == n else None)
     if prev_dst:
         result.prev_dst = np.array(prev_dst, dtype=np.int64)
         result.prev_src = np.array(prev_src, dtype=np.int64)
@@ -221,7 +238,9 @@ def _gather_each(prev_pos: dict[str, int], out: SchedulerOutput, ib: InputBatch,
         sample_rows=np.array(sample_rows, dtype=np.int64),
         counters=np.array(counters, dtype=np.int64),
         sample_next=np.array(sample_next, dtype=np.int64), sample_pos=sample_pos,
-        prompt_tasks=prompt_tasks, spec=spec, num_prompt_tokens=num_prompt)
+        prompt_tasks=prompt_tasks, spec=spec, num_prompt_tokens=num_prompt,
+        requests=None if spec or len(sample_req_ids) != len(out.scheduled)
+        else [s.request for s in out.scheduled])
     if prev_dst:
         rows.prev_dst = np.array(prev_dst, dtype=np.int64)
         rows.prev_src = np.array(prev_src, dtype=np.int64)
