@@ -77,6 +77,9 @@ class StreamGroup:
         streams, errors = self.streams, self.errors
         for stream in ready:
             stream.queued = False
+            if stream.plain_news():  # the usual stream-step: its new text and ids
+                outputs.append(stream.take_plain())
+                continue
             error = stream.error
             if error is not None:
                 if isinstance(error, EngineDeadError):

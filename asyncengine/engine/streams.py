@@ -138,6 +138,19 @@ class RequestStream:
             return None
         return self._take()
 
+    def plain_news(self) -> bool:
+        """Whether the next output is a plain one with news: a single-sample delta stream,
+        no logprobs, not finished, no error, something new. Then :meth:`take_plain` gives
+        what :meth:`take` would."""
+        if not self._plain or self._error is not None or self._delivered_final:
+            return False
+        s = self.samples[0]
+        return s.finish_reason is None and (
+            s.sent_tokens != s.num_emitted or s.sent_chunks != len(s.detokenizer.chunks))
+
+    def take_plain(self) -> RequestOutput:
+        return self._take_plain(self.samples[0])
+
     def take_text(self) -> str | None:
         """The fast path of :meth:`take` for what most streamed steps deliver: the new text of
         a single-sample delta stream that has not finished and wants no logprobs (possibly
