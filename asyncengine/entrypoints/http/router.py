@@ -138,6 +138,8 @@ def routing_middleware(routed: frozenset) -> Any:
             request[ROUTED] = _state_for(request.app[STATE], registry.resolve(name), engine)
             return await handler(request)
         finally:
+            # A keep-alive connection keeps its last request: not the engine with it.
+            request.pop(ROUTED, None)
             await lease.__aexit__(None, None, None)
 
     return route

@@ -93,10 +93,10 @@ async def serve_router(config: EngineConfig, settings: ServerSettings, rs: Route
                                     ", ".join(s.name for s in sources), "https" if tls else "http",
                                     address[0], address[1], settings.root_path)
                     # What start-up made (modules, the app) is never garbage: frozen, a full
-                    # collection (each unload runs one, to free the engine's cycles at once)
-                    # walks only what came later, and collections come less often, as a
-                    # single-model server has them (engine/gc_policy.py). Never after a load: a
-                    # frozen engine would never be freed.
+                    # collection walks only what came later, and collections come less often,
+                    # as a single-model server has them (engine/gc_policy.py). Never after a
+                    # load: a frozen engine would never be freed. (An unloaded engine is freed
+                    # by reference counting, with no collection: engine/cycles.py.)
                     tune_for_serving()
                     for source in sources:
                         if source.load_on_startup and rs.autoload:
