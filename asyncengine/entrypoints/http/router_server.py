@@ -8,6 +8,7 @@ it again); the server lives on. SIGINT/SIGTERM drain every engine as ``serve`` d
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import signal
@@ -73,6 +74,7 @@ async def serve_router(config: EngineConfig, settings: ServerSettings, rs: Route
     """Serve until SIGINT/SIGTERM (``server.main`` passes the TLS context and how each
     engine's metrics are made, as ``serve`` makes them)."""
     from asyncengine.engine.registry import ModelRegistry
+    from asyncengine.entrypoints.batch.service import batch_jobs
     from asyncengine.entrypoints.http.app import build_app
 
     registry = ModelRegistry(sources, engine_factory(config, make_metrics),
@@ -82,8 +84,11 @@ async def serve_router(config: EngineConfig, settings: ServerSettings, rs: Route
                              if rs.unload_timeout is None else rs.unload_timeout,
                              sleep_idle_s=rs.sleep_idle_s)
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with registry:
+        async with registry, contextlib.AsyncExitStack() as jobs:
             app = build_app(None, None, settings, registry=registry)
+            # The Batch API: each line runs on its model's engine (loaded on demand); the
+            # batches' tasks are cancelled after the drain, as ``serve`` cancels them.
+            await jobs.enter_async_context(batch_jobs(app, config.scheduler.max_num_seqs))
             async with listening(app, settings, tls) as runner:
                 if runner is None:
                     return 1
