@@ -560,29 +560,41 @@ def test_a_client_leaving_during_a_load_does_not_stop_it(models_dir):
     assert run_app(models_dir, body) == ["qwen2"]  # the first load was not abandoned
 
 
-def test_a_presets_lora_adapter_routes_to_its_model(models_dir, tmp_path):
-    """An adapter of a model's preset (lora-modules) is a name requests may use: it loads
-    that model, which serves the adapter."""
+def test_each_models_preset_lora_adapters_route_to_that_model(models_dir, tmp_path):
+    """Adapters of each model's preset (lora-modules) are names requests may use: one loads
+    its model, which serves it with that model's LoRA manager; an adapter is keyed to its
+    model alone, and a name two models' presets both give is refused at start-up."""
     pytest.importorskip("peft")
     from asyncengine.config.models_preset import load_presets
+    from asyncengine.entrypoints.flags.router import RouterSettings
+    from asyncengine.entrypoints.http.router_server import catalog
     from tests.engine.test_lora import ADAPTERS, make_adapter
 
-    adapter = make_adapter(str(models_dir / "llama"), tmp_path / "qv4", *ADAPTERS["qv4"],
-                           seed=3)
+    adapters = {m: make_adapter(str(models_dir / m), tmp_path / m, *ADAPTERS["qv4"], seed=3)
+                for m in ("llama", "qwen2")}
     ini = tmp_path / "models.ini"
-    ini.write_text(f"[llama]\nenable-lora = true\nlora-modules = qv4={adapter}\n")
+    ini.write_text(f"[llama]\nenable-lora = true\nlora-modules = qv4={adapters['llama']}\n"
+                   f"[qwen2]\nenable-lora = true\nlora-modules = q2={adapters['qwen2']}\n")
     sources = build_catalog(str(models_dir), load_presets(ini), False)
+    clash = tmp_path / "clash.ini"
+    clash.write_text(ini.read_text().replace("q2=", "qv4="))
+    with pytest.raises(ValueError, match="--models-preset: \\[qwen2\\].*'qv4'.*\\[llama\\]"):
+        catalog(BASE, RouterSettings(models_dir=str(models_dir), models_preset=str(clash)))
 
     async def body(client, registry):
-        r = await complete(client, "qv4")
-        assert r.status == 200, await r.text()
-        assert (await r.json())["model"] == "qv4"
-        assert registry.entries["llama"].status == "loaded"
+        base = {m: (await (await complete(client, m)).json())["choices"][0]["text"]
+                for m in ("llama", "qwen2")}
+        for adapter, model in (("qv4", "llama"), ("q2", "qwen2")):
+            r = await complete(client, adapter)
+            assert r.status == 200, await r.text()
+            got = await r.json()
+            assert got["model"] == adapter and got["choices"][0]["text"] != base[model]
+            assert registry.entries[model].engine.lora_names() == [adapter]
         unknown = await complete(client, "nope")
         assert "`qv4`" in (await unknown.json())["error"]["message"]
         models = (await (await client.get("/v1/models", headers=AUTH)).json())["data"]
-        assert {"id": "qv4", "parent": "llama"}.items() <= next(
-            m for m in models if m["id"] == "qv4").items()
+        parents = {m["id"]: m.get("parent") for m in models}
+        assert parents["qv4"] == "llama" and parents["q2"] == "qwen2"
         return True
 
     assert run_app(models_dir, body, sources=sources)

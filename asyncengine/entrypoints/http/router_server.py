@@ -22,6 +22,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.config.models_preset import load_presets
 from asyncengine.engine.catalog import ModelSource, build_catalog, engine_config
 from asyncengine.engine.gc_policy import tune_for_serving
+from asyncengine.engine.model_entry import adapter_names
 from asyncengine.entrypoints.flags.router import RouterSettings
 from asyncengine.entrypoints.http.listen import listening
 from asyncengine.entrypoints.http.state import STATE, ServerSettings
@@ -52,6 +53,15 @@ def catalog(config: EngineConfig, rs: RouterSettings) -> list[ModelSource]:
             engine_config(config, source)
         except ValueError as e:
             raise ValueError(f"--models-preset: [{source.name}]: {e}") from None
+    # A request names an adapter as it names a model: each name belongs to one model.
+    owners = {n: s.name for s in sources for n in s.names}
+    for source in sources:
+        for adapter in adapter_names(source):
+            if adapter in owners:
+                raise ValueError(f"--models-preset: [{source.name}]: the LoRA adapter name "
+                                 f"{adapter!r} is taken by [{owners[adapter]}] (a request's "
+                                 "model names one model or adapter: rename one)")
+            owners[adapter] = source.name
     return sources
 
 
