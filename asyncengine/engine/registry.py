@@ -101,9 +101,9 @@ class ModelRegistry(SleepingModels):
             return await self._tg.__aexit__(*exc_info)
         finally:
             self._tg = None
-            for entry in self.entries.values():
+            for entry in self.entries.values():  # (at exit: no check that each is freed)
                 self._forget(entry, entry.status if entry.status == ModelStatus.FAILED
-                             else ModelStatus.UNLOADED)
+                             else ModelStatus.UNLOADED, check=False)
 
     async def drain(self, timeout: float) -> None:
         """Shutdown: every engine stops accepting; in-flight requests get ``timeout``."""
@@ -307,7 +307,7 @@ class ModelRegistry(SleepingModels):
         self._forget(entry, ModelStatus.UNLOADED)
         logger.info("model %s unloaded in %.2fs", entry.name, time.perf_counter() - started)
 
-    def _forget(self, entry: ModelEntry, status: ModelStatus) -> None:
+    def _forget(self, entry: ModelEntry, status: ModelStatus, check: bool = True) -> None:
         """Drop the entry's engine: reference counting frees it, its weights and its KV
         cache at once (``cycles.py``; a full collection only if something still holds it)."""
         engine = entry.engine
@@ -315,7 +315,7 @@ class ModelRegistry(SleepingModels):
         entry.engine = entry._stop = entry._host_done = entry._kv = None
         entry.extras.clear()
         entry.status, entry.sleep_level, entry.memory = status, 0, 0
-        if engine is not None:
+        if engine is not None and check:
             ref = weakref.ref(engine)
             dispose(engine)
             del engine

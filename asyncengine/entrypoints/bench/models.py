@@ -10,7 +10,8 @@ token) of:
 - a warm switch: ``--model`` right after a request to ``--light`` (both loaded);
 - ``--light`` alone, then while ``--heavy`` serves ``--concurrency`` streams.
 
-Each figure but the cold ones is the best (and the median) of ``--repeats``.
+Each figure but the cold ones is the best (and the median) of ``--repeats``. With
+``--cycles N`` it measures N load/unload cycles under load instead (``models_cycles.py``).
 """
 
 from __future__ import annotations
@@ -46,13 +47,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-args", default="",
                         help="more flags for both servers, e.g. '--dtype float32'")
     parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.add_argument("--cycles", type=int, default=0,
+                        help="instead: load and unload --model N times while --light serves "
+                             "--concurrency streams; the server's RSS after each unload, the "
+                             "requests lost, the streams' longest stall")
 
 
 def _spawn(argv: list[str], port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "asyncengine", "serve", *argv, "--port", str(port),
            "--disable-access-log", "--log-level", "warning"]
     log = tempfile.TemporaryFile()  # a pipe left unread could block the server
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    proc.log = log  # type: ignore[attr-defined]  (read when it exits early)
+    return proc
 
 
 async def _wait_ready(session: Any, proc: subprocess.Popen, url: str, timeout: float) -> None:
@@ -61,9 +68,9 @@ async def _wait_ready(session: Any, proc: subprocess.Popen, url: str, timeout: f
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            proc.stderr.seek(0)
+            proc.log.seek(0)
             raise RuntimeError(f"the server exited with {proc.returncode}: "
-                               f"{proc.stderr.read().decode(errors='replace')[-2000:]}")
+                               f"{proc.log.read().decode(errors='replace')[-2000:]}")
         try:
             async with session.get(url + "/health") as r:
                 if r.status == 200:
@@ -210,6 +217,13 @@ def format_figures(f: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.cycles:
+        from asyncengine.entrypoints.bench.models_cycles import format_cycles, run_cycles
+
+        figures = asyncio.run(run_cycles(args))
+        print(format_cycles(figures, args))
+        print(json.dumps(figures))
+        return 0
     figures = asyncio.run(run(args))
     print(format_figures(figures, args))
     print(json.dumps({k: v for k, v in figures.items() if k != "path"}))

@@ -86,6 +86,9 @@ async def serve_router(config: EngineConfig, settings: ServerSettings, rs: Route
     from asyncengine.engine.registry import ModelRegistry
     from asyncengine.entrypoints.batch.service import batch_jobs
     from asyncengine.entrypoints.http.app import build_app
+    from asyncengine.executor.runtime.cpu_malloc import limit_arenas
+
+    limit_arenas()  # loads and unloads in new threads: a few arenas, not 8 a core
 
     registry = ModelRegistry(sources, engine_factory(config, make_metrics),
                              max_models=rs.models_max,
