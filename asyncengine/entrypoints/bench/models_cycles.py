@@ -16,8 +16,8 @@ import shlex
 import time
 from typing import Any
 
-from asyncengine.entrypoints.bench.models import _spawn, _wait_ready, ttft
 from asyncengine.entrypoints.bench.peers import _free_port
+from asyncengine.entrypoints.bench.router_client import _spawn, _wait_ready, ttft
 
 
 def rss_mib(pid: int) -> float:
