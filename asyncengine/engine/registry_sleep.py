@@ -48,6 +48,7 @@ class SleepingModels:
         if level == 2 or engine is None or not KVSleep.possible(engine) or \
                 engine.error is not None:
             # The weights go too: reloaded from file on wake.
+            del engine  # (freed as _forget drops it: cycles.py)
             await self._stop_engine(entry, "put to sleep")
             self._forget(entry, ModelStatus.SLEEPING)
             entry.sleep_level = 2
