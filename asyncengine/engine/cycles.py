@@ -20,7 +20,10 @@ cache go when the registry drops it:
 :func:`freed` (the registry's check) watches, with a weak reference, that a dropped engine is
 gone; when something still holds it after a grace period, one full collection frees it (the
 fallback) and a warning says so, naming what held it, so that the cycle can be found and
-broken here.
+broken here. ``LLMs.unload`` (offline) still needs that collection, logged at INFO: the
+event loop ``anyio.run`` made for the LLM's last ``generate`` leaves frames in cycles (anyio's
+cancelled tasks), and their ``f_back`` chain reaches up to ``generate``'s frame and its
+``self``; only a loop on another thread, or one that outlives the calls, would avoid it.
 """
 
 from __future__ import annotations
@@ -73,9 +76,9 @@ def dispose(engine: Any) -> None:
     engine.emit_listeners = []
 
 
-def free(ref: weakref.ref, what: str) -> bool:
+def free(ref: weakref.ref, what: str, level: int = logging.WARNING) -> bool:
     """After the last reference to an engine is dropped: True when it is gone. Otherwise one
-    full collection (the fallback), logged with what still held it."""
+    full collection (the fallback), logged (at ``level``) with what still held it."""
     engine = ref()
     if engine is None:
         return True
@@ -83,9 +86,9 @@ def free(ref: weakref.ref, what: str) -> bool:
     del engine
     started = time.perf_counter()
     gc.collect()
-    logger.warning("%s: the engine was still referenced after it was dropped (by %s): a full "
-                   "garbage collection freed it in %.2fs", what, holders or "a cycle",
-                   time.perf_counter() - started)
+    logger.log(level, "%s: the engine was still referenced after it was dropped (by %s): a "
+               "full garbage collection freed it in %.2fs", what, holders or "a cycle",
+               time.perf_counter() - started)
     return ref() is None
 
 

@@ -13,6 +13,7 @@ asynchronous API for programs that run their own loop.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -77,7 +78,9 @@ class LLMs:
             ref = weakref.ref(engine)
             dispose(engine)  # reference counting frees it (cycles.py): no full collection
             del llm, engine
-            free(ref, f"model {name}")
+            # Offline, the frames anyio.run leaves in cycles chain up to the LLM's last
+            # generate() (its ``self``): a collection frees it, and no stream waits for it.
+            free(ref, f"model {name}", logging.INFO)
             return_memory()
 
     def generate(self, name: str, prompts: Prompt | Sequence[Prompt],
