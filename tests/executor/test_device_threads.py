@@ -47,3 +47,33 @@ def test_the_loop_thread_stays_batch_scheduled_until_the_last_engine_leaves(monk
     with BatchScheduled():  # entered again afterwards: as the first time
         assert os.sched_getscheduler(0) == os.SCHED_BATCH
     assert os.sched_getscheduler(0) == before
+
+
+def test_two_loads_at_once_keep_the_load_thresholds_until_the_last_ends(monkeypatch):
+    """glibc's malloc thresholds are the process's: two models loading together (a router)
+    set the load's once, and the step loop's come back when the last load ends."""
+    from asyncengine.executor.runtime import cpu_malloc
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+
+        def malloc_trim(self, pad):
+            calls.append(("trim", pad))
+
+    monkeypatch.setattr(cpu_malloc, "keep_step_buffers", lambda: True)
+    monkeypatch.setattr(cpu_malloc.ctypes, "CDLL", lambda name: Libc())
+    load = (cpu_malloc.M_MMAP_THRESHOLD, cpu_malloc.LOAD_MMAP_THRESHOLD)
+    step = (cpu_malloc.M_MMAP_THRESHOLD, cpu_malloc.MMAP_THRESHOLD)
+    first = cpu_malloc.freed_blocks_returned(True)
+    second = cpu_malloc.freed_blocks_returned(True)
+    first.__enter__()
+    second.__enter__()
+    assert calls.count(load) == 1
+    first.__exit__(None, None, None)  # one load ends, the other goes on
+    assert step not in calls
+    second.__exit__(None, None, None)
+    assert calls.count(step) == 1 and calls[-1] == ("trim", 0)
