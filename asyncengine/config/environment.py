@@ -61,6 +61,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("GLIBC_TUNABLES", "",
              "when set, the CPU device leaves glibc's malloc as configured (it otherwise keeps "
              "a step's large buffers in the heap between steps)"),
+    Variable("MALLOC_ARENA_MAX", "",
+             "glibc's arenas at most; when set, a router keeps it (it otherwise limits them "
+             "to 2: each load and unload runs in new threads)"),
     # -- files
     Variable("ASYNCENGINE_CACHE", "",
              "the cache folder (default ~/.cache/asyncengine): GGUF tokenizers converted once"),

@@ -45,14 +45,20 @@ class Aborts:
         self.engine = engine
         self._backlog: dict[str, None] = {}  # waiting requests to finish, in order
         self._reap = anyio.Event()
+        #: What the callers of the requests ``all`` aborted are told (None: the server is
+        #: shutting down); a router names the model it unloads or puts to sleep.
+        self.reason: str | None = None
 
     def reset(self) -> None:
         """Events belong to the event loop that runs the engine (see ``__aenter__``)."""
         self._reap = anyio.Event()
+        self.reason = None
 
     def now(self, request_id: str) -> None:
         """Abort a request whose consumer left (a stream's ``on_abort``)."""
         engine = self.engine
+        if engine is None:  # disposed of (cycles.py): its requests are gone with it
+            return
         stream = engine.outputs.streams.get(request_id)
         if stream is None:
             return
@@ -80,6 +86,8 @@ class Aborts:
 
     def at_once(self, request_id: str) -> None:
         engine = self.engine
+        if engine is None:
+            return
         stream = engine.outputs.streams.get(request_id)
         if stream is None:
             return
@@ -87,8 +95,10 @@ class Aborts:
         engine.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         engine.emit([s.request for s in stream.samples if s.finish_reason is None])
 
-    def all(self) -> None:
-        """Every request with a stream (the engine stops, or a drain timed out)."""
+    def all(self, reason: str | None = None) -> None:
+        """Every request with a stream (the engine stops, or a drain timed out); ``reason``:
+        what their callers are told, unless one was given before."""
+        self.reason = self.reason or reason
         self._backlog.clear()
         for rid in list(self.engine.outputs.streams):
             self.at_once(rid)

@@ -26,6 +26,7 @@ from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.core.sched.interface import SchedulerStats
 from asyncengine.engine.aborts import Aborts
+from asyncengine.engine.cycles import task
 from asyncengine.engine.embedding import embed
 from asyncengine.engine.errors import (
     EngineDeadError,
@@ -92,8 +93,7 @@ class AsyncEngine(LoRAAdapters, GenerateMany):
         self.max_queued_requests = sc.queued_request_limit
         self.aborts = Aborts(self)  # requests whose consumer left (aborts.py)
         self._loop_scope: anyio.CancelScope | None = None
-        # On the CPU device, the loop's thread does not preempt the compute on wakeup.
-        self._sched = BatchScheduled()
+        self._sched = BatchScheduled()  # on the CPU: the loop yields its wakeups to compute
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncEngine:
@@ -105,10 +105,10 @@ class AsyncEngine(LoRAAdapters, GenerateMany):
         self._accepting = True
         if self.device.type == "cpu" and self.parts.parallel is None:
             self._sched.__enter__()  # see thread_policy.py
-        self._tg.start_soon(self._run_step_loop, self._tg)
-        self._tg.start_soon(self.aborts.reap)
+        self._tg.start_soon(task, self._run_step_loop, self._tg)  # (task: cycles.py)
+        self._tg.start_soon(task, self.aborts.reap)
         if self.parts.parallel is not None:
-            self._tg.start_soon(self._watch_workers)
+            self._tg.start_soon(task, self._watch_workers)
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:

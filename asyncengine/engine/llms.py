@@ -13,7 +13,8 @@ asynchronous API for programs that run their own loop.
 
 from __future__ import annotations
 
-import gc
+import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from asyncengine.config import EngineConfig
 from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.engine.catalog import ModelSource, build_catalog, engine_config
+from asyncengine.engine.cycles import dispose, free
 from asyncengine.engine.llm import LLM, Prompt
 from asyncengine.engine.model_entry import ModelNotFound
 from asyncengine.engine.outputs import RequestOutput
@@ -71,9 +73,14 @@ class LLMs:
         """Drop the model's engine: its weights and KV cache are freed."""
         llm = self._loaded.pop(name, None)
         if llm is not None:
-            llm.engine.shutdown()
-            del llm
-            gc.collect()
+            engine = llm.engine
+            engine.shutdown()
+            ref = weakref.ref(engine)
+            dispose(engine)  # reference counting frees it (cycles.py): no full collection
+            del llm, engine
+            # Offline, the frames anyio.run leaves in cycles chain up to the LLM's last
+            # generate() (its ``self``): a collection frees it, and no stream waits for it.
+            free(ref, f"model {name}", logging.INFO)
             return_memory()
 
     def generate(self, name: str, prompts: Prompt | Sequence[Prompt],

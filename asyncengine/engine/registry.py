@@ -22,9 +22,9 @@ estimate (``memory_budget``, bytes), unloading the least recently used idle mode
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -33,6 +33,7 @@ import anyio
 import anyio.abc
 
 from asyncengine.engine.catalog import ModelSource
+from asyncengine.engine.cycles import dispose, free, freed, task
 from asyncengine.engine.model_entry import (
     ModelEntry,
     ModelNotFound,
@@ -42,7 +43,8 @@ from asyncengine.engine.model_entry import (
     reason,
     where,
 )
-from asyncengine.engine.sleep import KVSleep, engine_bytes, return_memory
+from asyncengine.engine.registry_sleep import SleepingModels
+from asyncengine.engine.sleep import engine_bytes, return_memory
 
 __all__ = ["ModelEntry", "ModelNotFound", "ModelRegistry", "ModelStatus", "ModelUnavailable"]
 
@@ -52,7 +54,7 @@ logger = logging.getLogger("asyncengine.models")
 MakeEngine = Callable[[ModelSource], Any]
 
 
-class ModelRegistry:
+class ModelRegistry(SleepingModels):
     """The models of one server, by name and alias (see the module's docstring)."""
 
     def __init__(self, sources: list[ModelSource], make_engine: MakeEngine, *,
@@ -99,9 +101,9 @@ class ModelRegistry:
             return await self._tg.__aexit__(*exc_info)
         finally:
             self._tg = None
-            for entry in self.entries.values():
+            for entry in self.entries.values():  # (at exit: no check that each is freed)
                 self._forget(entry, entry.status if entry.status == ModelStatus.FAILED
-                             else ModelStatus.UNLOADED)
+                             else ModelStatus.UNLOADED, check=False)
 
     async def drain(self, timeout: float) -> None:
         """Shutdown: every engine stops accepting; in-flight requests get ``timeout``."""
@@ -188,24 +190,6 @@ class ModelRegistry:
             await self._transition(entry, "unloading", self._unload)
         return entry
 
-    async def sleep(self, name: str, level: int) -> ModelEntry:
-        if level not in (1, 2):
-            raise ValueError(f"level must be 1 or 2, got {level}")
-        entry = self.resolve(name)
-        await self._settle(entry)
-        if entry.status == ModelStatus.LOADED:
-            await self._transition(entry, "sleeping", lambda e: self._sleep(e, level))
-        elif entry.status == ModelStatus.SLEEPING and level > entry.sleep_level:
-            await self._transition(entry, "sleeping", lambda e: self._sleep(e, level))
-        return entry
-
-    async def wake(self, name: str) -> ModelEntry:
-        entry = self.resolve(name)
-        await self._settle(entry)
-        if entry.status == ModelStatus.SLEEPING:
-            await self._transition(entry, "waking", self._wake)
-        return entry
-
     # -- the transitions ------------------------------------------------------------------------
     async def _transition(self, entry: ModelEntry, what: str,
                           fn: Callable[[ModelEntry], Awaitable[None]]) -> None:
@@ -273,30 +257,26 @@ class ModelRegistry:
         try:
             async with engine:
                 task_status.started()
-                async with anyio.create_task_group() as tg:
-
-                    async def on_failure() -> None:
-                        failure = await engine.wait_failed()
-                        entry.status, entry.error = ModelStatus.FAILED, (
-                            f"the engine failed: {failure}")
-                        logger.error("model %s failed: %s", entry.name, failure)
-                        tg.cancel_scope.cancel()
-
-                    async def on_stop() -> None:
-                        await stop.wait()
-                        tg.cancel_scope.cancel()
-
-                    tg.start_soon(on_failure)
-                    tg.start_soon(on_stop)
+                async with anyio.create_task_group() as tg:  # (no closures: cycles.py)
+                    tg.start_soon(task, self._on_failure, entry, engine, tg.cancel_scope)
+                    tg.start_soon(task, _cancel_when, stop, tg.cancel_scope)
         finally:
             done.set()
             if entry.status == ModelStatus.FAILED and entry.engine is engine:
                 self._forget(entry, ModelStatus.FAILED)
                 self._notify()
 
-    async def _finish_first(self, entry: ModelEntry) -> None:
+    @staticmethod
+    async def _on_failure(entry: ModelEntry, engine: Any, scope: anyio.CancelScope) -> None:
+        failure = await engine.wait_failed()
+        entry.status, entry.error = ModelStatus.FAILED, f"the engine failed: {failure}"
+        logger.error("model %s failed: %s", entry.name, failure)
+        scope.cancel()
+
+    async def _finish_first(self, entry: ModelEntry, why: str = "unloaded") -> None:
         """No new leases (the entry is busy); the leases end or time out, the rest is
-        aborted; then the engine's requests are all gone (an abort is reaped a step later)."""
+        aborted (their callers are told the model was ``why``: unloaded, put to sleep); then
+        the engine's requests are all gone (an abort is reaped a step later)."""
         engine = entry.engine
         if engine is None:
             return
@@ -306,14 +286,16 @@ class ModelRegistry:
         if entry.leases:
             logger.warning("model %s: aborting %d request(s) still running after %.0fs",
                            entry.name, entry.leases, self.drain_timeout)
-            engine.aborts.all()
+            engine.aborts.all(f"The request was aborted: the model `{entry.name}` was {why} "
+                              "(POST /models/load, or a request naming it, loads it again).")
         with anyio.move_on_after(5):
             while entry.leases or engine.num_unfinished_requests:
                 await anyio.sleep(0.01)
+        engine.aborts.reason = None  # (their handlers have answered)
 
-    async def _stop_engine(self, entry: ModelEntry) -> None:
+    async def _stop_engine(self, entry: ModelEntry, why: str = "unloaded") -> None:
         """Finish first, then the engine is left and dropped."""
-        await self._finish_first(entry)
+        await self._finish_first(entry, why)
         if entry._stop is not None:
             entry._stop.set()
         if entry._host_done is not None:
@@ -325,42 +307,29 @@ class ModelRegistry:
         self._forget(entry, ModelStatus.UNLOADED)
         logger.info("model %s unloaded in %.2fs", entry.name, time.perf_counter() - started)
 
-    def _forget(self, entry: ModelEntry, status: ModelStatus) -> None:
-        had = entry.engine is not None or entry._kv is not None
+    def _forget(self, entry: ModelEntry, status: ModelStatus, check: bool = True) -> None:
+        """Drop the entry's engine: reference counting frees it, its weights and its KV
+        cache at once (``cycles.py``; a full collection only if something still holds it)."""
+        engine = entry.engine
+        had = engine is not None or entry._kv is not None
         entry.engine = entry._stop = entry._host_done = entry._kv = None
         entry.extras.clear()
         entry.status, entry.sleep_level, entry.memory = status, 0, 0
+        if engine is not None and check:
+            ref = weakref.ref(engine)
+            dispose(engine)
+            del engine
+            if ref() is not None and self._tg is not None:  # a handler ending holds it yet
+                self._tg.start_soon(self._freed, ref, entry.name)
+                return
+            free(ref, f"model {entry.name}")
         if had:
-            gc.collect()
             return_memory()
 
-    async def _sleep(self, entry: ModelEntry, level: int) -> None:
-        engine = entry.engine
-        if level == 2 or engine is None or not KVSleep.possible(engine) or \
-                engine.error is not None:
-            await self._stop_engine(entry)  # the weights go too: reloaded from file on wake
-            self._forget(entry, ModelStatus.SLEEPING)
-            entry.sleep_level = 2
-            self._notify()
-            return
-        await self._finish_first(entry)
-        entry._kv = KVSleep.release(engine)
-        if entry._kv is None:  # blocks still in use: the weights go too (level 2)
-            await self._sleep(entry, 2)
-            return
-        entry.status, entry.sleep_level = ModelStatus.SLEEPING, 1
-        entry.memory = engine_bytes(engine)
+    @staticmethod
+    async def _freed(ref: weakref.ref, name: str) -> None:
+        await freed(ref, f"model {name}")
         return_memory()
-
-    async def _wake(self, entry: ModelEntry) -> None:
-        if entry.sleep_level == 1 and entry.engine is not None and entry._kv is not None:
-            kv, entry._kv = entry._kv, None
-            await anyio.to_thread.run_sync(kv.restore, entry.engine)
-            entry.status, entry.sleep_level = ModelStatus.LOADED, 0
-            entry.memory = engine_bytes(entry.engine)
-            return
-        entry.status, entry.sleep_level = ModelStatus.UNLOADED, 0
-        await self._load(entry)
 
     async def _make_room(self, entry: ModelEntry, estimate: int) -> None:
         """Unload least recently used models until ``entry`` fits by count and memory."""
@@ -382,18 +351,7 @@ class ModelRegistry:
             else:
                 await self._changed.wait()
 
-    async def _sleep_idle(self) -> None:
-        """llama-server's --sleep-idle-seconds: a model idle that long sleeps (level 1)."""
-        assert self.sleep_idle_s
-        period = min(self.sleep_idle_s / 4, 1.0)
-        while True:
-            await anyio.sleep(period)
-            now = time.monotonic()
-            for entry in list(self.entries.values()):
-                if entry.status == ModelStatus.LOADED and entry.busy is None and \
-                        not entry.leases and now - entry.last_used >= self.sleep_idle_s and \
-                        not entry.engine.outputs.streams:
-                    logger.info("model %s idle for %.0fs: sleeping", entry.name,
-                                now - entry.last_used)
-                    await self.sleep(entry.name, 1)
 
+async def _cancel_when(event: anyio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()

@@ -109,8 +109,10 @@ class RequestStream:
             try:
                 if push(self):
                     return
-            except BaseException as e:  # the consumer's own failure: raise it over there
-                self._error = e
+            except BaseException as e:  # the consumer's own failure: raise it over there,
+                # without its traceback here, which holds emission's frames up the stack and
+                # would keep the engine alive (engine/cycles.py)
+                self._error = e.with_traceback(None)
         self._event.set()
 
     def set_push(self, deliver: Callable[[RequestStream], bool]) -> None:

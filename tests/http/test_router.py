@@ -3,6 +3,8 @@ unloaded LRU, listed with their status (``engine/registry.py``, ``entrypoints/ht
 
 from __future__ import annotations
 
+import contextlib
+import json
 import shutil
 import weakref
 from pathlib import Path
@@ -14,6 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from asyncengine.config import EngineConfig
 from asyncengine.engine.catalog import build_catalog
 from asyncengine.engine.registry import ModelRegistry
+from asyncengine.entrypoints.batch.service import batch_jobs
 from asyncengine.entrypoints.http.app import build_app
 from asyncengine.entrypoints.http.router_server import engine_factory
 from asyncengine.entrypoints.http.server import make_metrics
@@ -40,9 +43,11 @@ def models_dir(tiny_models, tmp_path_factory) -> Path:
 
 def run_app(models_dir: Path, body, *, max_models: int = 4, autoload: bool = True,
             memory_budget: int | None = None, sleep_mode: bool = False, sources=None,
-            sleep_idle_s: float | None = None, drain_timeout: float = 5):
+            sleep_idle_s: float | None = None, drain_timeout: float = 5,
+            batches: bool = False):
     """``body(client, registry)`` against a router app over ``models_dir``; afterwards every
-    engine still alive (and not failed) has its block pool fully free."""
+    engine still alive (and not failed) has its block pool fully free. ``batches``: the Batch
+    API's jobs run (in a temporary directory), as ``serve`` runs them."""
     sources = sources or build_catalog(str(models_dir), {}, embedded=False)
     registry = ModelRegistry(sources, engine_factory(BASE, make_metrics), max_models=max_models,
                              autoload=autoload, memory_budget=memory_budget,
@@ -55,9 +60,12 @@ def run_app(models_dir: Path, body, *, max_models: int = 4, autoload: bool = Tru
     async def main():
         async with registry:
             app = build_app(None, None, settings, registry=registry)
-            async with TestClient(TestServer(app)) as client:
-                with anyio.fail_after(120):
-                    result = await body(client, registry)
+            async with contextlib.AsyncExitStack() as jobs:
+                if batches:
+                    await jobs.enter_async_context(batch_jobs(app, 8))
+                async with TestClient(TestServer(app)) as client:
+                    with anyio.fail_after(120):
+                        result = await body(client, registry)
         for ref in engines:
             engine = ref()
             if engine is None or engine.error is not None:  # freed, or failed as it was
@@ -464,7 +472,7 @@ def test_an_idle_model_sleeps_by_itself_and_the_documents_list_the_routes(models
         doc = await (await client.get("/openapi.json", headers=AUTH)).json()
         assert {"/models", "/models/load", "/models/unload", "/sleep", "/wake_up",
                 "/is_sleeping", "/v1/chat/completions"} <= set(doc["paths"])
-        assert "/v1/batches" not in doc["paths"]
+        assert {"/v1/batches", "/v1/files"} <= set(doc["paths"])
         page = await client.get("/webui/config")
         assert page.status == 200
         return True
@@ -552,29 +560,41 @@ def test_a_client_leaving_during_a_load_does_not_stop_it(models_dir):
     assert run_app(models_dir, body) == ["qwen2"]  # the first load was not abandoned
 
 
-def test_a_presets_lora_adapter_routes_to_its_model(models_dir, tmp_path):
-    """An adapter of a model's preset (lora-modules) is a name requests may use: it loads
-    that model, which serves the adapter."""
+def test_each_models_preset_lora_adapters_route_to_that_model(models_dir, tmp_path):
+    """Adapters of each model's preset (lora-modules) are names requests may use: one loads
+    its model, which serves it with that model's LoRA manager; an adapter is keyed to its
+    model alone, and a name two models' presets both give is refused at start-up."""
     pytest.importorskip("peft")
     from asyncengine.config.models_preset import load_presets
+    from asyncengine.entrypoints.flags.router import RouterSettings
+    from asyncengine.entrypoints.http.router_server import catalog
     from tests.engine.test_lora import ADAPTERS, make_adapter
 
-    adapter = make_adapter(str(models_dir / "llama"), tmp_path / "qv4", *ADAPTERS["qv4"],
-                           seed=3)
+    adapters = {m: make_adapter(str(models_dir / m), tmp_path / m, *ADAPTERS["qv4"], seed=3)
+                for m in ("llama", "qwen2")}
     ini = tmp_path / "models.ini"
-    ini.write_text(f"[llama]\nenable-lora = true\nlora-modules = qv4={adapter}\n")
+    ini.write_text(f"[llama]\nenable-lora = true\nlora-modules = qv4={adapters['llama']}\n"
+                   f"[qwen2]\nenable-lora = true\nlora-modules = q2={adapters['qwen2']}\n")
     sources = build_catalog(str(models_dir), load_presets(ini), False)
+    clash = tmp_path / "clash.ini"
+    clash.write_text(ini.read_text().replace("q2=", "qv4="))
+    with pytest.raises(ValueError, match="--models-preset: \\[qwen2\\].*'qv4'.*\\[llama\\]"):
+        catalog(BASE, RouterSettings(models_dir=str(models_dir), models_preset=str(clash)))
 
     async def body(client, registry):
-        r = await complete(client, "qv4")
-        assert r.status == 200, await r.text()
-        assert (await r.json())["model"] == "qv4"
-        assert registry.entries["llama"].status == "loaded"
+        base = {m: (await (await complete(client, m)).json())["choices"][0]["text"]
+                for m in ("llama", "qwen2")}
+        for adapter, model in (("qv4", "llama"), ("q2", "qwen2")):
+            r = await complete(client, adapter)
+            assert r.status == 200, await r.text()
+            got = await r.json()
+            assert got["model"] == adapter and got["choices"][0]["text"] != base[model]
+            assert registry.entries[model].engine.lora_names() == [adapter]
         unknown = await complete(client, "nope")
         assert "`qv4`" in (await unknown.json())["error"]["message"]
         models = (await (await client.get("/v1/models", headers=AUTH)).json())["data"]
-        assert {"id": "qv4", "parent": "llama"}.items() <= next(
-            m for m in models if m["id"] == "qv4").items()
+        parents = {m["id"]: m.get("parent") for m in models}
+        assert parents["qv4"] == "llama" and parents["q2"] == "qwen2"
         return True
 
     assert run_app(models_dir, body, sources=sources)
@@ -593,18 +613,50 @@ def test_sleep_mode_on_one_model_serves_it_under_its_names(tmp_path, caplog):
     assert alone.name == "default" and "no models in" in caplog.text
 
 
-def test_an_unload_with_no_time_to_finish_ends_streams_with_an_error(models_dir):
-    """--models-unload-timeout 0: the running stream ends at once with an error event."""
+def test_an_unloaded_engine_is_freed_at_once_without_a_collection(models_dir, caplog):
+    """With the collector off, the unloaded engine (its weights, its KV cache) is gone as soon
+    as the unload has answered: nothing keeps it in a reference cycle (engine/cycles.py), so
+    no full collection stalls the other models. Requests of every kind ran on it first, and
+    with --models-unload-timeout 0 a running stream ends at once with an error naming the
+    unloaded model."""
+    import gc
 
     async def body(client, registry):
+        refs = []
+        registry.on_loaded.append(lambda e: refs.append(weakref.ref(e)))
+        assert (await complete(client, "llama")).status == 200
+        for stream in (False, True):
+            r = await client.post("/v1/chat/completions", headers=AUTH, json={
+                "model": "llama", "max_tokens": 4, "stream": stream,
+                "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status == 200 and await r.read()
+        r = await client.post("/v1/messages", headers=AUTH, json={
+            "model": "llama", "max_tokens": 4, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status == 200 and await r.read()
         r = await client.post("/v1/completions", headers=AUTH, json={
             "model": "llama", "prompt": "Once", "max_tokens": 200, "temperature": 0,
             "ignore_eos": True, "stream": True})
         assert (await r.content.readline()).startswith(b"data: ")
-        unload = await client.post("/models/unload", json={"model": "llama"}, headers=AUTH)
-        rest = await r.read()
-        assert unload.status == 200
-        assert b"\"error\"" in rest and rest.rstrip().endswith(b"[DONE]"), rest[-300:]
+        gc.collect()
+        gc.disable()
+        try:
+            unload = await client.post("/models/unload", json={"model": "llama"},
+                                       headers=AUTH)
+            rest = await r.read()
+            assert unload.status == 200
+            assert rest.rstrip().endswith(b"[DONE]"), rest[-300:]
+            error = json.loads(rest.split(b"data: ")[-2])["error"]
+            assert error["code"] == "model_unloaded" and "`llama` was unloaded" in \
+                error["message"] and "shutting down" not in error["message"]
+            for _ in range(50):  # (a handler may be finishing its response)
+                if refs[0]() is None:
+                    break
+                await anyio.sleep(0.01)
+            assert refs[0]() is None
+        finally:
+            gc.enable()
+        assert "garbage collection" not in caplog.text
         return True
 
     assert run_app(models_dir, body, drain_timeout=0)
@@ -625,3 +677,53 @@ def test_a_model_added_after_start_loads_by_its_path(models_dir, tmp_path):
         return True
 
     assert run_app(root, body)
+
+
+def test_a_batch_routes_each_line_to_its_model(models_dir):
+    """The Batch API in router mode: each line's ``model`` picks its engine, loaded on demand
+    as for a request; an unknown model is that line's error, the others go on; each answer is
+    the one the same request gets alone."""
+    import aiohttp
+
+    models = ["llama", "qwen2", "llama", "nope", "qwen2"]
+    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": m, "prompt": f"Hello {i}", "max_tokens": 5, "temperature": 0}}
+             for i, m in enumerate(models)]
+
+    async def body(client, registry):
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", "".join(json.dumps(line) + "\n" for line in lines).encode(),
+                       filename="in.jsonl")
+        up = await client.post("/v1/files", data=form, headers=AUTH)
+        assert up.status == 200, await up.text()
+        r = await client.post("/v1/batches", headers=AUTH, json={
+            "input_file_id": (await up.json())["id"], "endpoint": "/v1/completions",
+            "completion_window": "24h"})
+        assert r.status == 200, await r.text()
+        batch = await r.json()
+        assert set((await status_of(client)).values()) == {"unloaded"}
+        while batch["status"] not in ("completed", "failed"):
+            await anyio.sleep(0.05)
+            batch = await (await client.get(f"/v1/batches/{batch['id']}", headers=AUTH)).json()
+        assert batch["status"] == "completed", batch
+        assert batch["request_counts"] == {"total": 5, "completed": 4, "failed": 1}
+        out = {}
+        for key in ("output_file_id", "error_file_id"):
+            text = await (await client.get(f"/v1/files/{batch[key]}/content",
+                                           headers=AUTH)).text()
+            out.update((o["custom_id"], o) for o in map(json.loads, text.splitlines()))
+        failed = out.pop("line-3")
+        assert failed["error"]["code"] == "model_not_found"
+        assert failed["response"]["status_code"] == 404
+        for i, m in enumerate(models):
+            if m == "nope":
+                continue
+            got = out[f"line-{i}"]["response"]
+            alone = await (await complete(client, m, f"Hello {i}", 5)).json()
+            assert got["status_code"] == 200 and got["body"]["model"] == m
+            assert got["body"]["choices"][0]["text"] == alone["choices"][0]["text"]
+        return True
+
+    assert run_app(models_dir, body, batches=True)
+

@@ -69,9 +69,30 @@ def line_id() -> str:
 async def execute(state: ServerState, line: InputLine, priority: int = BATCH_PRIORITY) -> \
         OutputLine:
     """The line's output line (``error`` set when the route refused it or failed). Raises
-    ``Retry`` when the server, not the line, is why it could not run."""
+    ``Retry`` when the server, not the line, is why it could not run.
+
+    In router mode the line's ``model`` picks the engine, loaded first when it is not (as
+    for a request): the line holds a lease on it while it runs. A model unknown, or one that
+    failed to load, is the line's error."""
     route = ROUTES[line.url]
     call_id = random_id(route.prefix)
+    if state.registry is None:
+        return await _execute(state, line, route, call_id, priority)
+    from asyncengine.entrypoints.http.router import leased_state, named_model
+
+    try:
+        lease = leased_state(state, named_model(state.registry, bytes(line.body)))
+        view = await lease.__aenter__()
+    except APIError as e:
+        return _error_line(line, call_id, e)
+    try:
+        return await _execute(view, line, route, call_id, priority)
+    finally:
+        await lease.__aexit__(None, None, None)
+
+
+async def _execute(state: ServerState, line: InputLine, route: _Route, call_id: str,
+                   priority: int) -> OutputLine:
     try:
         body = decode_body(bytes(line.body), route.body, route.allows(state))
         if getattr(body, "stream", None):
@@ -84,10 +105,14 @@ async def execute(state: ServerState, line: InputLine, priority: int = BATCH_PRI
             raise Retry(error.message) from e
         if not isinstance(e, APIError):
             logger.error("batch line %r failed", line.custom_id, exc_info=e)
-        code = error.code if isinstance(error.code, str) else error.type
-        return OutputLine(id=line_id(), custom_id=line.custom_id,
-                          response=LineResponse(status_code=error.status, request_id=call_id,
-                                                body=error.body()),
-                          error=LineError(code=code, message=error.message))
+        return _error_line(line, call_id, error)
     return OutputLine(id=line_id(), custom_id=line.custom_id,
                       response=LineResponse(status_code=200, request_id=call_id, body=result))
+
+
+def _error_line(line: InputLine, call_id: str, error: APIError) -> OutputLine:
+    code = error.code if isinstance(error.code, str) else error.type
+    return OutputLine(id=line_id(), custom_id=line.custom_id,
+                      response=LineResponse(status_code=error.status, request_id=call_id,
+                                            body=error.body()),
+                      error=LineError(code=code, message=error.message))

@@ -141,7 +141,8 @@ class BatchRunner:
         self._scopes: dict[str, anyio.CancelScope] = {}
 
     def stopping(self) -> bool:
-        return self.state.draining or self.state.engine.error is not None
+        engine = self.state.engine  # (None in router mode: each model fails alone)
+        return self.state.draining or engine is not None and engine.error is not None
 
     def start(self, record: BatchRecord) -> None:
         self.task_group.start_soon(self._run, record, name=f"batch {record.batch.id}")

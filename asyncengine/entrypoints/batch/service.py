@@ -13,11 +13,14 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
+from typing import Any
 
 import anyio
 import anyio.to_thread
 from aiohttp import web
 
+from asyncengine.config import EngineConfig
 from asyncengine.entrypoints.batch.protocol import UNFINISHED
 from asyncengine.entrypoints.batch.runner import Admission, BatchRunner, default_limit
 from asyncengine.entrypoints.batch.store import BatchStore
@@ -46,12 +49,31 @@ def batches_of(request: web.Request) -> tuple[BatchStore, BatchRunner]:
     return request.app[BATCHES].running()
 
 
+class _AllModels:
+    """What ``Admission`` sees of a router's engines: the requests of every loaded model."""
+
+    def __init__(self, registry: Any) -> None:
+        self.registry = registry
+
+    def stats(self) -> SimpleNamespace:
+        running = waiting = 0
+        for entry in self.registry.entries.values():
+            engine = entry.engine
+            if engine is not None and entry.status == "loaded":
+                stats = engine.stats()
+                running, waiting = running + stats.num_running, waiting + stats.num_waiting
+        return SimpleNamespace(num_running=running, num_waiting=waiting)
+
+
 @asynccontextmanager
-async def batch_jobs(app: web.Application) -> AsyncIterator[BatchService]:
+async def batch_jobs(app: web.Application, max_num_seqs: int | None = None) -> \
+        AsyncIterator[BatchService]:
+    """``max_num_seqs``: a router's (its engines' --max-num-seqs), for the default bound on
+    lines in flight; a single-model server's engine says its own."""
     state = app[STATE]
     service = app[BATCHES]
     settings = state.settings
-    engine = state.engine
+    engine = state.engine if state.registry is None else _AllModels(state.registry)
     temporary = None
     root = settings.batch_dir
     if root is None:
@@ -61,7 +83,8 @@ async def batch_jobs(app: web.Application) -> AsyncIterator[BatchService]:
                     "unfinished batches after a restart)", root)
     store = await BatchStore.open(root, settings.max_batch_file_size)
     limit = settings.max_batch_concurrency or default_limit(
-        engine.config.scheduler.max_num_seqs)
+        max_num_seqs or (state.engine.config.scheduler.max_num_seqs if state.engine is not None
+                         else EngineConfig().scheduler.max_num_seqs))
     admission = Admission(engine, limit, paused=lambda: state.draining)
     try:
         async with anyio.create_task_group() as tg:

@@ -10,7 +10,8 @@ token) of:
 - a warm switch: ``--model`` right after a request to ``--light`` (both loaded);
 - ``--light`` alone, then while ``--heavy`` serves ``--concurrency`` streams.
 
-Each figure but the cold ones is the best (and the median) of ``--repeats``.
+Each figure but the cold ones is the best (and the median) of ``--repeats``. With
+``--cycles N`` it measures N load/unload cycles under load instead (``models_cycles.py``).
 """
 
 from __future__ import annotations
@@ -20,13 +21,11 @@ import asyncio
 import json
 import shlex
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from typing import Any
 
 from asyncengine.entrypoints.bench.peers import _free_port
+from asyncengine.entrypoints.bench.router_client import _spawn, _wait_ready, ttft
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,51 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-args", default="",
                         help="more flags for both servers, e.g. '--dtype float32'")
     parser.add_argument("--start-timeout", type=float, default=300.0)
-
-
-def _spawn(argv: list[str], port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "asyncengine", "serve", *argv, "--port", str(port),
-           "--disable-access-log", "--log-level", "warning"]
-    log = tempfile.TemporaryFile()  # a pipe left unread could block the server
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
-
-
-async def _wait_ready(session: Any, proc: subprocess.Popen, url: str, timeout: float) -> None:
-    import aiohttp
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            proc.stderr.seek(0)
-            raise RuntimeError(f"the server exited with {proc.returncode}: "
-                               f"{proc.stderr.read().decode(errors='replace')[-2000:]}")
-        try:
-            async with session.get(url + "/health") as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.05)
-    raise RuntimeError(f"the server did not start in {timeout:.0f}s")
-
-
-async def ttft(session: Any, url: str, model: str | None, max_tokens: int = 1,
-               prompt: str = "Tell me about the sea.") -> float:
-    """Seconds from sending a streamed completion to its first token."""
-    body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                            "temperature": 0, "ignore_eos": True}
-    if model is not None:
-        body["model"] = model
-    start = time.perf_counter()
-    first = None
-    async with session.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"{model}: {r.status} {await r.text()}")
-        async for line in r.content:
-            if first is None and line.startswith(b"data: {") and b'"text"' in line:
-                first = time.perf_counter() - start
-    assert first is not None
-    return first
+    parser.add_argument("--cycles", type=int, default=0,
+                        help="instead: load and unload --model N times while --light serves "
+                             "--concurrency streams; the server's RSS after each unload, the "
+                             "requests lost, the streams' longest stall")
 
 
 async def _router_figures(args: argparse.Namespace, session: Any, url: str) -> dict[str, Any]:
@@ -210,6 +168,13 @@ def format_figures(f: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.cycles:
+        from asyncengine.entrypoints.bench.models_cycles import format_cycles, run_cycles
+
+        figures = asyncio.run(run_cycles(args))
+        print(format_cycles(figures, args))
+        print(json.dumps(figures))
+        return 0
     figures = asyncio.run(run(args))
     print(format_figures(figures, args))
     print(json.dumps({k: v for k, v in figures.items() if k != "path"}))

@@ -16,6 +16,8 @@ the API key, as every route but ``/health``, ``/ping`` and ``/metrics``), and wi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
@@ -92,7 +94,12 @@ def registry_of(request: web.Request) -> ModelRegistry:
 def model_name(request: web.Request, data: bytes | None) -> str:
     """The model a request names: its body's ``model``, else ``?model=``; with one model
     known, that one. A 400 when there is no telling."""
-    name = request.query.get("model")
+    return named_model(registry_of(request), data, request.query.get("model"))
+
+
+def named_model(registry: ModelRegistry, data: bytes | None, name: str | None = None) -> str:
+    """The model a JSON body names (its ``model``, else ``name``); with one model known, that
+    one. A 400 when there is no telling."""
     if data:
         try:
             body = msgspec.json.decode(data, type=_ModelField)
@@ -104,7 +111,6 @@ def model_name(request: web.Request, data: bytes | None) -> str:
             name = body.model
     if name:
         return name
-    registry = registry_of(request)
     if len(registry.entries) == 1:
         return next(iter(registry.entries))
     raise bad_request("model is required: this server serves several models (available: "
@@ -127,20 +133,32 @@ def routing_middleware(routed: frozenset) -> Any:
         if request.match_info.route.handler not in routed:
             return await handler(request)
         data = await request.read() if request.can_read_body else None
-        name = model_name(request, data)
-        registry = registry_of(request)
-        try:
-            lease = registry.use(name)
-            engine = await lease.__aenter__()
-        except (ModelNotFound, ModelUnavailable) as e:
-            raise to_api_error(e) from None
-        try:
-            request[ROUTED] = _state_for(request.app[STATE], registry.resolve(name), engine)
-            return await handler(request)
-        finally:
-            await lease.__aexit__(None, None, None)
+        async with leased_state(request.app[STATE], model_name(request, data)) as state:
+            request[ROUTED] = state
+            try:
+                return await handler(request)
+            finally:
+                # A keep-alive connection keeps its last request: not the engine with it.
+                request.pop(ROUTED, None)
 
     return route
+
+
+@asynccontextmanager
+async def leased_state(app_state: ServerState, name: str) -> AsyncIterator[ServerState]:
+    """The handlers' state bound to the engine of the model ``name`` (loaded or woken first
+    when needed), leased for the block: what a routed handler gets, and a batch's line. An
+    ``APIError`` when the model is unknown or cannot serve."""
+    registry = app_state.registry
+    try:
+        lease = registry.use(name)
+        engine = await lease.__aenter__()
+    except (ModelNotFound, ModelUnavailable) as e:
+        raise to_api_error(e) from None
+    try:
+        yield _state_for(app_state, registry.resolve(name), engine)
+    finally:
+        await lease.__aexit__(None, None, None)
 
 
 def _state_for(app_state: ServerState, entry: ModelEntry, engine: Any) -> ServerState:
@@ -333,16 +351,17 @@ class SleepQuery(msgspec.Struct):
 #: The single-model routes a router answers itself (by path and method).
 _REPLACED = {("GET", "/v1/models"), ("GET", "/v1/models/{model}"), ("GET", "/health"),
              ("GET", "/ping"), ("POST", "/ping"), ("GET", "/metrics")}
-#: Routes a router does not serve (yet): the Batch API's files and batches.
-_LEFT_OUT = ("/v1/files", "/v1/batches")
+#: The Batch API's routes: not routed by model (each line of a batch is, by its own).
+_BATCH_API = ("/v1/files", "/v1/batches")
 
 
 def router_routes(builtin: list[Route], sleep_mode: bool) -> tuple[list[Route], frozenset]:
     """The routes of a router server, and the handlers routed by model: every single-model
     route that takes a request for a model (OpenAI, Anthropic, llama-server, tokenize...)."""
     kept = [r for r in builtin if (r.method, r.path) not in _REPLACED
-            and not r.path.startswith(_LEFT_OUT) and r.path != "/openapi.json"]
-    routed = frozenset(r.handler for r in kept if r.method == "POST" or r.path == "/props")
+            and r.path != "/openapi.json"]
+    routed = frozenset(r.handler for r in kept if (r.method == "POST" or r.path == "/props")
+                       and not r.path.startswith(_BATCH_API))
     own = [
         Route("GET", "/models", list_models, "Every model and its status (router mode)",
               response=RouterModelList),

@@ -8,6 +8,7 @@ it again); the server lives on. SIGINT/SIGTERM drain every engine as ``serve`` d
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import signal
@@ -21,6 +22,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.config.models_preset import load_presets
 from asyncengine.engine.catalog import ModelSource, build_catalog, engine_config
 from asyncengine.engine.gc_policy import tune_for_serving
+from asyncengine.engine.model_entry import adapter_names
 from asyncengine.entrypoints.flags.router import RouterSettings
 from asyncengine.entrypoints.http.listen import listening
 from asyncengine.entrypoints.http.state import STATE, ServerSettings
@@ -51,6 +53,15 @@ def catalog(config: EngineConfig, rs: RouterSettings) -> list[ModelSource]:
             engine_config(config, source)
         except ValueError as e:
             raise ValueError(f"--models-preset: [{source.name}]: {e}") from None
+    # A request names an adapter as it names a model: each name belongs to one model.
+    owners = {n: s.name for s in sources for n in s.names}
+    for source in sources:
+        for adapter in adapter_names(source):
+            if adapter in owners:
+                raise ValueError(f"--models-preset: [{source.name}]: the LoRA adapter name "
+                                 f"{adapter!r} is taken by [{owners[adapter]}] (a request's "
+                                 "model names one model or adapter: rename one)")
+            owners[adapter] = source.name
     return sources
 
 
@@ -73,7 +84,11 @@ async def serve_router(config: EngineConfig, settings: ServerSettings, rs: Route
     """Serve until SIGINT/SIGTERM (``server.main`` passes the TLS context and how each
     engine's metrics are made, as ``serve`` makes them)."""
     from asyncengine.engine.registry import ModelRegistry
+    from asyncengine.entrypoints.batch.service import batch_jobs
     from asyncengine.entrypoints.http.app import build_app
+    from asyncengine.executor.runtime.cpu_malloc import limit_arenas
+
+    limit_arenas()  # loads and unloads in new threads: a few arenas, not 8 a core
 
     registry = ModelRegistry(sources, engine_factory(config, make_metrics),
                              max_models=rs.models_max,
@@ -82,8 +97,11 @@ async def serve_router(config: EngineConfig, settings: ServerSettings, rs: Route
                              if rs.unload_timeout is None else rs.unload_timeout,
                              sleep_idle_s=rs.sleep_idle_s)
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with registry:
+        async with registry, contextlib.AsyncExitStack() as jobs:
             app = build_app(None, None, settings, registry=registry)
+            # The Batch API: each line runs on its model's engine (loaded on demand); the
+            # batches' tasks are cancelled after the drain, as ``serve`` cancels them.
+            await jobs.enter_async_context(batch_jobs(app, config.scheduler.max_num_seqs))
             async with listening(app, settings, tls) as runner:
                 if runner is None:
                     return 1
@@ -93,10 +111,10 @@ async def serve_router(config: EngineConfig, settings: ServerSettings, rs: Route
                                     ", ".join(s.name for s in sources), "https" if tls else "http",
                                     address[0], address[1], settings.root_path)
                     # What start-up made (modules, the app) is never garbage: frozen, a full
-                    # collection (each unload runs one, to free the engine's cycles at once)
-                    # walks only what came later, and collections come less often, as a
-                    # single-model server has them (engine/gc_policy.py). Never after a load: a
-                    # frozen engine would never be freed.
+                    # collection walks only what came later, and collections come less often,
+                    # as a single-model server has them (engine/gc_policy.py). Never after a
+                    # load: a frozen engine would never be freed. (An unloaded engine is freed
+                    # by reference counting, with no collection: engine/cycles.py.)
                     tune_for_serving()
                     for source in sources:
                         if source.load_on_startup and rs.autoload:

@@ -57,6 +57,13 @@ REQUEST_ID_HEADER = "X-Request-Id"
 SHUTDOWN_ABORT = "The request was aborted: the server is shutting down."
 
 
+def aborted(engine: AsyncEngine) -> APIError:
+    """The error of a request its engine aborted: the server shuts down, or (router mode)
+    the engine's model was unloaded or put to sleep (``engine.aborts.reason`` says)."""
+    reason = getattr(getattr(engine, "aborts", None), "reason", None)
+    return APIError(503, reason or SHUTDOWN_ABORT, code="model_unloaded" if reason else None)
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -288,6 +295,9 @@ async def run_sse(request: web.Request, streams: list[RequestStream],
                 await sse.done()
         except ClientGone:
             pass
+        # A stream's error (its ``error``): its traceback's frames hold the stream, a cycle
+        # that would keep the engine alive after an unload (engine/cycles.py).
+        e.__traceback__ = None
     finally:
         sse.release()
     return sse.response

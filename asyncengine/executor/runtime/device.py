@@ -182,16 +182,40 @@ class Device:
 
 
 class CPUDevice(Device):
+    """The CPU: steps run on the worker thread with ``num_threads`` OpenMP threads.
+
+    The number is the worker's own (and its start-up threads'): OpenMP's is a per-thread
+    setting, so two engines of one process (a router) each compute with theirs. What stays
+    process-wide is torch's default for threads that set none (the last engine built sets
+    it) and the cores themselves: two busy engines with a team of every core each share the
+    cores, and give ``--threads`` lower than the core count to split them instead."""
+
     type = "cpu"
 
     def __init__(self, num_threads: int | None = None) -> None:
         super().__init__()
-        import torch
-
-        torch.set_num_threads(num_threads or os.cpu_count() or 1)
+        self.num_threads = num_threads or os.cpu_count() or 1
+        _own_threads(self.num_threads)
         from asyncengine.executor.runtime.cpu_malloc import keep_step_buffers
 
         keep_step_buffers()  # no page faults per step for the step's large buffers
+
+    def _on_worker_start(self) -> None:
+        _own_threads(self.num_threads)
+
+    def run_at_start_up(self, fn: Callable[[], T]) -> T:
+        n = self.num_threads
+        return super().run_at_start_up(lambda: (_own_threads(n), fn())[1])
+
+
+def _own_threads(n: int) -> None:
+    """This thread's OpenMP team: ``n`` threads. torch sets a thread's count from its global
+    default when the thread first asks (``get_num_threads`` does), never again, so asking
+    first keeps this thread's count when another engine sets the default later."""
+    import torch
+
+    torch.get_num_threads()
+    torch.set_num_threads(n)
 
 
 class CUDAStepHandle(StepHandle):

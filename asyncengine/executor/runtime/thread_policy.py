@@ -8,12 +8,17 @@ of the run at 256 streams (``asyncengine bench overhead``, tiny runner). As ``SC
 the loop's thread keeps its fair share of the cores but does not preempt on wakeup, and the
 device waited 2-4%. The worker thread sets itself back to ``SCHED_OTHER`` (threads inherit
 their creator's policy). Linux only; ``ASYNCENGINE_LOOP_SCHED_BATCH=0`` turns it off.
+
+A thread's policy is one per thread, and a router runs several engines on one loop thread:
+the first engine entered sets ``SCHED_BATCH``, the last one to leave restores the policy it
+found (a count per thread), so an unloaded model never takes it from the others.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 
 from asyncengine.config import environment
 
@@ -24,28 +29,46 @@ def _available() -> bool:
     return hasattr(os, "SCHED_BATCH") and environment.on("ASYNCENGINE_LOOP_SCHED_BATCH")
 
 
+#: Per thread id: how many ``BatchScheduled`` hold it, and the policy to restore (None: it
+#: was not ``SCHED_OTHER``, or could not be changed).
+_HELD: dict[int, tuple[int, tuple[int, os.sched_param] | None]] = {}
+
+
 class BatchScheduled:
-    """While entered, the calling thread runs as ``SCHED_BATCH``; its policy is restored on
-    exit. Does nothing where the platform cannot (or when turned off)."""
+    """While entered, the calling thread runs as ``SCHED_BATCH``; its policy is restored when
+    the last one entered on that thread exits (see the module). Does nothing where the
+    platform cannot (or when turned off)."""
 
     def __init__(self) -> None:
-        self._saved: tuple[int, os.sched_param] | None = None
+        self._thread: int | None = None  # the thread it was entered on
 
     def __enter__(self) -> BatchScheduled:
-        if not _available():
+        if not _available() or self._thread is not None:
             return self
+        self._thread = thread = threading.get_ident()
+        held = _HELD.get(thread)
+        if held is not None:
+            _HELD[thread] = (held[0] + 1, held[1])
+            return self
+        saved = None
         try:
-            saved = os.sched_getscheduler(0), os.sched_getparam(0)
-            if saved[0] == os.SCHED_OTHER:
+            policy = os.sched_getscheduler(0), os.sched_getparam(0)
+            if policy[0] == os.SCHED_OTHER:
                 os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-                self._saved = saved
+                saved = policy
         except OSError as e:
             logger.debug("the loop's thread keeps its scheduling policy: %s", e)
+        _HELD[thread] = (1, saved)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        saved, self._saved = self._saved, None
-        if saved is not None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        count, saved = _HELD.pop(thread)
+        if count > 1:
+            _HELD[thread] = (count - 1, saved)
+        elif saved is not None:
             try:
                 os.sched_setscheduler(0, *saved)
             except OSError:

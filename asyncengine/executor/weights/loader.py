@@ -20,6 +20,7 @@ from torch import nn
 
 from asyncengine.executor.models.registry import BUILTIN_MODELS, architecture_of
 from asyncengine.executor.runtime.cpu_flags import cpu_has_bf16 as _cpu_has_bf16
+from asyncengine.executor.runtime.cpu_malloc import freed_blocks_returned
 from asyncengine.executor.weights import hub_access, hub_gguf
 from asyncengine.executor.weights.checkpoint_quant import (
     checkpoint_quantization,
@@ -207,7 +208,7 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
 
     quantization = resolve_auto(from_vllm_method(quantization, quantized), fmt, device,
                                 _gguf_matrix_types(source, fmt), quantized)
-    with _freed_blocks_returned(fmt == "gguf" and device.type == "cpu"):
+    with freed_blocks_returned(fmt == "gguf" and device.type == "cpu"):
         with _default_dtype(dtype), device:
             model = model_cls(config)
         _fill(model, source, fmt, quantization, quantized, dtype, device, seed)
@@ -253,40 +254,6 @@ def _fill(model: nn.Module, source: ModelSource, fmt: str, quantization: str, qu
         from asyncengine.executor.weights.quantization import quantize_model
 
         quantize_model(model, quantization, grids)
-
-
-# While a GGUF file loads, blocks from this size on are mapped and unmapped by glibc's malloc
-# (not kept in its heap): a dequantized tensor and its temporaries, a few MB each, freed a
-# layer later. Under the step loop's thresholds (``cpu_malloc``: up to 32 MB from the heap,
-# never trimmed below 256 MB) the heap kept growing around the packed layers made in between:
-# loading the embedded Q4_1 file as int4 layers (94 MB of them) left the resident set 344 MB
-# above where it began, peaking at 405 MB; with this, and the heap trimmed after, 100 MB,
-# peaking at 205 MB.
-_LOAD_MMAP_THRESHOLD = 256 << 10
-
-
-@contextlib.contextmanager
-def _freed_blocks_returned(on: bool) -> Iterator[None]:
-    """For a load on the CPU (``on``), where the step loop's malloc thresholds apply
-    (``cpu_malloc.keep_step_buffers``; never against the user's ``GLIBC_TUNABLES``): large
-    blocks mapped while it runs, then those thresholds back and the heap's free pages
-    returned to the system."""
-    from asyncengine.executor.runtime import cpu_malloc
-
-    if not (on and cpu_malloc.keep_step_buffers()):
-        yield
-        return
-    import ctypes
-
-    libc = ctypes.CDLL(None)
-    libc.mallopt(cpu_malloc.M_MMAP_THRESHOLD, _LOAD_MMAP_THRESHOLD)
-    libc.mallopt(cpu_malloc.M_TRIM_THRESHOLD, _LOAD_MMAP_THRESHOLD)
-    try:
-        yield
-    finally:
-        libc.mallopt(cpu_malloc.M_MMAP_THRESHOLD, cpu_malloc.MMAP_THRESHOLD)
-        libc.mallopt(cpu_malloc.M_TRIM_THRESHOLD, cpu_malloc.TRIM_THRESHOLD)
-        libc.malloc_trim(0)
 
 
 def _load_gguf_packed(model: nn.Module, source: ModelSource, dtype: torch.dtype) -> None:

@@ -64,7 +64,7 @@ from asyncengine.entrypoints.http.reasoning import (
     plan_reasoning,
 )
 from asyncengine.entrypoints.http.serving import (
-    SHUTDOWN_ABORT,
+    aborted,
     check_model,
     collect,
     json_response,
@@ -194,6 +194,7 @@ class _Message:
     def __init__(self, state: ServerState, id: str, plan: ToolPlan,
                  reasoning: ReasoningPlan) -> None:
         self.id = id
+        self.engine = state.engine  # (its aborts' reason)
         self.model = state.engine.model_name
         self.plan = plan
         self.reasoning = reasoning
@@ -207,7 +208,7 @@ class _Message:
     def final(self, out: RequestOutput) -> MessageObject:
         c = out.outputs[0]
         if c.finish_reason == "abort":
-            raise APIError(503, SHUTDOWN_ABORT)
+            raise aborted(self.engine)
         blocks: list[Block] = []
         answer = c.text
         if self.thinker is not None:
@@ -268,7 +269,7 @@ class _Message:
         data = b""
         c = out.outputs[0]
         if c.finish_reason == "abort":
-            raise APIError(503, SHUTDOWN_ABORT)
+            raise aborted(self.engine)
         if not self.started:
             self.started = True
             start = MessageObject(self.id, self.model, [], None, None,

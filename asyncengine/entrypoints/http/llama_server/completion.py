@@ -31,12 +31,12 @@ from asyncengine.core.multimodal import ImagePrompt
 from asyncengine.core.sampling_params import SamplingParams, StructuredOutputsParams
 from asyncengine.engine.multimodal import image_encoder, image_placeholder
 from asyncengine.engine.outputs import CompletionOutput, RequestOutput
-from asyncengine.entrypoints.http.errors import APIError, bad_request
+from asyncengine.entrypoints.http.errors import bad_request
 from asyncengine.entrypoints.http.images import with_images
 from asyncengine.entrypoints.http.params import to_sampling_params
 from asyncengine.entrypoints.http.protocol import Body, GenerationBody, Int64, TokenId
 from asyncengine.entrypoints.http.serving import (
-    SHUTDOWN_ABORT,
+    aborted,
     check_model,
     collect,
     json_response,
@@ -254,7 +254,7 @@ class _Call:
     def final(self, out: RequestOutput, c: CompletionOutput,
               streamed: bool = False) -> LlamaCompletion:
         if c.finish_reason == "abort":
-            raise APIError(503, SHUTDOWN_ABORT)
+            raise aborted(self.state.engine)
         word = c.finish_reason == "stop" and isinstance(c.stop_reason, str)
         prompt = None
         if not streamed:

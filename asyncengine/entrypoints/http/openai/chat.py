@@ -14,7 +14,7 @@ from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.engine.engine import AsyncEngine
 from asyncengine.engine.outputs import CompletionOutput, RequestOutput
 from asyncengine.engine.streams import RequestStream
-from asyncengine.entrypoints.http.errors import APIError, bad_request
+from asyncengine.entrypoints.http.errors import bad_request
 from asyncengine.entrypoints.http.images import chat_prompt, placeholder_for
 from asyncengine.entrypoints.http.logprobs import chat_logprobs
 from asyncengine.entrypoints.http.params import structured_outputs_of, to_sampling_params
@@ -41,7 +41,7 @@ from asyncengine.entrypoints.http.responses import (
     Usage,
 )
 from asyncengine.entrypoints.http.serving import (
-    SHUTDOWN_ABORT,
+    aborted,
     check_model,
     collect,
     json_response,
@@ -214,7 +214,7 @@ class _Chat:
         choices = []
         for c in out.outputs:
             if c.finish_reason == "abort":
-                raise APIError(503, SHUTDOWN_ABORT)
+                raise aborted(self.state.engine)
             self.completion_tokens[c.index] = c.num_output_tokens
             logprobs = self._logprobs(c, c.token_ids)
             if self.want_logprobs and logprobs is None:
@@ -264,7 +264,7 @@ class _Chat:
             if idx in self.finished:
                 continue
             if c.finish_reason == "abort":
-                raise APIError(503, SHUTDOWN_ABORT)
+                raise aborted(self.state.engine)
             if idx not in self.started:
                 self.started.add(idx)
                 data += self._chunk(ChatChunkChoice(idx, Delta(role="assistant", content="")))

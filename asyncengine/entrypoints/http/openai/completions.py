@@ -9,7 +9,7 @@ from aiohttp import web
 
 from asyncengine.engine.outputs import RequestOutput
 from asyncengine.engine.streams import RequestStream
-from asyncengine.entrypoints.http.errors import APIError, bad_request
+from asyncengine.entrypoints.http.errors import bad_request
 from asyncengine.entrypoints.http.logprobs import CompletionLogprobsBuilder
 from asyncengine.entrypoints.http.params import to_sampling_params
 from asyncengine.entrypoints.http.protocol import CompletionRequest
@@ -21,7 +21,7 @@ from asyncengine.entrypoints.http.responses import (
     Usage,
 )
 from asyncengine.entrypoints.http.serving import (
-    SHUTDOWN_ABORT,
+    aborted,
     check_model,
     collect,
     json_response,
@@ -156,7 +156,7 @@ class _Completion:
             prefix = self._prompt_text(out) if self.echo else ""
             for c in out.outputs:
                 if c.finish_reason == "abort":
-                    raise APIError(503, SHUTDOWN_ABORT)
+                    raise aborted(self.state.engine)
                 idx = i * self.n + c.index
                 self.completion_tokens[idx] = c.num_output_tokens
                 logprobs = None
@@ -181,7 +181,7 @@ class _Completion:
             if idx in self.finished:
                 continue
             if c.finish_reason == "abort":
-                raise APIError(503, SHUTDOWN_ABORT)
+                raise aborted(self.state.engine)
             text = c.delta_text
             logprobs = None
             if idx not in self.started:

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from asyncengine.core.sampling_params import SamplingParams, StructuredOutputsParams
 from asyncengine.engine.outputs import RequestOutput
-from asyncengine.entrypoints.http.errors import APIError, bad_request, from_value_error
+from asyncengine.entrypoints.http.errors import bad_request, from_value_error
 from asyncengine.entrypoints.http.images import chat_prompt
 from asyncengine.entrypoints.http.openai.chat import default_max_tokens, render_chat
 from asyncengine.entrypoints.http.openai.responses_protocol import (
@@ -53,7 +53,7 @@ from asyncengine.entrypoints.http.reasoning import (
     plan_reasoning,
 )
 from asyncengine.entrypoints.http.serving import (
-    SHUTDOWN_ABORT,
+    aborted,
     check_model,
     collect,
     json_response,
@@ -142,6 +142,7 @@ class _Response:
     def __init__(self, state: ServerState, body: ResponsesRequest, id: str,
                  plan: ToolPlan, reasoning: ReasoningPlan | None = None) -> None:
         self.id = id
+        self.engine = state.engine  # (its aborts' reason)
         self.body = body
         self.plan = plan
         self.model = state.engine.model_name
@@ -174,7 +175,7 @@ class _Response:
     def _finish(self, out: RequestOutput) -> None:
         c = out.outputs[0]
         if c.finish_reason == "abort":
-            raise APIError(503, SHUTDOWN_ABORT)
+            raise aborted(self.engine)
         n_in, n_out = len(out.prompt_token_ids), c.num_output_tokens
         ids = c.token_ids if len(c.token_ids) == n_out else self.output_ids
         self.usage = ResponseUsage(  # cached: the prompt's tokens found in the prefix cache
