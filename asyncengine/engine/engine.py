@@ -41,7 +41,7 @@ from asyncengine.engine.output_processor import Emitted
 from asyncengine.engine.outputs import RequestOutput
 from asyncengine.engine.prompts import check_length
 from asyncengine.engine.scoring import model_kind
-from asyncengine.engine.step_loop import StepLoop
+from asyncengine.engine.step_loop import STEP_LOOP_TASK, StepLoop
 from asyncengine.engine.stream_group import GenerateMany
 from asyncengine.engine.streams import RequestStream
 from asyncengine.engine.structured_output import StructuredOutputManager
@@ -105,7 +105,7 @@ class AsyncEngine(LoRAAdapters, GenerateMany):
         self._accepting = True
         if self.device.type == "cpu" and self.parts.parallel is None:
             self._sched.__enter__()  # see thread_policy.py
-        self._tg.start_soon(task, self._run_step_loop, self._tg)  # (task: cycles.py)
+        self._tg.start_soon(task, self._run_step_loop, self._tg, name=STEP_LOOP_TASK)
         self._tg.start_soon(task, self.aborts.reap)
         if self.parts.parallel is not None:
             self._tg.start_soon(task, self._watch_workers)

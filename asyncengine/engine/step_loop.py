@@ -51,6 +51,9 @@ logger = logging.getLogger("asyncengine")
 #: and emission (detokenization, streams, SSE writes and their flush).
 PHASES = ("schedule", "prepare", "enqueue", "update", "emit")
 
+#: The name of the task that runs an engine's step loop (what tools tell it apart by).
+STEP_LOOP_TASK = "asyncengine.engine.AsyncEngine._run_step_loop"
+
 
 @dataclass
 class Step:

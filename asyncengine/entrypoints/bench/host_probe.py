@@ -30,10 +30,7 @@ import types
 from collections.abc import Coroutine
 from typing import Any
 
-from asyncengine.engine.step_loop import PHASES
-
-#: The name's end of the step loop's task (``AsyncEngine._run_step_loop``), not a consumer.
-STEP_LOOP_TASK = "._run_step_loop"
+from asyncengine.engine.step_loop import PHASES, STEP_LOOP_TASK
 
 
 @functools.cache
@@ -137,7 +134,7 @@ class _Timed(Coroutine):
 
     def _check(self) -> None:
         # The task's name is set after the factory returns, before its first step.
-        if self.task.get_name().endswith(STEP_LOOP_TASK):
+        if self.task.get_name() == STEP_LOOP_TASK:
             self._times = None
         self.task = None
 
