@@ -18,45 +18,59 @@ from typing import Any
 
 import torch
 
+Layer = tuple[tuple[int, ...], torch.dtype, torch.device]
+
 
 @dataclass
 class KVSleep:
-    """What waking needs to allocate the cache again: each layer's shape and dtype."""
+    """What waking needs to allocate the caches again: each layer's shape and dtype, for the
+    engine's runner and, with speculative decoding by a draft model, the draft's."""
 
-    layers: list[tuple[tuple[int, ...], torch.dtype, torch.device]]
+    layers: list[list[Layer]]
 
     @staticmethod
     def possible(engine: Any) -> bool:
         return engine.device.type == "cpu" and engine.parts.parallel is None and bool(
             engine.runner.kv_caches)
 
+    @staticmethod
+    def runners(engine: Any) -> list[Any]:
+        """The runners whose caches sleep: the engine's, and its draft model's (if any)."""
+        drafting = getattr(getattr(engine, "loop", None), "drafting", None)
+        draft = getattr(getattr(drafting, "proposer", None), "runner", None)
+        return [engine.runner] + ([draft] if draft is not None else [])
+
     @classmethod
     def release(cls, engine: Any) -> KVSleep | None:
-        """Free the engine's KV cache; None (nothing freed) while a block is still in use."""
-        runner = engine.runner
+        """Free the engine's KV caches; None (nothing freed) while a block is still in use."""
         if engine.num_unfinished_requests or not engine.scheduler.reset_prefix_cache():
             return None  # (cached blocks are forgotten: they would point at nothing)
-        state = cls([(tuple(c.shape), c.dtype, c.device) for c in runner.kv_caches])
-        runner.kv_caches = []
+        runners = cls.runners(engine)
+        state = cls([[(tuple(c.shape), c.dtype, c.device) for c in r.kv_caches]
+                     for r in runners])
+        for runner in runners:
+            runner.kv_caches = []
         return state
 
     def restore(self, engine: Any) -> None:
-        """Allocate the cache again (in a thread: zeroing it is the slow part)."""
-        caches = engine.device.run_at_start_up(lambda: [
-            torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in
-            self.layers])
-        backend = getattr(engine.runner, "attn_backend", None)
-        if backend is not None:
-            backend.bind_kv_cache(caches)
-        engine.runner.kv_caches = caches
+        """Allocate the caches again (in a thread: zeroing them is the slow part)."""
+        for runner, layers in zip(self.runners(engine), self.layers, strict=True):
+            caches = engine.device.run_at_start_up(lambda layers=layers: [
+                torch.zeros(shape, dtype=dtype, device=device)
+                for shape, dtype, device in layers])
+            backend = getattr(runner, "attn_backend", None)
+            if backend is not None:
+                backend.bind_kv_cache(caches)
+            runner.kv_caches = caches
 
 
 def engine_bytes(engine: Any) -> int:
     """The bytes of an engine's weights (each storage once) and KV cache."""
     seen: set[int] = set()
     total = 0
-    model = engine.runner.model
-    for t in (*model.parameters(), *model.buffers()):
+    runners = KVSleep.runners(engine)
+    tensors = [t for r in runners for t in (*r.model.parameters(), *r.model.buffers())]
+    for t in tensors:
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
@@ -65,7 +79,7 @@ def engine_bytes(engine: Any) -> int:
             continue
         seen.add(storage.data_ptr())
         total += storage.nbytes()
-    return total + sum(c.numel() * c.element_size() for c in engine.runner.kv_caches)
+    return total + sum(c.numel() * c.element_size() for r in runners for c in r.kv_caches)
 
 
 def return_memory() -> None:

@@ -64,3 +64,33 @@ def test_a_draft_of_another_vocabulary_is_refused(tiny_llama, tmp_path):
     other = make_tiny_model(tmp_path / "other", "llama", vocab_size=1000)
     with pytest.raises(ValueError, match="--speculative-config.*vocabulary"):
         make_engine(tiny_llama, spec=_spec(other))
+
+
+def test_sleep_level_1_frees_the_drafts_cache_too_and_waking_gives_the_same_tokens(tiny_llama):
+    """Level 1 on the CPU frees the KV caches and keeps the weights: the draft model's cache
+    goes with the target's (engine_bytes counts both), and after waking the output is the
+    same."""
+    from asyncengine.engine.sleep import KVSleep, engine_bytes
+
+    async def main():
+        engine = make_engine(tiny_llama, spec=_spec(tiny_llama, 3))
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        async with engine:
+            before = [o.outputs[0].token_ids for o in await generate_all(engine, PROMPTS,
+                                                                         params)]
+            draft = engine.loop.drafting.proposer.runner
+            awake = engine_bytes(engine)
+            cache = sum(c.numel() * c.element_size()
+                        for r in (engine.runner, draft) for c in r.kv_caches)
+            state = KVSleep.release(engine)
+            assert state is not None and len(state.layers) == 2
+            assert engine.runner.kv_caches == [] and draft.kv_caches == []
+            assert engine_bytes(engine) == awake - cache
+            state.restore(engine)
+            assert engine_bytes(engine) == awake
+            after = [o.outputs[0].token_ids for o in await generate_all(engine, PROMPTS,
+                                                                        params)]
+            assert pool_is_free(engine)
+        assert after == before
+
+    anyio.run(main)
