@@ -520,7 +520,7 @@ def test_load_unload_cycles_under_load_lose_nothing_and_give_memory_back(models_
                 gc.collect()
                 rss.append(_rss_mib())
             stop.set()
-        assert not bad and done[0] > 6
+        assert not bad and done[0] > 3  # (each stream ends the request it has at the stop)
         assert len(freed) == 6 and all(ref() is None for ref in freed)  # no engine lingers
         return rss
 
