@@ -153,3 +153,21 @@ async def greedy(engine: Any, prompt: Any, n: int) -> tuple[list[int], list[int]
                                                             ignore_eos=True)):
         final = out
     return final.prompt_token_ids, final.outputs[0].token_ids, final.num_cached_tokens or 0
+
+
+def first_and_follow_up(engine: Any, prompt: str, follow: str, img: Any, n: int
+                        ) -> tuple[tuple[list[int], list[int], int], ...]:
+    """``greedy`` for ``prompt`` with ``img``, then for ``follow`` (the same conversation one
+    turn on, the same image), on one engine: the second is a prefix hit past the image."""
+    import anyio
+
+    from asyncengine.core.multimodal import ImagePrompt
+    from tests.vision_utils import image_item
+
+    async def main():
+        async with engine:
+            first = await greedy(engine, ImagePrompt(prompt, [image_item(img, b"a")]), n)
+            again = await greedy(engine, ImagePrompt(follow, [image_item(img, b"a")]), n)
+        return first, again
+
+    return anyio.run(main)

@@ -12,6 +12,7 @@ import pytest
 from asyncengine.core.multimodal import ImagePrompt
 from tests.vision_tiling_utils import (
     IDEFICS3_TILE_TOKENS,
+    first_and_follow_up,
     greedy,
     idefics3_processor,
     reference,
@@ -118,14 +119,7 @@ def test_chunked_prefill_and_prefix_hit(tiny_idefics3):
         "Assistant:"
     _, want_follow = reference("idefics3", tiny_idefics3, follow, [a], N)
     engine = vision_engine(tiny_idefics3, max_num_batched_tokens=8)
-
-    async def main():
-        async with engine:
-            first = await greedy(engine, ImagePrompt(PROMPT, [image_item(a, b"a")]), N)
-            again = await greedy(engine, ImagePrompt(follow, [image_item(a, b"a")]), N)
-        return first, again
-
-    first, again = anyio.run(main)
+    first, again = first_and_follow_up(engine, PROMPT, follow, a, N)
     assert first[0] == want_ids and first[1] == want
     assert again[1] == want_follow
     image_token = engine.runner.model.vision.spec.image_token_id

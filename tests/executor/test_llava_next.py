@@ -14,6 +14,7 @@ from tests.vision_tiling_utils import (
     NEXT_PATCH,
     NEXT_PINPOINTS,
     NEXT_SIZE,
+    first_and_follow_up,
     greedy,
     llava_next_processor,
     reference,
@@ -117,14 +118,7 @@ def test_chunked_prefill_and_prefix_hit(tiny_llava_next):
     follow = PROMPT + " something USER: say more ASSISTANT:"
     _, want_follow = reference("llava_next", tiny_llava_next, follow, [a], N)
     engine = vision_engine(tiny_llava_next, max_num_batched_tokens=16)
-
-    async def main():
-        async with engine:
-            first = await greedy(engine, ImagePrompt(PROMPT, [image_item(a, b"a")]), N)
-            again = await greedy(engine, ImagePrompt(follow, [image_item(a, b"a")]), N)
-        return first, again
-
-    first, again = anyio.run(main)
+    first, again = first_and_follow_up(engine, PROMPT, follow, a, N)
     assert first[0] == want_ids and first[1] == want
     assert again[1] == want_follow
     image_token = engine.runner.model.vision.spec.image_token_id

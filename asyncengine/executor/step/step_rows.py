@@ -116,21 +116,14 @@ def gather_rows(prev: StepRows | None, out: SchedulerOutput, ib: InputBatch, on_
     samples = cont.copy()
     prev_dst, prev_src = firsts[cont].tolist(), pidx[cont].tolist()
     prompt_tasks: list[Any] = []
-    row_of, prev_pos = ib.row_of, prev.sample_pos
+    prev_pos = prev.sample_pos
     num_prompt = 0
     for i in others:
         s = scheduled[i]
         req, start, m = s.request, s.start, s.num_new_tokens
         rid = req.request_id
-        if start < req.num_prompt_tokens:
-            num_prompt += min(start + m, req.num_prompt_tokens) - start
-        row = row_of.get(rid)
-        if row is None:
-            row = ib.add(req, s.block_ids)
-            on_join(req)
-        elif len(s.block_ids) > ib.num_blocks[row]:
-            ib.append_blocks(row, s.block_ids)
-        rows[i] = row
+        num_prompt += _prompt_tokens(req, start, m)
+        rows[i] = _row(ib, s, on_join)
         first = int(firsts[i])
         tokens = req.all_token_ids
         known_end = min(start + m, len(tokens))
@@ -178,20 +171,13 @@ def _gather_each(prev_pos: dict[str, int], out: SchedulerOutput, ib: InputBatch,
     prompt_tasks: list[Any] = []
     spec: list[tuple[str, int, list[int]]] = []
     sample_pos: dict[str, int] = {}
-    row_of, num_blocks = ib.row_of, ib.num_blocks
     add_id = input_ids.append
     num_prompt = 0
     for s in out.scheduled:
         req, start, n = s.request, s.start, s.num_new_tokens
         rid = req.request_id
-        if start < req.num_prompt_tokens:
-            num_prompt += min(start + n, req.num_prompt_tokens) - start
-        row = row_of.get(rid)
-        if row is None:
-            row = ib.add(req, s.block_ids)
-            on_join(req)
-        elif len(s.block_ids) > num_blocks[row]:
-            ib.append_blocks(row, s.block_ids)
+        num_prompt += _prompt_tokens(req, start, n)
+        row = _row(ib, s, on_join)
         first = len(input_ids)
         tokens = req.all_token_ids
         drafts = s.spec_token_ids
@@ -245,3 +231,22 @@ def _gather_each(prev_pos: dict[str, int], out: SchedulerOutput, ib: InputBatch,
         rows.prev_dst = np.array(prev_dst, dtype=np.int64)
         rows.prev_src = np.array(prev_src, dtype=np.int64)
     return rows
+
+
+def _row(ib: InputBatch, s: Any, on_join: Any) -> int:
+    """The scheduled request's persistent row: a new one when it joins (``on_join`` told),
+    with the blocks it has gained since the last step appended."""
+    req = s.request
+    row = ib.row_of.get(req.request_id)
+    if row is None:
+        row = ib.add(req, s.block_ids)
+        on_join(req)
+    elif len(s.block_ids) > ib.num_blocks[row]:
+        ib.append_blocks(row, s.block_ids)
+    return row
+
+
+def _prompt_tokens(req: Any, start: int, n: int) -> int:
+    """How many of the tokens ``[start, start + n)`` are the request's prompt's."""
+    num_prompt = req.num_prompt_tokens
+    return min(start + n, num_prompt) - start if start < num_prompt else 0
