@@ -155,10 +155,10 @@ async def greedy(engine: Any, prompt: Any, n: int) -> tuple[list[int], list[int]
     return final.prompt_token_ids, final.outputs[0].token_ids, final.num_cached_tokens or 0
 
 
-def first_and_follow_up(engine: Any, prompt: str, follow: str, img: Any, n: int
-                        ) -> tuple[tuple[list[int], list[int], int], ...]:
-    """``greedy`` for ``prompt`` with ``img``, then for ``follow`` (the same conversation one
-    turn on, the same image), on one engine: the second is a prefix hit past the image."""
+def greedy_in_turn(engine: Any, prompts: list[tuple[str, list[Any]]], n: int
+                   ) -> list[tuple[list[int], list[int], int]]:
+    """``greedy`` for each (prompt, images) in turn, on one engine (a later turn of the same
+    conversation is a prefix hit past its images)."""
     import anyio
 
     from asyncengine.core.multimodal import ImagePrompt
@@ -166,8 +166,8 @@ def first_and_follow_up(engine: Any, prompt: str, follow: str, img: Any, n: int
 
     async def main():
         async with engine:
-            first = await greedy(engine, ImagePrompt(prompt, [image_item(img, b"a")]), n)
-            again = await greedy(engine, ImagePrompt(follow, [image_item(img, b"a")]), n)
-        return first, again
+            return [await greedy(engine, ImagePrompt(text, [
+                image_item(img, bytes([97 + i])) for i, img in enumerate(images)]), n)
+                for text, images in prompts]
 
     return anyio.run(main)

@@ -12,8 +12,8 @@ import pytest
 from asyncengine.core.multimodal import ImagePrompt
 from tests.vision_tiling_utils import (
     IDEFICS3_TILE_TOKENS,
-    first_and_follow_up,
     greedy,
+    greedy_in_turn,
     idefics3_processor,
     reference,
 )
@@ -85,15 +85,7 @@ def test_one_and_two_images_match_transformers(tiny_idefics3, engine):
     want_ids, want = reference("idefics3", tiny_idefics3, PROMPT, [a], N)
     want2_ids, want2 = reference("idefics3", tiny_idefics3, TWO, [a, b], N)
     _, text_only = reference("idefics3", tiny_idefics3, PROMPT.replace("<image>", ""), [], N)
-
-    async def main():
-        async with engine:
-            one = await greedy(engine, ImagePrompt(PROMPT, [image_item(a, b"a")]), N)
-            two = await greedy(engine, ImagePrompt(TWO, [image_item(a, b"a"),
-                                                         image_item(b, b"b")]), N)
-        return one, two
-
-    one, two = anyio.run(main)
+    one, two = greedy_in_turn(engine, [(PROMPT, [a]), (TWO, [a, b])], N)
     assert one[0] == want_ids and one[1] == want
     assert two[0] == want2_ids and two[1] == want2
     assert want != text_only
@@ -119,7 +111,7 @@ def test_chunked_prefill_and_prefix_hit(tiny_idefics3):
         "Assistant:"
     _, want_follow = reference("idefics3", tiny_idefics3, follow, [a], N)
     engine = vision_engine(tiny_idefics3, max_num_batched_tokens=8)
-    first, again = first_and_follow_up(engine, PROMPT, follow, a, N)
+    first, again = greedy_in_turn(engine, [(PROMPT, [a]), (follow, [a])], N)
     assert first[0] == want_ids and first[1] == want
     assert again[1] == want_follow
     image_token = engine.runner.model.vision.spec.image_token_id

@@ -5,21 +5,18 @@ sizes, chunked prefill through an image and a prefix hit on a follow-up turn."""
 
 from __future__ import annotations
 
-import anyio
 import numpy as np
 import pytest
 
-from asyncengine.core.multimodal import ImagePrompt
 from tests.vision_tiling_utils import (
     NEXT_PATCH,
     NEXT_PINPOINTS,
     NEXT_SIZE,
-    first_and_follow_up,
-    greedy,
+    greedy_in_turn,
     llava_next_processor,
     reference,
 )
-from tests.vision_utils import image, image_item, vision_engine
+from tests.vision_utils import image, vision_engine
 
 PROMPT = "USER: <image>\nWhat is shown here? ASSISTANT:"
 TWO = "USER: <image>\nand <image>\nCompare them. ASSISTANT:"
@@ -95,15 +92,7 @@ def test_one_and_two_images_match_transformers(tiny_llava_next, engine):
     want2_ids, want2 = reference("llava_next", tiny_llava_next, TWO, [a, b], N)
     _, text_only = reference("llava_next", tiny_llava_next,
                              "USER: What is shown here? ASSISTANT:", [], N)
-
-    async def main():
-        async with engine:
-            one = await greedy(engine, ImagePrompt(PROMPT, [image_item(a, b"a")]), N)
-            two = await greedy(engine, ImagePrompt(TWO, [image_item(a, b"a"),
-                                                         image_item(b, b"b")]), N)
-        return one, two
-
-    one, two = anyio.run(main)
+    one, two = greedy_in_turn(engine, [(PROMPT, [a]), (TWO, [a, b])], N)
     assert one[0] == want_ids and one[1] == want
     assert two[0] == want2_ids and two[1] == want2
     assert want != text_only
@@ -118,7 +107,7 @@ def test_chunked_prefill_and_prefix_hit(tiny_llava_next):
     follow = PROMPT + " something USER: say more ASSISTANT:"
     _, want_follow = reference("llava_next", tiny_llava_next, follow, [a], N)
     engine = vision_engine(tiny_llava_next, max_num_batched_tokens=16)
-    first, again = first_and_follow_up(engine, PROMPT, follow, a, N)
+    first, again = greedy_in_turn(engine, [(PROMPT, [a]), (follow, [a])], N)
     assert first[0] == want_ids and first[1] == want
     assert again[1] == want_follow
     image_token = engine.runner.model.vision.spec.image_token_id
