@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tests.vision_utils import _reference_model
+from tests.vision_utils import _reference_model, greedy  # noqa: F401  (the tests' import)
 
 #: The tiny Idefics3: SigLIP 32 px tiles in 8 px patches, pixel-shuffled by 2 (4 tokens a
 #: tile), images resized to a longest edge of 96 px (up to 3 x 3 tiles and the global one).
@@ -141,18 +141,6 @@ def reference(family: str, directory: str, prompt: str, images: list[Any],
                              min_new_tokens=max_new_tokens)
     ids = inputs["input_ids"][0].tolist()
     return ids, out[0, len(ids):].tolist()
-
-
-async def greedy(engine: Any, prompt: Any, n: int) -> tuple[list[int], list[int], int]:
-    """(prompt ids as the engine expanded them, ``n`` greedy new tokens, cached prompt
-    tokens)."""
-    from asyncengine.core.sampling_params import SamplingParams
-
-    final = None
-    async for out in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=n,
-                                                            ignore_eos=True)):
-        final = out
-    return final.prompt_token_ids, final.outputs[0].token_ids, final.num_cached_tokens or 0
 
 
 def greedy_in_turn(engine: Any, prompts: list[tuple[str, list[Any]]], n: int

@@ -33,6 +33,18 @@ def image_item(img: Any, key: bytes) -> Any:
     return ImageItem(img, key.ljust(32, b"\0"))
 
 
+async def greedy(engine: Any, prompt: Any, n: int = 8) -> tuple[list[int], list[int], int]:
+    """(prompt ids as the engine expanded them, ``n`` greedy new tokens, cached prompt
+    tokens)."""
+    from asyncengine.core.sampling_params import SamplingParams
+
+    final = None
+    async for out in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=n,
+                                                            ignore_eos=True)):
+        final = out
+    return final.prompt_token_ids, final.outputs[0].token_ids, final.num_cached_tokens or 0
+
+
 def vision_engine(model: str, **kw: Any) -> Any:
     """A small float32 engine for the vision tests (8 sequences, 64 blocks of 8 tokens)."""
     from asyncengine.config import EngineConfig

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from asyncengine.core.multimodal import ImagePrompt
-from asyncengine.core.sampling_params import SamplingParams
 from asyncengine.engine.engine import AsyncEngine
 from tests.vision_utils import (
     LLAVA_IMAGE_TOKENS,
+    greedy,
     image,
     image_item,
     llava_processor,
@@ -27,15 +27,6 @@ N = 8
 
 item = image_item
 make_engine = vision_engine
-
-
-async def greedy(engine: AsyncEngine, prompt, n: int = N) -> tuple[list[int], list[int], int]:
-    """(prompt ids as the engine expanded them, new tokens, cached prompt tokens)."""
-    final = None
-    async for out in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=n,
-                                                            ignore_eos=True)):
-        final = out
-    return final.prompt_token_ids, final.outputs[0].token_ids, final.num_cached_tokens or 0
 
 
 def test_image_processing_matches_transformers(tiny_llava):
