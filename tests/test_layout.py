@@ -149,6 +149,32 @@ def test_the_environment_is_read_in_one_place() -> None:
     assert not unknown, "not in config/environment.VARIABLES:\n" + "\n".join(unknown)
 
 
+#: Where the package may ask what kind of device it runs on. The device (``runtime/``) and the
+#: ways a step runs (``paths/``) are made of such choices; an op asks ``kernels/where.py``; the
+#: attention backend is chosen by the device's name in one factory; the tensor-parallel
+#: workers set up their own device; two flags are checked against it.
+DEVICE_CHECKS_LIVE_IN = (
+    "asyncengine.executor.runtime", "asyncengine.executor.paths", "asyncengine.executor.kernels",
+    "asyncengine.executor.attention", "asyncengine.executor.parallel",
+    "asyncengine.executor.kv.dtype", "asyncengine.config",
+)
+DEVICE_CHECK = re.compile(
+    r"""device\.type\s*[!=]=|\.is_cuda\b|\b(?:device|device_type)\s*[!=]=\s*["'](?:cpu|cuda)""")
+
+
+def test_device_checks_live_in_the_device_the_paths_and_the_kernels() -> None:
+    """Elsewhere a module asks the device (``Device.computes_on_host``, its start-up hooks) or
+    the kernels' rule (``kernels/where.on_host``, ``host_kernel``), never ``x.device.type``."""
+    found = []
+    for name, path in all_modules().items():
+        if name.startswith(DEVICE_CHECKS_LIVE_IN):
+            continue
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if DEVICE_CHECK.search(line.split("#")[0]):
+                found.append(f"{name}:{n}: {line.strip()}")
+    assert not found, "ask the device or kernels/where.py:\n" + "\n".join(found)
+
+
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (or a self-import): Tarjan."""
     index: dict[str, int] = {}

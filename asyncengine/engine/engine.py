@@ -103,7 +103,7 @@ class AsyncEngine(LoRAAdapters, GenerateMany):
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._accepting = True
-        if self.device.type == "cpu" and self.parts.parallel is None:
+        if self.device.computes_on_host and self.parts.parallel is None:
             self._sched.__enter__()  # see thread_policy.py
         self._tg.start_soon(task, self._run_step_loop, self._tg, name=STEP_LOOP_TASK)
         self._tg.start_soon(task, self.aborts.reap)

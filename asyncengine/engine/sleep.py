@@ -30,7 +30,7 @@ class KVSleep:
 
     @staticmethod
     def possible(engine: Any) -> bool:
-        return engine.device.type == "cpu" and engine.parts.parallel is None and bool(
+        return engine.device.kv_reallocatable and engine.parts.parallel is None and bool(
             engine.runner.kv_caches)
 
     @staticmethod

@@ -29,7 +29,7 @@ def make_drafting(engine: Any) -> Drafting | None:
     if settings.method == "ngram":
         # On the CPU each verification row costs a real part of a step: drafts adapt to the
         # request's last acceptance (core/spec/ngram.py); on a GPU rows are nearly free.
-        cpu = getattr(getattr(engine, "device", None), "type", "cpu") == "cpu"
+        cpu = getattr(getattr(engine, "device", None), "computes_on_host", True)
         return Drafting(settings, NgramProposer(settings.prompt_lookup_min,
                                                 settings.prompt_lookup_max, adaptive=cpu))
     return Drafting(settings, _draft_model(engine, settings))

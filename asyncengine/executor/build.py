@@ -20,14 +20,8 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.sched import BUILTIN_SCHEDULERS
 from asyncengine.core.sched.interface import Scheduler
 from asyncengine.executor.attention import AttentionShape, get_attention_backend
-from asyncengine.executor.attention.prewarm import one_line as _one_line
-from asyncengine.executor.attention.prewarm import prewarm_attention
-from asyncengine.executor.kernels import cuda_layer_ops
 from asyncengine.executor.kv.dtype import kv_cache_dtype
 from asyncengine.executor.kv.sizing import (
-    auto_kv_size,
-    check_free_memory,
-    cuda_snapshot,
     max_model_len_of,
     num_kv_blocks,
 )
@@ -38,7 +32,8 @@ from asyncengine.executor.models.vision.spec import describe_vision
 from asyncengine.executor.paths.base import PathContext
 from asyncengine.executor.paths.choose import choose
 from asyncengine.executor.runner import ModelRunner
-from asyncengine.executor.runtime.device import Device, make_device
+from asyncengine.executor.runtime.device import Device
+from asyncengine.executor.runtime.devices import make_device
 from asyncengine.executor.weights import kquants
 from asyncengine.executor.weights.loader import load_model, pick_dtype, resolve_model
 from asyncengine.ext import registry
@@ -120,11 +115,7 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
 
         num_threads = threads_per_rank(config)
     device = make_device(config.device.device, num_threads)
-    at_start = None
-    if device.type == "cuda":
-        at_start = cuda_snapshot()  # before the weights: what the engine started from
-        if auto_kv_size(config):
-            check_free_memory(at_start, config.cache.gpu_memory_utilization)
+    at_start = device.memory_at_start(config)  # before the weights: what it started from
     source = resolve_model(mc.model, config.load.load_format, mc.revision,
                            config.load.download_dir)
     apply_hf_overrides(source.hf_config, mc.hf_overrides)  # a reranker made of a causal LM
@@ -147,11 +138,7 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
         if arch.endswith("ForSequenceClassification"):
             raise ValueError("--tensor-parallel-size > 1: not for a classifier or reranker")
         make_plan(source.hf_config, 0, tp_size)  # an unsplittable model fails before spawning
-        if device.type == "cuda":  # the NCCL path: written, not run in this repository
-            if auto_kv_size(config):
-                raise ValueError("--tensor-parallel-size > 1 on CUDA: give --kv-cache-memory "
-                                 "(the memory profile runs rank 0's shard alone)")
-            device.eager_on_thread = True  # collectives block: never on the event loop
+        device.prepare_tensor_parallel(config)
         parallel = start_tensor_parallel(config, device.type)
         started.append(parallel)
         model = device.run_at_start_up(lambda: load_tp_model(
@@ -183,25 +170,21 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
     attn_backend = get_attention_backend(config.device.attention_backend, device.type, shape)
     if hasattr(model, "attention_options"):
         attn_backend.configure_layers(model.attention_options())
-    if device.type == "cuda":  # FlashInfer's JIT: now, never on the loop at the first step
-        attn_backend = prewarm_attention(config, attn_backend, model)
     if hasattr(model, "configure_context"):
         model.configure_context(max_model_len)
-    if device.type == "cuda":  # FlashInfer's fused norm, RoPE and SiLU (bfloat16, float16)
-        cuda_layer_ops.setup(model, dtype, device.torch_device, max_model_len)
+    attn_backend = device.prepare_model(model, attn_backend, config, dtype, max_model_len)
     lora = None  # before the KV cache's size: the memory profile counts its slot tables
     if config.lora.enable_lora:
         from asyncengine.executor.lora.manager import LoRAManager
 
         lora = LoRAManager(model, config.lora, device.torch_device, dtype)
-    num_blocks = num_kv_blocks(config, model, attn_backend, kv_dtype, device, max_model_len,
-                             at_start)
+    num_blocks = num_kv_blocks(config, model, attn_backend, kv_dtype, device.torch_device,
+                               max_model_len, at_start)
     kv_caches = device.run_at_start_up(lambda: attn_backend.allocate_kv_cache(
         model.num_layers, num_blocks, block_size, model.num_kv_heads,
         model.head_dim, kv_dtype, device.torch_device))
     attn_backend.bind_kv_cache(kv_caches)
-    if device.type == "cuda":  # weights and cache were made on the default stream
-        torch.cuda.synchronize()
+    device.synchronize()  # weights and cache were made on the default stream
     runner_cls, runner_kwargs = ModelRunner, {}
     if parallel is not None:
         from asyncengine.executor.parallel.runner import TPModelRunner
@@ -212,7 +195,7 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
                         device.torch_device, tokenizer.eos_token_ids,
                         max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
                         staging=device.make_staging(),
-                        sampling_method=_sampling_method(device, model.vocab_size),
+                        sampling_method=device.sampling_method(model.vocab_size),
                         **runner_kwargs)
     runner.lora = lora
     if getattr(model, "vision", None) is not None:  # images: vision/, mm_step.py
@@ -274,25 +257,6 @@ def _check_family_supports(hf_config: Any, path: str, flag: str) -> None:
         return  # not a built-in family: the plugin model decides
     if path in lacks:
         raise ValueError(f"{flag}: {lacks[path]}")
-
-
-def _sampling_method(device: Device, vocab_size: int) -> str | None:
-    """FlashInfer's sampling kernels on CUDA when installed and compiled (prewarmed now, not at
-    the first sampled step); else the device's default, with one warning naming why."""
-    if device.type != "cuda":
-        return None
-    from asyncengine.executor.sampler import flashinfer_sampling
-
-    reason = flashinfer_sampling.flashinfer_import_error()
-    if reason is None:
-        try:
-            flashinfer_sampling.prewarm(device.torch_device, vocab_size)
-        except Exception as e:  # the JIT's failure: a compiler error, a missing source
-            reason = f"its kernels failed to compile or run ({_one_line(e)})"
-    if reason is not None:
-        logger.warning("sampling backend torch, not flashinfer: %s", reason)
-        return None
-    return "flashinfer"
 
 
 def backend_names(runner: Any) -> dict[str, str]:

@@ -22,7 +22,8 @@ from asyncengine.executor.runtime.cuda_await import (
     ThreadEventAwaiter,
     make_event_awaiter,
 )
-from asyncengine.executor.runtime.device import CUDADevice, HostResult
+from asyncengine.executor.runtime.cuda_device import CUDADevice
+from asyncengine.executor.runtime.device import HostResult
 from asyncengine.executor.runtime.simulated import SimulatedCUDA as FakeCUDA
 from asyncengine.executor.runtime.simulated import SimulatedEvent as FakeEvent
 from asyncengine.executor.runtime.simulated import on_simulated_cuda as cuda_path

@@ -12,6 +12,7 @@ import torch
 from asyncengine.config import EngineConfig
 from asyncengine.executor import build as build_module
 from asyncengine.executor.attention import get_attention_backend, resolve_backend_name
+from asyncengine.executor.attention.prewarm import prewarm_attention
 from asyncengine.executor.attention.torch_paged import TorchPagedBackend
 from asyncengine.executor.kv import sizing as kv_sizing
 from asyncengine.executor.kv.sizing import (
@@ -62,7 +63,7 @@ def test_build_sizes_the_cuda_kv_cache_from_the_profile(monkeypatch):
     model = SimpleNamespace(num_layers=16, num_kv_heads=8, head_dim=64)
     backend = TorchPagedBackend()
     backend.extra_kv_blocks = 1
-    device = SimpleNamespace(type="cuda", torch_device=torch.device("cpu"))
+    device = torch.device("cpu")  # the profile is stubbed: where it would run
     at_start = MemorySnapshot(free=40 * GIB, total=40 * GIB, reserved=0)
     monkeypatch.setattr(kv_sizing, "profile_cuda_memory",
                         lambda *a, **k: (15 * GIB, GIB))  # peak in torch, outside torch
@@ -161,27 +162,33 @@ def test_a_jit_failure_is_a_warning_under_auto_and_an_error_when_asked_for(caplo
     model = SimpleNamespace(attention_options=lambda: [])
     auto = EngineConfig.from_dict({})
     with caplog.at_level(logging.WARNING, logger="asyncengine"):
-        backend = build_module.prewarm_attention(auto, _FailingPrewarm(), model)
+        backend = prewarm_attention(auto, _FailingPrewarm(), model)
     assert backend.name == "torch_paged"
     (record,) = caplog.records
     assert "torch_paged, not flashinfer" in record.getMessage()
     assert "batch_prefill.cu: fatal error" in record.getMessage()
     explicit = EngineConfig.from_dict({"attention_backend": "flashinfer"})
     with pytest.raises(ValueError, match="--attention-backend flashinfer.*fatal error"):
-        build_module.prewarm_attention(explicit, _FailingPrewarm(), model)
+        prewarm_attention(explicit, _FailingPrewarm(), model)
 
 
 def test_sampling_backend_falls_back_with_one_warning(monkeypatch, caplog):
     import logging
     import sys
 
+    from asyncengine.executor.runtime.cuda_device import CUDADevice
+    from asyncengine.executor.runtime.device import Device
     from asyncengine.executor.runtime.flashinfer_standin import make_module
+    from asyncengine.executor.runtime.simulated import SimulatedCUDA
 
-    cuda = SimpleNamespace(type="cuda", torch_device=torch.device("cpu"))
+    class CUDAOnHost(CUDADevice):  # CUDA's start-up choices, its tensors in host memory
+        torch_device = torch.device("cpu")
+
+    cuda = CUDAOnHost(cuda=SimulatedCUDA())
     fi, sampling = make_module()
     monkeypatch.setitem(sys.modules, "flashinfer", fi)
     monkeypatch.setitem(sys.modules, "flashinfer.sampling", sampling)
-    assert build_module._sampling_method(cuda, 64) == "flashinfer"
+    assert cuda.sampling_method(64) == "flashinfer"
     assert [c[0] for c in sampling.calls] == ["plain", "top_p", "top_k", "top_k_top_p"]
 
     def broken(*a, **k):
@@ -189,11 +196,11 @@ def test_sampling_backend_falls_back_with_one_warning(monkeypatch, caplog):
 
     sampling.sampling_from_logits = broken
     with caplog.at_level(logging.WARNING, logger="asyncengine"):
-        assert build_module._sampling_method(cuda, 64) is None
+        assert cuda.sampling_method(64) is None
     (record,) = caplog.records
     assert "sampling backend torch, not flashinfer" in record.getMessage()
     assert "subcommand failed" in record.getMessage()
-    assert build_module._sampling_method(SimpleNamespace(type="cpu"), 64) is None
+    assert Device().sampling_method(64) is None
 
 
 def test_backends_in_use_are_on_metrics():

@@ -57,6 +57,7 @@ from asyncengine.executor.attention.base import (
     AttentionOptions,
 )
 from asyncengine.executor.attention.paged_plan import PagedKVPlan, pad_decode_plan, plan_paged_kv
+from asyncengine.executor.kernels.where import on_host
 from asyncengine.executor.runtime.staging import pinned
 
 #: FlashInfer's recommended workspace (split-k partial results), shared by every wrapper:
@@ -94,7 +95,7 @@ class FlashInferBackend(AttentionBackend):
         self.device = torch.device(device)
         self.sm_scale = head_dim**-0.5  # what every model here scales by
         self.max_pages_per_seq = max_pages_per_seq
-        self._cuda = self.device.type == "cuda"
+        self._cuda = not on_host(self.device)
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         # Tensor cores pay off for large GQA groups (FlashInfer's advice, as vLLM applies it).
         self._tensor_cores = num_heads // num_kv_heads > 4

@@ -16,6 +16,7 @@ from asyncengine.executor.attention.decode_chunks import (
     make_chunked_decode,
 )
 from asyncengine.executor.kernels import layer_ops
+from asyncengine.executor.kernels.where import on_host
 
 # Prefill chunks share a padded SDPA call while padded work <= SLACK * real work + FREE.
 _SLACK = 2.0
@@ -103,7 +104,7 @@ def make_plan(metadata: AttentionMetadata, q: torch.Tensor, kv_heads: int,
         groups.append(_cpp_decode(decodes, metadata, kv_heads))
     elif decodes:
         longest = max(seq_lens[i] for i in decodes)
-        if longest > DECODE_CHUNK_TOKENS and device.type == "cpu" and not variants:
+        if longest > DECODE_CHUNK_TOKENS and on_host(device) and not variants:
             groups.append(make_chunked_decode(decodes, metadata, device))
         else:
             groups.append(_padded_group(decodes, metadata, device))

@@ -41,7 +41,6 @@ from asyncengine.executor.sampler.sampler import sample_ids
 
 if TYPE_CHECKING:
     from asyncengine.config import EngineConfig
-    from asyncengine.executor.runtime.device import Device
 
 logger = logging.getLogger("asyncengine.executor.build")
 
@@ -182,7 +181,7 @@ def auto_kv_size(config: EngineConfig) -> bool:
     return cc.num_gpu_blocks_override is None and cc.kv_cache_memory == "auto"
 
 def num_kv_blocks(config: EngineConfig, model: torch.nn.Module, attn_backend: Any,
-                  dtype: torch.dtype, device: Device, max_model_len: int,
+                  dtype: torch.dtype, device: torch.device, max_model_len: int,
                   at_start: MemorySnapshot | None = None) -> int:
     """KV-cache blocks: the override, ``--kv-cache-memory``, the CUDA profile under
     ``--gpu-memory-utilization``, or ``CPU_KV_CACHE_DEFAULT`` on the CPU."""
@@ -194,11 +193,11 @@ def num_kv_blocks(config: EngineConfig, model: torch.nn.Module, attn_backend: An
     flag = "--kv-cache-memory"
     if cc.kv_cache_memory != "auto":
         budget = parse_size(cc.kv_cache_memory, "kv_cache_memory")
-    elif device.type == "cuda":
+    elif at_start is not None:  # the device sizes it by a memory profile
         sc = config.scheduler
         peak, non_torch = profile_cuda_memory(
             model, attn_backend, cc.block_size, sc.max_num_batched_tokens, sc.max_num_seqs,
-            dtype, device.torch_device, at_start)
+            dtype, device, at_start)
         budget = kv_cache_budget(at_start.total, cc.gpu_memory_utilization, peak, non_torch)
         flag = "--gpu-memory-utilization"
         logger.info("memory profile: peak %.2f GiB in torch, %.2f GiB outside it; KV cache "

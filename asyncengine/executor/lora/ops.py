@@ -27,6 +27,7 @@ import torch
 
 from asyncengine.config import environment
 from asyncengine.executor.kernels.build import DTYPE_CODES, load
+from asyncengine.executor.kernels.where import on_host
 from asyncengine.executor.lora.segment import SegmentPlan, segment_add
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, table: SlotTable, step: LoRAStep)
     if step.segments is not None:
         segment_add(x, y, table.A, table.B, step.segments)
         return
-    if (USE_KERNEL and x.device.type == "cpu" and y.dtype == x.dtype and x.stride(-1) == 1
+    if (USE_KERNEL and on_host(x) and y.dtype == x.dtype and x.stride(-1) == 1
             and y.stride(-1) == 1 and not torch.compiler.is_compiling()):
         fn = kernel(x.dtype)
         if fn is not None:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from asyncengine.executor.attention import flashinfer_missing
+from asyncengine.executor.kernels.where import on_host
 
 logger = logging.getLogger("asyncengine")
 
@@ -69,13 +70,11 @@ def make_segment_gemm(device: torch.device, dtype: torch.dtype,
     """FlashInfer's ``SegmentGEMMWrapper`` for the LoRA tables on ``device``, or None (the
     dense path; on CUDA with one warning naming the reason). The CPU has its own kernel and
     says nothing."""
-    if device.type == "cpu":
+    if on_host(device):
         return None
-    importable: bool | str = True
-    if device.type == "cuda":
-        from asyncengine.executor.attention.flashinfer import flashinfer_import_error
+    from asyncengine.executor.attention.flashinfer import flashinfer_import_error
 
-        importable = flashinfer_import_error() or True
+    importable: bool | str = flashinfer_import_error() or True
     reason = segment_gemm_unusable(device.type, dtype, widths, importable)
     if reason is not None:
         logger.warning("LoRA: dense masked matmuls over every slot, not FlashInfer's segment "

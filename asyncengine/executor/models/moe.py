@@ -36,6 +36,7 @@ from torch import nn
 
 from asyncengine.executor.kernels import build
 from asyncengine.executor.kernels import packed as packed_kernels
+from asyncengine.executor.kernels.where import host_kernel, on_host
 from asyncengine.executor.models.layers import MLP, Linear
 
 if TYPE_CHECKING:
@@ -296,13 +297,13 @@ class SparseMoE(nn.Module):
         return rows, offs, wts, gate if shared else None
 
     def _use_kernel(self, x: torch.Tensor) -> bool:
-        ok = (x.device.type == "cpu" and not torch.compiler.is_compiling()
+        ok = (host_kernel(x)
               and (self.quant != "float32" or self.w13.dtype == torch.float32
                    or (self.w13.dtype == torch.bfloat16 and wide_tiles()))
               and self.hidden % 8 == 0 and self.intermediate % 8 == 0)
         if ok and kernel() is None:
             ok = False
-        if not ok and x.device.type == "cpu" and "moe" not in _warned:
+        if not ok and on_host(x) and "moe" not in _warned:
             _warned.add("moe")
             logger.info("mixture of experts: the C++ kernel does not take this layer (%s "
                         "weights, %s); torch's grouped_mm runs instead", self.w13.dtype,

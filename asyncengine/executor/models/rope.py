@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from asyncengine.executor.kernels.cuda_layer_ops import RopeTable, cos_sin_table
+from asyncengine.executor.kernels.where import host_kernel
 
 _OWN_TYPES = ("default", "linear", "llama3")
 _BORROWED_TYPES = ("yarn", "longrope")
@@ -118,7 +119,7 @@ class RotaryEmbedding(nn.Module):
         if self.cos_sin is not None and positions.device == self.cos_sin.device \
                 and not torch.compiler.is_compiling():
             return RopeTable(positions, self.cos_sin), None  # type: ignore[return-value]
-        if positions.device.type == "cpu" and not torch.compiler.is_compiling():
+        if host_kernel(positions):
             cos, sin = self._table(int(positions.max()) + 1 if positions.numel() else 0, dtype)
             return cos.index_select(0, positions), sin.index_select(0, positions)
         return self._compute(positions, dtype)

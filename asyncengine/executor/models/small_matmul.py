@@ -17,6 +17,8 @@ from collections.abc import Iterator
 
 import torch
 
+from asyncengine.executor.kernels.where import on_host
+
 # At most this many rows skip oneDNN.
 SMALL_ROWS = 2
 
@@ -25,7 +27,7 @@ SMALL_ROWS = 2
 def small_matmuls(x: torch.Tensor) -> Iterator[None]:
     """Run the block's matmuls over activations like ``x`` ([rows, features]) on the kernel
     that is fastest for their number of rows."""
-    if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.shape[0] > SMALL_ROWS
+    if (not on_host(x) or x.dtype != torch.bfloat16 or x.shape[0] > SMALL_ROWS
             or not torch.backends.mkldnn.enabled):
         yield
         return

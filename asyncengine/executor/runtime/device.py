@@ -30,8 +30,6 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 
-from asyncengine.config import environment
-from asyncengine.executor.runtime.cuda_await import EventAwaiter, make_event_awaiter
 from asyncengine.executor.runtime.thread_policy import as_compute_thread
 
 T = TypeVar("T")
@@ -83,9 +81,20 @@ class HostResult:
 
 
 class Device:
-    """Runs launched step functions in order on one worker thread."""
+    """Runs launched step functions in order on one worker thread.
+
+    What the rest of the engine needs to know of the device is asked here, never by comparing
+    ``type``: the traits below, and the start-up hooks that ``executor/build.py`` calls once
+    (a subclass overrides them; the defaults are the CPU's)."""
 
     type: str = "cpu"
+    #: The steps compute on the host's cores, beside the event loop: the loop's thread yields
+    #: them (``thread_policy.py``), and each verified draft row costs a real part of a step, so
+    #: n-gram drafts adapt to their acceptance (``core/spec/ngram.py``).
+    computes_on_host: bool = True
+    #: The KV cache may be freed and allocated again (sleep level 1, ``engine/sleep.py``):
+    #: nothing kept its addresses (CUDA graphs capture them).
+    kv_reallocatable: bool = True
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[Callable[[], Any], StepHandle] | None] = \
@@ -132,6 +141,25 @@ class Device:
         from asyncengine.executor.runtime.staging import DirectStaging
 
         return DirectStaging()
+
+    # -- start-up (``executor/build.py``; nothing here runs per step) --------------------------
+    def memory_at_start(self, config: Any) -> Any:
+        """The device's memory before the weights are loaded, where the KV cache is sized by
+        a memory profile (``kv/sizing.py``); None where it is not."""
+        return None
+
+    def prepare_tensor_parallel(self, config: Any) -> None:
+        """Before the tensor-parallel workers start: refuse what this device cannot do."""
+
+    def prepare_model(self, model: Any, attn_backend: Any, config: Any, dtype: Any,
+                      max_model_len: int) -> Any:
+        """The loaded model and its attention backend made ready for this device (kernels
+        compiled now, never at the first step); returns the backend to use."""
+        return attn_backend
+
+    def sampling_method(self, vocab_size: int) -> str | None:
+        """The sampling kernels this device uses beyond the default (None: torch's)."""
+        return None
 
     def _ensure_worker(self) -> None:
         with self._lock:
@@ -216,163 +244,3 @@ def _own_threads(n: int) -> None:
 
     torch.get_num_threads()
     torch.set_num_threads(n)
-
-
-class CUDAStepHandle(StepHandle):
-    """A step enqueued on the CUDA stream: awaiting it awaits, in turn, its launch (when the
-    launcher thread enqueues it) and the event recorded after its kernels."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, awaiter: EventAwaiter,
-                 on_launched: Callable[[], None] | None = None) -> None:
-        super().__init__(loop)
-        self._awaiter = awaiter
-        self._on_launched = on_launched
-        self._event: Any = None
-
-    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
-        # Called on the loop once the step is enqueued: result is (value, event).
-        if self._on_launched is not None:
-            self._on_launched()
-            self._on_launched = None
-        if error is None:
-            result, self._event = result
-        super()._finish(result, error)
-
-    async def wait(self) -> Any:
-        value = await self._launched()  # enqueued (an error while enqueueing is raised here)
-        if self._event is not None:  # the step's copies to pinned memory are done after it
-            await self._awaiter.wait(self._event)
-        return _finished(value)
-
-
-class TorchCUDA:
-    """The few CUDA calls the device makes (a fake stands in for it in CPU tests)."""
-
-    def __init__(self) -> None:
-        import torch
-
-        self.torch = torch
-
-    def new_stream(self) -> Any:
-        return self.torch.cuda.Stream()
-
-    def on_stream(self, stream: Any) -> Any:
-        return self.torch.cuda.stream(stream)
-
-    def set_stream(self, stream: Any) -> None:
-        self.torch.cuda.set_stream(stream)
-
-    def record_event(self, stream: Any) -> Any:
-        event = self.torch.cuda.Event()
-        event.record(stream)
-        return event
-
-
-class CUDADevice(Device):
-    """CUDA: steps are enqueued on one dedicated stream; the loop awaits an event recorded
-    after each step's kernels and the copy of its sampled ids into pinned host memory.
-
-    Where a step is enqueued from:
-
-    * the event loop (the default): ``launch_step`` runs ``runner.execute(inputs)`` right
-      there: a decode step is a CUDA graph replay (a handful of launches), an eager step a few
-      hundred kernel launches. No thread hop.
-    * the launcher thread (this class's worker, bound to the same stream): steps that must
-      wait on the host while they enqueue (a grammar bitmask the loop fills later, prompt
-      logprobs), generic ``launch(fn)`` work (embeddings), and, with
-      ``ASYNCENGINE_CUDA_EAGER_LAUNCH=thread``, every step that is not a graph replay.
-      Trade-off: launching from the thread frees the loop only while the thread waits in the
-      driver; Python-level launch overhead still holds the GIL, so the loop's emission and the
-      launches contend for it, and each step pays a hop to the thread. Not measured yet.
-
-    Order on the stream is launch order: while anything queued on the launcher thread is not
-    enqueued yet, later steps queue behind it on the thread too.
-    """
-
-    type = "cuda"
-
-    def __init__(self, awaiter: str | None = None, eager_launch: str | None = None,
-                 cuda: Any = None) -> None:
-        super().__init__()
-        self.cuda = cuda or TorchCUDA()
-        self.stream = self.cuda.new_stream()
-        self.awaiter = make_event_awaiter(awaiter)
-        where = eager_launch or environment.get(EAGER_LAUNCH_ENV)
-        if where not in ("loop", "thread"):
-            raise ValueError(f"{EAGER_LAUNCH_ENV}={where!r}: must be loop or thread")
-        self.eager_on_thread = where == "thread"
-        self._pending_on_thread = 0  # launches queued on the thread, not enqueued yet
-        self.num_loop_launches = 0
-        self.num_thread_launches = 0
-
-    def run_at_start_up(self, fn: Callable[[], T]) -> T:
-        """``fn()`` here: CUDA's start-up work runs no OpenMP team."""
-        return fn()
-
-    def make_staging(self) -> Any:
-        from asyncengine.executor.runtime.staging import PinnedStaging
-
-        return PinnedStaging(self.torch_device, self.stream)
-
-    def launch(self, fn: Callable[[], Any]) -> StepHandle:
-        """Generic device work (may block on the host, e.g. read results back): it runs on
-        the launcher thread, in order with the steps."""
-        return self._via_thread(fn)
-
-    def launch_step(self, runner: Any, inputs: Any) -> StepHandle:
-        fn = partial(runner.execute, inputs)
-        if (self._pending_on_thread or inputs.blocks_host
-                or (self.eager_on_thread and inputs.graph_batch is None)):
-            return self._via_thread(fn)
-        handle = CUDAStepHandle(asyncio.get_running_loop(), self.awaiter)
-        self.num_loop_launches += 1
-        try:
-            result = self._enqueue(fn)
-        except BaseException as e:  # delivered to the awaiting step loop
-            handle._finish(None, e)
-        else:
-            handle._finish(result)
-        return handle
-
-    def _via_thread(self, fn: Callable[[], Any]) -> StepHandle:
-        handle = CUDAStepHandle(asyncio.get_running_loop(), self.awaiter,
-                                on_launched=self._launched_on_thread)
-        self._pending_on_thread += 1
-        self.num_thread_launches += 1
-        self._ensure_worker()
-        self._queue.put((partial(self._enqueue, fn), handle))
-        return handle
-
-    def _enqueue(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
-        with self.cuda.on_stream(self.stream):
-            result = fn()
-        return result, self.cuda.record_event(self.stream)
-
-    def _launched_on_thread(self) -> None:
-        self._pending_on_thread -= 1
-
-    def _on_worker_start(self) -> None:
-        self.cuda.set_stream(self.stream)
-
-    async def aclose(self) -> None:
-        await super().aclose()
-        self.awaiter.close()
-
-    def synchronize(self) -> None:
-        import torch
-
-        torch.cuda.synchronize()
-
-
-def make_device(device: str, num_threads: int | None = None) -> Device:
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is available (use --device cpu)")
-        return CUDADevice()
-    return CPUDevice(num_threads)

@@ -123,7 +123,7 @@ def on_simulated_cuda(engine: Any, awaiter: str | None = "thread",
     """Put ``engine`` (an ``AsyncEngine`` built on the CPU) on the CUDA step path: a
     ``CUDADevice`` over ``cuda`` (a :class:`SimulatedCUDA` by default) and the pinned
     staging's packing into one upload (unpinned, on the CPU). Returns the device."""
-    from asyncengine.executor.runtime.device import CUDADevice
+    from asyncengine.executor.runtime.cuda_device import CUDADevice
     from asyncengine.executor.runtime.staging import PinnedStaging
 
     device = CUDADevice(awaiter=awaiter, cuda=cuda or SimulatedCUDA(delay=0.001))

@@ -11,6 +11,7 @@ import torch
 
 from asyncengine.executor.kernels import layer_ops
 from asyncengine.executor.kernels.build import load
+from asyncengine.executor.kernels.where import host_kernel
 
 
 @functools.cache
@@ -21,8 +22,8 @@ def _kernel():
 
 
 def _on_kernel(x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype is torch.float32 and x.dim() == 2
-            and x.shape[1] > 0 and x.is_contiguous() and not torch.compiler.is_compiling())
+    return (host_kernel(x) and x.dtype is torch.float32 and x.dim() == 2
+            and x.shape[1] > 0 and x.is_contiguous())
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -17,11 +17,18 @@ from typing import NamedTuple
 import torch
 
 from asyncengine.core.sampling_params import SamplingParams
+from asyncengine.executor.kernels.where import on_host
 
 #: ``temperature`` below this is greedy (as ``SamplingParams.greedy``).
 GREEDY_EPS = 1e-5
 #: How sampled rows draw (see ``SamplingBatch.method``).
 METHODS = ("race", "cdf", "flashinfer")
+
+
+def default_method(device: torch.device | str) -> str:
+    """How a batch draws unless the runner says: the inverse CDF in host memory (one pass,
+    the cheapest there), the exponential race elsewhere (no host sync: ``sampler.py``)."""
+    return "cdf" if on_host(device) else "race"
 
 
 class SamplingRow(NamedTuple):
@@ -128,7 +135,7 @@ class SamplingBatch:
                      method: str | None = None) -> SamplingBatch:
         """The filters and seeds of a batch from per-row values (no masks or penalties)."""
         if method is None:
-            method = "race" if torch.device(device).type == "cuda" else "cdf"
+            method = default_method(device)
         elif method not in METHODS:
             raise ValueError(f"sampling method must be one of {', '.join(METHODS)}, got "
                              f"{method!r}")

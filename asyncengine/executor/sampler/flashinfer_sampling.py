@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from asyncengine.executor.kernels.where import on_host
 from asyncengine.executor.sampler.batch import SamplingBatch
 
 NO_TOKEN = -1
@@ -79,7 +80,7 @@ def prewarm(device: torch.device | str, vocab_size: int, module: Any = None) -> 
     module.top_k_sampling_from_probs(probs, top_k, deterministic=True)
     module.top_k_top_p_sampling_from_logits(x, top_k, top_p, filter_apply_order="top_k_first",
                                             deterministic=True)
-    if torch.device(device).type == "cuda":
+    if not on_host(device):
         torch.cuda.synchronize(device)
 
 

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 from asyncengine.executor.kernels import layer_ops
 from asyncengine.executor.kernels.build import load
+from asyncengine.executor.kernels.where import on_host
 from asyncengine.executor.sampler.greedy_head_int8 import greedy_int8
 
 #: Vocabulary slice per matmul: [rows, SLICE] float32 stays within a core's L2 for 64 rows.
@@ -91,7 +92,7 @@ def greedy_from_hidden(hidden: torch.Tensor, weight: torch.Tensor,
                                            no_token=no_token, screen=False)
         return ids
     if (KERNEL and layer_ops.ENABLED and hidden.dtype == weight.dtype == torch.float32
-            and hidden.device.type == "cpu" and (bias is None or bias.dtype == torch.float32)
+            and on_host(hidden) and (bias is None or bias.dtype == torch.float32)
             and (fn := load("greedy_head", _KERNEL_ARGS)) is not None):
         ids = torch.empty(n, dtype=torch.long)
         fn(hidden.contiguous(), weight.contiguous(), bias.contiguous() if bias is not None

@@ -29,6 +29,7 @@ import torch
 from asyncengine.config import environment
 from asyncengine.executor.kernels import layer_ops
 from asyncengine.executor.kernels.build import load
+from asyncengine.executor.kernels.where import on_host
 
 #: ``ASYNCENGINE_GREEDY_INT8=0`` turns the screen off (comparisons).
 ENABLED = environment.on("ASYNCENGINE_GREEDY_INT8")
@@ -135,7 +136,7 @@ def greedy_int8(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """Ids ``[N]`` and fallback flags ``[N]`` (rows left to the float kernel), or None where
     the screen does not apply. ``force``: run even without VNNI (its portable loop; tests)."""
     if not (ENABLED and (force or fast()) and hidden.dtype == weight.dtype == torch.float32
-            and hidden.device.type == "cpu" and weight.shape[1] % 4 == 0
+            and on_host(hidden) and weight.shape[1] % 4 == 0
             and weight.shape[1] <= MAX_HIDDEN
             and (bias is None or bias.dtype == torch.float32)):
         return None

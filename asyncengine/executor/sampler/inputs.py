@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from asyncengine.executor.sampler.batch import Penalties, SamplingBatch
+from asyncengine.executor.sampler.batch import Penalties, SamplingBatch, default_method
 from asyncengine.executor.step.input_batch import InputBatch
 
 _NUMPY = {torch.bool: np.bool_, torch.long: np.int64, torch.float32: np.float32}
@@ -42,7 +42,7 @@ def gather_sampling_batch(ib: InputBatch, rows: np.ndarray, counters: np.ndarray
     temperature = ib.temperature[rows]
     greedy = ib.is_greedy(rows)
     if method is None:
-        method = "race" if torch.device(device).type == "cuda" else "cdf"
+        method = default_method(device)
     batch = SamplingBatch(num_rows=n, all_greedy=bool(greedy.all()), logprobs=logprobs,
                           method=method)
     if not batch.all_greedy:

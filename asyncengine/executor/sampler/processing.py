@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from asyncengine.executor.kernels.where import on_host
 from asyncengine.executor.sampler.batch import Penalties, SamplingBatch
 
 # Candidates searched for the top-p nucleus on the CPU before falling back to a full sort.
@@ -65,7 +66,7 @@ def apply_top_p(x: torch.Tensor, batch: SamplingBatch) -> None:
     among the top candidates and the full sort is the fallback."""
     vocab = x.shape[-1]
     width = vocab
-    if not x.is_cuda:
+    if on_host(x):
         width = min(vocab, batch.max_top_k if batch.top_p_within_top_k else _TOP_P_CANDIDATES)
     if width < vocab:
         vals = x.topk(width, dim=-1).values

@@ -18,6 +18,7 @@ import torch
 
 from asyncengine.core.request import PositionLogprobs
 from asyncengine.core.sched.interface import ModelRunnerOutput
+from asyncengine.executor.kernels.where import on_host
 from asyncengine.executor.runtime.device import HostResult
 from asyncengine.executor.runtime.staging import pinned
 from asyncengine.executor.sampler import NO_TOKEN, SamplingBatch
@@ -28,7 +29,7 @@ from asyncengine.executor.spec.accept import SpecGroup, accept_into
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A pinned host copy of device tensor ``t``, enqueued on the current stream (valid once
     the stream has passed this point); ``t`` itself when it is on the CPU."""
-    if t.device.type == "cpu":
+    if on_host(t):
         return t
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t, non_blocking=True)
@@ -88,8 +89,7 @@ def pending_output(logits: torch.Tensor, token_ids: torch.Tensor, batch: Samplin
     if len(want) == len(req_ids):
         sub, chosen = logits, token_ids.clamp(min=0)
     else:
-        cuda = logits.device.type == "cuda"
-        rows = pinned(np.array(want, dtype=np.int64), pin=cuda).to(logits.device,
+        rows = pinned(np.array(want, dtype=np.int64), pin=not on_host(logits)).to(logits.device,
                                                                     non_blocking=True)
         sub, chosen = logits[rows], token_ids[rows].clamp(min=0)
     out.logprob_rows = want

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.executor.kernels import packed as packed_kernels
+from asyncengine.executor.kernels.where import on_host
 
 GROUP = packed_kernels.GROUP
 _F16_MAX = 65504.0
@@ -122,7 +123,7 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> t
 
 
 def supports_int4(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and packed_kernels.supports(weight.shape[1])
+    return on_host(weight) and packed_kernels.supports(weight.shape[1])
 
 
 class Int4Linear(nn.Module):
@@ -151,7 +152,7 @@ class Int4Linear(nn.Module):
         """The weights [out, in] as ``dtype`` (float32, or those rounded to bfloat16), made for
         this call (one C++ pass where the kernels build: ~3x faster than the PyTorch ops below,
         the same values)."""
-        if self.packed.device.type == "cpu" and packed_kernels.available("int4_dequant"):
+        if on_host(self.packed) and packed_kernels.available("int4_dequant"):
             return packed_kernels.int4_dequant(self.packed, self.scale_min, dtype)
         q = packed_kernels.unpack_int4(self.packed)
         return dequantize_int4(q, self.scale_min[..., 0], self.scale_min[..., 1]).to(dtype)

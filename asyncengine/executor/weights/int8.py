@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.executor.kernels import packed as packed_kernels
+from asyncengine.executor.kernels.where import on_host
 from asyncengine.executor.weights.int4 import BF16_ROWS, TILE_REQUESTS, step_requests_or
 
 
@@ -54,7 +55,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", q.contiguous())
         self.register_buffer("scales", scales.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.use_kernel = (q.device.type == "cpu" and packed_kernels.supports(
+        self.use_kernel = (on_host(q) and packed_kernels.supports(
             self.in_features, self.in_features // scales.shape[1])
             and packed_kernels.available("int8"))
         # Few bfloat16 rows: ``int8_bf16.cpp`` (exact weights, one bf16 dot product per 32

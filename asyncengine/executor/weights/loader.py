@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncengine.executor.kernels.where import on_host
 from asyncengine.executor.models.registry import BUILTIN_MODELS, architecture_of
 from asyncengine.executor.runtime.cpu_flags import cpu_has_bf16 as _cpu_has_bf16
 from asyncengine.executor.runtime.cpu_malloc import freed_blocks_returned
@@ -208,7 +209,7 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype,
 
     quantization = resolve_auto(from_vllm_method(quantization, quantized), fmt, device,
                                 _gguf_matrix_types(source, fmt), quantized)
-    with freed_blocks_returned(fmt == "gguf" and device.type == "cpu"):
+    with freed_blocks_returned(fmt == "gguf" and on_host(device)):
         with _default_dtype(dtype), device:
             model = model_cls(config)
         _fill(model, source, fmt, quantization, quantized, dtype, device, seed)
@@ -237,7 +238,7 @@ def _fill(model: nn.Module, source: ModelSource, fmt: str, quantization: str, qu
         used: set[str] = set()
         if quantization in ("int4", "int8"):  # the file's Q4 / Q8_0 blocks kept exactly
             grids = {}
-            if device.type == "cpu":
+            if on_host(device):
                 from asyncengine.executor.weights.gguf_quantized import install_gguf
 
                 used = install_gguf(model, source.gguf_path, config, quantization, dtype)

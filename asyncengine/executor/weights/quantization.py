@@ -37,6 +37,7 @@ from torch import nn
 
 from asyncengine.config import QUANTIZATIONS
 from asyncengine.executor.kernels import packed as packed_kernels
+from asyncengine.executor.kernels.where import on_host
 from asyncengine.executor.weights.int4 import Int4Linear
 from asyncengine.executor.weights.int8 import Int8Linear
 
@@ -50,15 +51,15 @@ def resolve_auto(quantization: str, fmt: str, device: torch.device, qtypes: set[
     packed kernels build, ``int8`` for one whose matrices are Q8_0; ``int4`` for a 4-bit AWQ
     or GPTQ checkpoint (``checkpoint``: its scheme) whose groups int4's blocks of 32 inputs
     tile; else ``none``."""
-    if quantization == "gguf" and (fmt != "gguf" or device.type != "cpu"):
+    if quantization == "gguf" and (fmt != "gguf" or not on_host(device)):
         raise ValueError("--quantization gguf: keeps a GGUF file's blocks as stored, for a "
                          ".gguf model on the CPU")
     if quantization != "auto":
         return quantization
-    if device.type == "cpu" and fmt == "safetensors" and _int4_checkpoint(checkpoint) \
+    if on_host(device) and fmt == "safetensors" and _int4_checkpoint(checkpoint) \
             and packed_kernels.available("int4") and packed_kernels.available("int8"):
         return "int4"
-    if fmt != "gguf" or device.type != "cpu":
+    if fmt != "gguf" or not on_host(device):
         return "none"
     if qtypes - {"Q4_0", "Q4_1", "Q8_0", "F32", "F16", "BF16"}:
         # k-quants (a Q4_K_M file's mix): packed as stored, each type multiplied in place (a

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from asyncengine.executor.kernels.where import on_host
 from asyncengine.executor.models.vision.encoder import ImageEncoder
 from asyncengine.executor.models.vision.spec import ImageProcessing, TowerSpec, VisionSpec
 
@@ -227,7 +228,7 @@ def load_mmproj(path: str, text_hidden: int, tokenizer: Any, dtype: torch.dtype,
     encoder = ImageEncoder(spec, text_hidden)
     tensors = _ffn_unswapped(tensors, spec.tower.intermediate)
     kept = set()
-    if packed if packed is not None else device.type == "cpu":
+    if packed if packed is not None else on_host(device):
         for name, t in tensors.items():
             ours = encoder_name(name)
             if ours is not None and t.tensor_type.value not in _FLOAT_TYPES \
