@@ -10,7 +10,7 @@ from asyncengine import LLM
 from asyncengine.config import EngineConfig
 from asyncengine.executor.paths.compiled import CompiledModel, token_buckets
 from tests.engine.test_engine import PROMPTS, check_against_hf
-from tests.utils import embedded_gguf_path, hf_reference_model
+from tests.utils import embedded_gguf_path, hf_reference_model, make_tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -28,11 +28,17 @@ def test_token_buckets():
         token_buckets(0)
 
 
-def test_tiny_model_compiled_matches_transformers(tiny_llama):
+def test_tiny_model_compiled_matches_transformers(tmp_path):
     """Buckets 1, 2, 4: decodes of 1..4 rows run compiled (3 rows padded to 4), prefill chunks
-    above 4 tokens eagerly; a tiny block pool forces preemption."""
-    hf = hf_reference_model(tiny_llama)
-    llm = LLM(tiny_llama, dtype="float32", compile=True, compile_max_tokens=4,
+    above 4 tokens eagerly; a tiny block pool forces preemption. The model is a Gemma 3, whose
+    layout has everything the traced decoder must follow: scaled embeddings, two RoPE tables
+    (local and global layers), sliding windows on some layers (the attention op finds each
+    layer's options), q/k norms, norms before and after each block. (The embedded model's
+    test below is the Llama layout.)"""
+    model = make_tiny_model(tmp_path / "gemma3", "gemma3", num_hidden_layers=2,
+                            layer_types=["sliding_attention", "full_attention"])
+    hf = hf_reference_model(model)
+    llm = LLM(model, dtype="float32", compile=True, compile_max_tokens=4,
               max_num_batched_tokens=32, max_num_seqs=3, num_gpu_blocks_override=12,
               block_size=8, max_model_len=128)
     plan = llm.engine.runner.paths

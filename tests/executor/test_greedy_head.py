@@ -127,11 +127,13 @@ def test_rows_without_a_finite_maximum_get_no_token(rows, hidden_size, path):
                        torch.full((rows,), NO_TOKEN))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_engine_greedy_steps_use_it_and_match_transformers(family, tiny_models, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2"])
+def test_engine_greedy_steps_use_it_and_match_transformers(family, tiny_models, monkeypatch,
+                                                           tmp_path):
     """16 greedy requests in one batch (no logprobs): the decode steps go through the sliced
     head, and every request's tokens equal transformers' generate. Llama has its own head;
-    Qwen2 and Qwen3 tie it to the embedding, as the embedded SmolLM2 does."""
+    Qwen2 and Qwen3 tie it to the embedding, as the embedded SmolLM2 does; Gemma 2 soft-caps
+    its logits (the raw logits' argmax is the capped ones')."""
     from transformers import AutoModelForCausalLM
 
     from asyncengine import LLM, SamplingParams
@@ -146,7 +148,12 @@ def test_engine_greedy_steps_use_it_and_match_transformers(family, tiny_models, 
         return real(hidden, *args, **kwargs)
 
     monkeypatch.setattr(runner_module, "greedy_from_hidden", counting)
-    path = tiny_models[family]
+    if family in tiny_models:
+        path = tiny_models[family]
+    else:
+        from tests.utils import make_tiny_model
+
+        path = make_tiny_model(tmp_path / family, family)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, dtype="float32", max_num_seqs=32, max_model_len=128)
     tok = llm.tokenizer

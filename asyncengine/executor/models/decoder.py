@@ -248,10 +248,13 @@ class CausalLM(nn.Module):
 
     def plain_head(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The logits head as a plain weight ``[vocab, hidden]`` and bias, for computing it a
-        slice at a time (None when the head is not a plain linear, e.g. quantized, or when
-        its logits are soft-capped: capping can make two ids tie)."""
-        if self.spec.final_soft_cap is not None:
-            return None
+        slice at a time (None when the head is not a plain linear, e.g. quantized).
+
+        Soft-capped logits (Gemma 2) take it too: ``cap * tanh(x / cap)`` is increasing, so
+        the raw logits' argmax is the capped ones'. Only logits within float32 rounding of
+        each other can come out otherwise (capping may round two of them to one value, which
+        goes to the lower id), as the head's own summation order may already; and a row whose
+        best raw logit is infinite gets NO_TOKEN where capping would have kept it."""
         if self.lm_head is None:
             return self.model.embed_tokens.weight, None
         if type(self.lm_head) is Linear:

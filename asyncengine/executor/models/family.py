@@ -81,16 +81,12 @@ class ModelSpec:
 
     def lacks(self) -> dict[str, str]:
         """Fast paths this family cannot take, each with the reason (for one log line)."""
-        one_pass = (self.embed_scale is None and self.moe is None and len(self.ropes) == 1
-                    and all(layer.attention == AttentionOptions() for layer in self.layers))
         out: dict[str, str] = {}
-        if not one_pass:  # the compiled forward traces one RoPE table and plain attention
-            out["compile"] = (f"{self.family} has per-layer attention variants, experts or "
-                              "scaled embeddings, which the compiled path does not trace")
+        if self.moe is not None:  # each expert's rows are known only once the router ran
+            out["compile"] = (f"{self.family}'s experts take data-dependent rows, which the "
+                              "compiled path's static shapes do not trace")
         if self.family not in ("llama", "mistral", "qwen2", "qwen3") or self.moe is not None:
             out["tensor_parallel"] = f"{self.family} is not sharded yet"
-        if self.final_soft_cap is not None:  # capping can make two ids tie
-            out["greedy_head"] = "its logits are soft-capped"
         return out
 
 

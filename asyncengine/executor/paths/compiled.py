@@ -69,6 +69,7 @@ class _StepContext(threading.local):
 
     backend: AttentionBackend | None = None
     meta: AttentionMetadata | None = None
+    options: list[Any] | None = None  # each layer's attention options (window, soft cap)
     kv_caches: list[torch.Tensor] | None = None
     num_tokens: int = 0
 
@@ -85,7 +86,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     if ctx.meta is None:
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     n = ctx.num_tokens
-    o = ctx.backend.forward(q[:n], k[:n], v[:n], ctx.kv_caches[layer], ctx.meta, scale)
+    options = ctx.options[layer] if ctx.options else None
+    if options is None or (options.window is None and options.soft_cap is None):
+        o = ctx.backend.forward(q[:n], k[:n], v[:n], ctx.kv_caches[layer], ctx.meta, scale)
+    else:
+        o = ctx.backend.forward(q[:n], k[:n], v[:n], ctx.kv_caches[layer], ctx.meta, scale,
+                                options)
     if n == q.shape[0]:
         return o.contiguous()
     out = q.new_zeros(q.shape)
@@ -101,7 +107,8 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
 
 class _OpBackend:
     """Stands in for the attention backend inside the traced forward: ``kv_cache`` is the
-    layer's index, and the call becomes the custom op."""
+    layer's index, and the call becomes the custom op (which finds the layer's options, its
+    window and soft cap, by that index)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: int,
                 meta: Any, scale: float, options: Any = None) -> torch.Tensor:
@@ -112,21 +119,24 @@ _OP_BACKEND = _OpBackend()
 
 
 def supports_compile(model: nn.Module) -> bool:
-    """The Llama-family layout this path traces (``LlamaForCausalLM``)."""
+    """The decoder layout this path traces (``executor/models/decoder.CausalLM``)."""
     inner = getattr(model, "model", None)
     spec = getattr(model, "spec", None)
     if spec is not None and "compile" in spec.lacks():
         return False
-    return all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")) and hasattr(
-        model, "rotary")
+    return all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")) and all(
+        hasattr(model, a) for a in ("embed", "rope_tables"))
 
 
 def _decoder(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``CausalLM.forward`` as traced: the same embedding (Gemma's scaled), RoPE tables (one
+    per kind of layer: Gemma 3's local and global) and layers, attention through the op."""
     inner = model.model
-    h = inner.embed_tokens(input_ids)
-    cos, sin = model.rotary(positions, h.dtype)
+    h = model.embed(input_ids)  # [T, hidden]
+    tables = model.rope_tables(positions, h.dtype)
     residual = None
     for i, layer in enumerate(inner.layers):
+        cos, sin = tables[layer.self_attn.rope_name]
         h, residual = layer(h, residual, cos, sin, i, None, _OP_BACKEND)
     return inner.norm(h, residual)[0]
 
@@ -139,9 +149,11 @@ class CompiledModel(nn.Module):
                  cache_dir: str | None = None) -> None:
         super().__init__()
         if not supports_compile(model):
-            raise ValueError(f"--compile: {type(model).__name__} is not a Llama-family model "
-                             "(the compiled path traces LlamaForCausalLM's layout)")
+            raise ValueError(f"--compile: {type(model).__name__} is not the built-in decoder "
+                             "(the compiled path traces its layout)")
         self.inner = model
+        options = getattr(model, "attention_options", None)
+        self.options = options() if options is not None else None
         self.buckets = token_buckets(max_tokens)
         self.compiled_steps = 0  # forwards that ran compiled (the rest ran eagerly)
         configure_inductor(cache_dir)
@@ -178,6 +190,7 @@ class CompiledModel(nn.Module):
         ctx = _CTX
         ctx.backend, ctx.meta, ctx.kv_caches, ctx.num_tokens = (
             attn_backend, attn_metadata, kv_caches, n)
+        ctx.options = self.options
         self.compiled_steps += 1
         try:
             h = self._compiled(input_ids, positions)
@@ -248,7 +261,7 @@ class Compiled(StepPath):
         if spec is not None and "compile" in spec.lacks():
             return spec.lacks()["compile"]
         if not supports_compile(ctx.model):
-            return f"{type(ctx.model).__name__} is not a Llama-family model"
+            return f"{type(ctx.model).__name__} is not the built-in decoder"
         return None
 
     def __init__(self, ctx: PathContext) -> None:
