@@ -62,9 +62,12 @@ def stop_workers(llm: LLM) -> None:
     assert [p.exitcode for p in procs] == [0] * len(procs)  # stopped by the stop message
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_tp2_matches_tp1_and_transformers(family, tiny_models):
-    path = tiny_models[family]
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma2"])
+def test_tp2_matches_tp1_and_transformers(family, tiny_models, tmp_path):
+    """Phi-3's checkpoint fuses q/k/v and gate/up (each rank reads its rows of every part);
+    Gemma 2 ties its head to the embedding, scales it, and soft-caps attention and logits."""
+    path = tiny_models[family] if family in tiny_models else make_tiny_model(
+        tmp_path / family, family)
     hf = hf_model(path)
     tp1 = LLM(path, **KW)
     # llama: an explicit tcp:// rendezvous (what --distributed-init-method gives)

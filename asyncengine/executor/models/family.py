@@ -85,8 +85,8 @@ class ModelSpec:
         if self.moe is not None:  # each expert's rows are known only once the router ran
             out["compile"] = (f"{self.family}'s experts take data-dependent rows, which the "
                               "compiled path's static shapes do not trace")
-        if self.family not in ("llama", "mistral", "qwen2", "qwen3") or self.moe is not None:
-            out["tensor_parallel"] = f"{self.family} is not sharded yet"
+        if self.moe is not None:
+            out["tensor_parallel"] = f"{self.family}'s experts are not sharded yet"
         return out
 
 

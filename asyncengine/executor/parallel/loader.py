@@ -19,11 +19,13 @@ from asyncengine.executor.models.llama import LlamaForCausalLM
 from asyncengine.executor.parallel.model import TPLlamaForCausalLM
 from asyncengine.executor.parallel.sharding import (
     FLAG,
+    Getter,
     ShardPlan,
     make_plan,
     shard_tensor,
     slice_getter,
     tensor_getter,
+    unfused,
 )
 from asyncengine.executor.parallel.state import TPState
 from asyncengine.executor.weights import loader as base
@@ -56,8 +58,8 @@ def load_tp_model(source: base.ModelSource, load_format: str, dtype: torch.dtype
     elif fmt == "gguf":
         from asyncengine.executor.weights.gguf import iter_gguf_tensors
 
-        model.load_weights((name, shard_tensor(name, tensor_getter(t), plan))
-                           for name, t in iter_gguf_tensors(source.gguf_path, config, None))
+        model.load_weights(_shards(((name, tensor_getter(t)) for name, t
+                                    in iter_gguf_tensors(source.gguf_path, config, None)), plan))
     else:
         from asyncengine.executor.weights.checkpoint_quant import (
             checkpoint_quantization,
@@ -69,9 +71,18 @@ def load_tp_model(source: base.ModelSource, load_format: str, dtype: torch.dtype
         if quantized is None:
             model.load_weights(_iter_sharded_safetensors(files, plan))
         else:  # whole quantized matrices dequantized, then sharded
-            model.load_weights((name, shard_tensor(name, tensor_getter(t), plan)) for name, t
-                               in dequantize_checkpoint(base._iter_safetensors(files), quantized))
+            model.load_weights(_shards(
+                ((name, tensor_getter(t)) for name, t
+                 in dequantize_checkpoint(base._iter_safetensors(files), quantized)), plan))
     return model.eval()
+
+
+def _shards(tensors: Iterator[tuple[str, Getter]],
+            plan: ShardPlan) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's part of each ``(name, getter)``, fused projections read as their parts."""
+    for name, get in tensors:
+        for part, part_get in unfused(name, get, plan):
+            yield part, shard_tensor(part, part_get, plan)
 
 
 def _iter_sharded_safetensors(files: list[str],
@@ -80,6 +91,6 @@ def _iter_sharded_safetensors(files: list[str],
 
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield key, shard_tensor(key, slice_getter(f.get_slice(key)), plan)
+            yield from _shards(((key, slice_getter(f.get_slice(key)))
+                                for key in f.keys()), plan)  # noqa: SIM118 (not a mapping)
 

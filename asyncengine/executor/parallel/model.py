@@ -85,4 +85,6 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
         full = self.tp.gather_last_dim(local)
         if full is None:
             return None
-        return full[:, :self.vocab_size]
+        logits = full[:, :self.vocab_size]
+        cap = self.spec.final_soft_cap  # Gemma 2's
+        return logits if cap is None else torch.tanh(logits / cap) * cap

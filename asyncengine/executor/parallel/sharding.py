@@ -9,7 +9,9 @@
 * KV heads: ``num_kv_heads / N`` per rank when N divides them; with fewer KV heads than ranks
   (N a multiple of them) each rank holds the one KV head its query heads use, replicated.
   Any other split is refused, naming ``--tensor-parallel-size``.
-* norms (and Qwen3's per-head q/k norms) are replicated.
+* norms (and Qwen3's and Gemma 3's per-head q/k norms) are replicated.
+* a checkpoint's fused projections (Phi-3's ``qkv_proj``, ``gate_up_proj``) are read as the
+  separate ones they stack (:func:`unfused`), each split as above.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class ShardPlan:
     intermediate: int  # per rank
     vocab_size: int  # the model's
     vocab_per_rank: int
+    model_kv_heads: int = 0  # the model's (the rows of a fused qkv_proj after q's)
+    model_intermediate: int = 0  # the model's (the rows of a fused gate_up_proj after gate's)
 
     @property
     def vocab_start(self) -> int:
@@ -79,7 +83,8 @@ def make_plan(config: Any, rank: int, world_size: int) -> ShardPlan:
     return ShardPlan(rank=rank, world_size=n, num_heads=heads // n, num_kv_heads=kv_per_rank,
                      kv_head_start=kv_start, head_dim=head_dim,
                      intermediate=config.intermediate_size // n, vocab_size=vocab,
-                     vocab_per_rank=-(-vocab // n))
+                     vocab_per_rank=-(-vocab // n), model_kv_heads=kv_heads,
+                     model_intermediate=config.intermediate_size)
 
 
 def shard_config(config: Any, plan: ShardPlan) -> Any:
@@ -128,6 +133,40 @@ def shard_tensor(name: str, get: Getter, plan: ShardPlan) -> torch.Tensor:
     if kind == "vocab" and size < plan.vocab_per_rank:  # the last slice: zero padding rows
         pad = part.new_zeros(plan.vocab_per_rank - size, *part.shape[1:])
         part = torch.cat([part, pad])
+    return part
+
+
+# a fused checkpoint projection -> the separate ones it stacks, in row order
+_FUSED = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."),
+          ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
+
+
+def unfused(name: str, get: Getter, plan: ShardPlan) -> list[tuple[str, Getter]]:
+    """``[(name, get)]``, or for a fused projection its parts: each named as the separate
+    projection and read at its rows' offset in the fused tensor."""
+    fused = next((f for f in _FUSED if f in name), None)
+    if fused is None:
+        return [(name, get)]
+    parts = _FUSED[fused]
+    if fused == ".qkv_proj.":
+        q = plan.num_heads * plan.world_size * plan.head_dim
+        sizes = (q, plan.model_kv_heads * plan.head_dim, plan.model_kv_heads * plan.head_dim)
+    else:
+        sizes = (plan.model_intermediate, plan.model_intermediate)
+    out, offset = [], 0
+    for part, size in zip(parts, sizes, strict=True):
+        out.append((name.replace(fused, part), _rows_from(get, offset, size)))
+        offset += size
+    return out
+
+
+def _rows_from(get: Getter, offset: int, size: int) -> Getter:
+    """``get`` over rows ``offset .. offset + size`` of its tensor."""
+    def part(rows: tuple[int, int] | None, cols: tuple[int, int] | None) -> torch.Tensor:
+        if rows is not None:
+            return get((offset + rows[0], offset + rows[1]), None)
+        whole = get((offset, offset + size), None)
+        return whole if cols is None else whole[:, cols[0]:cols[1]]
     return part
 
 
