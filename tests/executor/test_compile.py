@@ -53,6 +53,22 @@ def test_tiny_model_compiled_matches_transformers(tmp_path):
     check_against_hf(llm, hf, prompts[:1], 8)  # alone: the 1-token bucket
 
 
+def test_a_mixture_of_experts_compiles_with_each_layer_as_one_op(tmp_path):
+    """Qwen2-MoE (experts and a shared expert): the traced decoder calls each MoE layer as
+    one opaque op (``models/moe_op.py``: its experts' rows depend on the router), so every
+    decode step (one bucket: requests one at a time) runs compiled, and the tokens and
+    logprobs equal transformers'."""
+    model = make_tiny_model(tmp_path / "moe", "qwen2_moe")
+    hf = hf_reference_model(model)
+    llm = LLM(model, dtype="float32", compile=True, compile_max_tokens=1,
+              max_num_batched_tokens=32, max_num_seqs=1, num_gpu_blocks_override=24,
+              block_size=8, max_model_len=128)
+    compiled = llm.engine.runner.paths.path("compiled").model
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:2]]
+    check_against_hf(llm, hf, prompts, 10)
+    assert compiled.compiled_steps >= 2 * 9
+
+
 @pytest.mark.slow
 def test_embedded_model_compiled_matches_transformers():
     """The embedded SmolLM2 with one bucket (a batch-1 decode; ~1 min to compile on 2 cores):

@@ -159,41 +159,35 @@ def test_quantized_gguf_experts_are_kept_as_stored(models, tmp_path, qtype):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_each_family_says_which_fast_path_it_lacks_in_one_line(caplog):
-    """Every family either takes the C++ decode stack, --compile, tensor parallelism and the
-    greedy head, or its description names the one it lacks and the chooser's one log line of
-    step paths says why it passed that path over; --tensor-parallel-size on a family that
-    lacks it is refused naming the flag."""
+def test_each_family_says_which_fast_path_it_lacks_in_one_line(caplog, monkeypatch):
+    """Every built-in family takes the C++ decode stack (its description is the stack's
+    input), --compile, tensor parallelism and the greedy head. A family description that lacks
+    one names it, the chooser's one log line of step paths says why it passed that path over,
+    and --tensor-parallel-size on it is refused naming the flag."""
     from asyncengine.config import EngineConfig
+    from asyncengine.executor import build
     from asyncengine.executor.models import decoder
+    from asyncengine.executor.models.family import ModelSpec
     from asyncengine.executor.paths.base import PathContext
     from asyncengine.executor.paths.choose import choose
     from asyncengine.executor.paths.compiled import Compiled
 
-    known = {"decode_stack", "compile", "tensor_parallel", "greedy_head"}
-    config = EngineConfig.from_dict({})
-    with_compile = EngineConfig.from_dict({"compile": True})
     for family in ALL_FAMILIES:
-        hf_config = tiny_config(family, vocab_size=256)
-        lacks = describe(hf_config).lacks()
-        assert set(lacks) <= known, family
-        if not lacks:
-            continue
-        runner = types.SimpleNamespace(model=decoder.CausalLM(hf_config), attn_backend=None,
-                                       device=torch.device("cpu"))
-        cpu = types.SimpleNamespace(type="cpu")
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="asyncengine"):
-            plan = choose(PathContext(runner, cpu, config))
-        lines = [r.message for r in caplog.records if r.message.startswith("step paths")]
-        assert len(lines) == 1, (family, lines)
-        for path in ("decode_stack", "greedy_head"):
-            if path in lacks:
-                assert lacks[path] in lines[0], (family, path, lines[0])
-        if "compile" in lacks:  # --compile given: passed over, saying why
-            assert Compiled.why_not(PathContext(runner, cpu, with_compile)) == lacks["compile"]
-        assert [p.name for p in plan.chains["decode"]] == ["eager"], family
-        assert runner.greedy_head == ("greedy_head" not in lacks)
-    assert "tensor_parallel" in describe(tiny_config("mixtral")).lacks()
-    assert "greedy_head" not in describe(tiny_config("gemma2")).lacks()  # capping is monotonic
-    assert not describe(tiny_config("llama")).lacks()
+        assert describe(tiny_config(family, vocab_size=256)).lacks() == {}, family
+    lacks = {"compile": "not traceable", "tensor_parallel": "not sharded",
+             "greedy_head": "its head is not plain"}
+    monkeypatch.setattr(ModelSpec, "lacks", lambda self: dict(lacks))
+    hf_config = tiny_config("gemma2", vocab_size=256)
+    runner = types.SimpleNamespace(model=decoder.CausalLM(hf_config), attn_backend=None,
+                                   device=torch.device("cpu"))
+    cpu = types.SimpleNamespace(type="cpu")
+    with caplog.at_level(logging.INFO, logger="asyncengine"):
+        plan = choose(PathContext(runner, cpu, EngineConfig.from_dict({})))
+    (line,) = [r.message for r in caplog.records if r.message.startswith("step paths")]
+    assert lacks["greedy_head"] in line, line
+    with_compile = EngineConfig.from_dict({"compile": True})
+    assert Compiled.why_not(PathContext(runner, cpu, with_compile)) == lacks["compile"]
+    assert [p.name for p in plan.chains["decode"]] == ["eager"]
+    assert runner.greedy_head is False
+    with pytest.raises(ValueError, match="--tensor-parallel-size: not sharded"):
+        build._check_family_supports(hf_config, "tensor_parallel", "--tensor-parallel-size")

@@ -62,10 +62,11 @@ def stop_workers(llm: LLM) -> None:
     assert [p.exitcode for p in procs] == [0] * len(procs)  # stopped by the stop message
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "qwen2_moe"])
 def test_tp2_matches_tp1_and_transformers(family, tiny_models, tmp_path):
     """Phi-3's checkpoint fuses q/k/v and gate/up (each rank reads its rows of every part);
-    Gemma 2 ties its head to the embedding, scales it, and soft-caps attention and logits."""
+    Gemma 2 ties its head to the embedding, scales it, and soft-caps attention and logits;
+    Qwen2-MoE's experts and shared expert are split over their features."""
     path = tiny_models[family] if family in tiny_models else make_tiny_model(
         tmp_path / family, family)
     hf = hf_model(path)

@@ -80,14 +80,11 @@ class ModelSpec:
         return None if None in windows else max(windows)  # type: ignore[type-var]
 
     def lacks(self) -> dict[str, str]:
-        """Fast paths this family cannot take, each with the reason (for one log line)."""
-        out: dict[str, str] = {}
-        if self.moe is not None:  # each expert's rows are known only once the router ran
-            out["compile"] = (f"{self.family}'s experts take data-dependent rows, which the "
-                              "compiled path's static shapes do not trace")
-        if self.moe is not None:
-            out["tensor_parallel"] = f"{self.family}'s experts are not sharded yet"
-        return out
+        """Fast paths this family cannot take (``compile``, ``tensor_parallel``,
+        ``greedy_head``), each with the reason, for the chooser's one log line. Every built-in
+        family takes them all (and the C++ decode stack, which reads this description); a
+        family whose layout one of them does not follow says so here."""
+        return {}
 
 
 def _head_dim(config: Any) -> int:

@@ -37,6 +37,7 @@ from torch import nn
 from asyncengine.executor.kernels import build
 from asyncengine.executor.kernels import packed as packed_kernels
 from asyncengine.executor.kernels.where import host_kernel, on_host
+from asyncengine.executor.models import moe_op
 from asyncengine.executor.models.layers import MLP, Linear
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ class SparseMoE(nn.Module):
             self.shared_expert = MLP(H, moe.shared_intermediate)
             self.shared_expert_gate = nn.Parameter(torch.empty(1, H), requires_grad=False)
         self._loaded: set[str] = set()
+        self._op_key = moe_op.register(self)  # how a compiled trace calls this layer
 
     # -- loading -------------------------------------------------------------------------
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
@@ -254,6 +256,12 @@ class SparseMoE(nn.Module):
         return weights, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # one opaque op in the trace (moe_op.py)
+            return torch.ops.asyncengine.moe_layer(x, self._op_key)
+        return self.eager_forward(x)
+
+    def eager_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` outside a trace: the experts' rows as the router gives them."""
         T = x.shape[0]
         gate = None
         use_kernel = self._use_kernel(x)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from asyncengine.executor.models.family import describe
 from asyncengine.executor.models.llama import LlamaForCausalLM
 from asyncengine.executor.parallel.model import TPLlamaForCausalLM
 from asyncengine.executor.parallel.sharding import (
@@ -50,6 +51,9 @@ def load_tp_model(source: base.ModelSource, load_format: str, dtype: torch.dtype
     config = source.hf_config
     plan = make_plan(config, tp.rank, tp.world_size)
     fmt = base._load_format(source, load_format)
+    if fmt == "gguf" and describe(config).moe is not None:
+        raise ValueError(f"{FLAG} {tp.world_size}: a GGUF mixture of experts is not sharded "
+                         "(its experts are stacked; use the safetensors checkpoint)")
     device = torch.device(device)
     with base._default_dtype(dtype), device:
         model = TPLlamaForCausalLM(config, plan, tp)

@@ -3,7 +3,7 @@
 Built as the ordinary :class:`LlamaForCausalLM` of the rank's *shard config* (its heads, its
 slice of the MLP, its slice of the vocabulary: ``sharding.shard_config``), so q/k/v and
 gate/up already have this rank's rows and the attention runs over this rank's heads and KV
-cache only. Three modules change:
+cache only. Three modules change (and a mixture of experts' output, all-reduced):
 
 * ``o_proj`` and ``down_proj`` (:class:`RowParallelLinear`): the partial products are
   all-reduced, then the (whole) bias is added;
@@ -68,8 +68,14 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
             attn, mlp = layer.self_attn, layer.mlp
             attn.o_proj = RowParallelLinear(attn.q_size, hidden, attn.o_proj.bias is not None,
                                             tp)
-            mlp.down_proj = RowParallelLinear(mlp.intermediate_size, hidden,
-                                              mlp.down_proj.bias is not None, tp)
+            if hasattr(mlp, "down_proj"):
+                mlp.down_proj = RowParallelLinear(mlp.intermediate_size, hidden,
+                                                  mlp.down_proj.bias is not None, tp)
+            else:  # a mixture of experts: each rank's experts give partial sums
+                mlp.register_forward_hook(self._all_reduce_output)
+
+    def _all_reduce_output(self, module: Any, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(out)
 
     def plain_head(self) -> None:
         """No sliced greedy head (``sampler/greedy_head.py``): this rank holds a part of the

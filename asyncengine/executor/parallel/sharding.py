@@ -10,6 +10,11 @@
   (N a multiple of them) each rank holds the one KV head its query heads use, replicated.
   Any other split is refused, naming ``--tensor-parallel-size``.
 * norms (and Qwen3's and Gemma 3's per-head q/k norms) are replicated.
+* a mixture of experts: each expert's gate/up (``w1``/``w3``) split by rows and its down
+  (``w2``) by columns, as a dense MLP's, over the experts' intermediate features; Qwen2-MoE's
+  shared expert the same over its own; the router and the shared expert's gate replicated.
+  Every rank routes the same tokens to the same experts, and the layer's output is
+  all-reduced (``parallel/model.py``).
 * a checkpoint's fused projections (Phi-3's ``qkv_proj``, ``gate_up_proj``) are read as the
   separate ones they stack (:func:`unfused`), each split as above.
 """
@@ -39,6 +44,8 @@ class ShardPlan:
     vocab_per_rank: int
     model_kv_heads: int = 0  # the model's (the rows of a fused qkv_proj after q's)
     model_intermediate: int = 0  # the model's (the rows of a fused gate_up_proj after gate's)
+    expert_intermediate: int = 0  # per rank: each expert's features (mixtures of experts)
+    shared_intermediate: int = 0  # per rank: Qwen2-MoE's shared expert's features
 
     @property
     def vocab_start(self) -> int:
@@ -53,6 +60,10 @@ class ShardPlan:
             return self.kv_head_start * d, self.num_kv_heads * d
         if kind == "mlp":
             return r * self.intermediate, self.intermediate
+        if kind == "expert":
+            return r * self.expert_intermediate, self.expert_intermediate
+        if kind == "shared":
+            return r * self.shared_intermediate, self.shared_intermediate
         if kind == "vocab":
             start = self.vocab_start
             return start, max(0, min(self.vocab_per_rank, self.vocab_size - start))
@@ -79,12 +90,24 @@ def make_plan(config: Any, rank: int, world_size: int) -> ShardPlan:
     if config.intermediate_size % n:
         raise ValueError(f"{FLAG} {n}: the MLP's {config.intermediate_size} features cannot "
                          f"be split evenly over {n} ranks")
+    experts = _per_rank(config, "moe_intermediate_size", n, "each expert's") if \
+        getattr(config, "moe_intermediate_size", None) else config.intermediate_size // n
+    shared = _per_rank(config, "shared_expert_intermediate_size", n, "the shared expert's")
     vocab = config.vocab_size
     return ShardPlan(rank=rank, world_size=n, num_heads=heads // n, num_kv_heads=kv_per_rank,
                      kv_head_start=kv_start, head_dim=head_dim,
                      intermediate=config.intermediate_size // n, vocab_size=vocab,
                      vocab_per_rank=-(-vocab // n), model_kv_heads=kv_heads,
-                     model_intermediate=config.intermediate_size)
+                     model_intermediate=config.intermediate_size,
+                     expert_intermediate=experts, shared_intermediate=shared)
+
+
+def _per_rank(config: Any, key: str, n: int, what: str) -> int:
+    size = getattr(config, key, None) or 0
+    if size % n:
+        raise ValueError(f"{FLAG} {n}: {what} {size} features cannot be split evenly over "
+                         f"{n} ranks")
+    return size // n
 
 
 def shard_config(config: Any, plan: ShardPlan) -> Any:
@@ -95,6 +118,10 @@ def shard_config(config: Any, plan: ShardPlan) -> Any:
     c.num_key_value_heads = plan.num_kv_heads
     c.intermediate_size = plan.intermediate
     c.vocab_size = plan.vocab_per_rank
+    if getattr(c, "moe_intermediate_size", None):
+        c.moe_intermediate_size = plan.expert_intermediate
+    if getattr(c, "shared_expert_intermediate_size", None):
+        c.shared_expert_intermediate_size = plan.shared_intermediate
     return c
 
 
@@ -107,7 +134,16 @@ _SPLITS = {
 }
 
 
+# an expert's (or the shared expert's) projections, by name part -> how they are split
+_EXPERT_SPLITS = {".gate_proj.": "rows", ".up_proj.": "rows", ".w1.": "rows", ".w3.": "rows",
+                  ".down_proj.weight": "cols", ".w2.weight": "cols"}
+
+
 def split_of(name: str) -> tuple[str, str] | None:
+    for owner, kind in ((".experts.", "expert"), (".shared_expert.", "shared")):
+        if owner in name:
+            how = next((h for part, h in _EXPERT_SPLITS.items() if part in name), None)
+            return None if how is None else (how, kind)
     for part, split in _SPLITS.items():
         if part in name:
             return split
