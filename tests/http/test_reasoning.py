@@ -143,6 +143,52 @@ def test_auto_tool_call_parsed_from_the_answer_only(client):
     assert json.loads(args) == json.loads(tc.function.arguments)
 
 
+def test_parsers_among_plain_streams_give_what_they_give_alone(client):
+    """A reasoning request and a tool call (each parsed from the text the model streams) run
+    among 20 plain streams, a batch past the step path's few-row limit (its rows gathered as
+    arrays, ``executor/step/step_rows.py``): each answer equals its run alone."""
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Barrier
+
+    model = server_model(client)
+    call = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}'
+            r'\n</tool_call>')
+    tool = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
+                extra_body={"thinking_token_budget": BUDGET, "structured_outputs": {"regex": call}})
+    reason = budgeted(model=model)
+    plain = dict(model=model, prompt="Once upon a time", max_tokens=120, temperature=0,
+                 extra_body={"ignore_eos": True})
+
+    def summary(out) -> tuple:
+        msg = out.choices[0].message
+        calls = [(c.function.name, json.loads(c.function.arguments))
+                 for c in msg.tool_calls or []]
+        return reasoning_of(msg), msg.content, calls, out.choices[0].finish_reason
+
+    alone = [summary(client.chat.completions.create(**tool)),
+             summary(client.chat.completions.create(**reason))]
+    alone_plain = client.completions.create(**plain).choices[0].text
+    started = Barrier(21)  # the plain streams and this thread
+
+    def stream_plain() -> str:
+        text = ""
+        for i, chunk in enumerate(client.completions.create(**plain, stream=True)):
+            if i == 0:
+                started.wait(timeout=60)
+            text += "".join(c.text for c in chunk.choices)
+        return text
+
+    with ThreadPoolExecutor(24) as pool:
+        plains = [pool.submit(stream_plain) for _ in range(20)]
+        started.wait(timeout=60)  # every plain stream decodes: the parsers' requests join them
+        mixed = [pool.submit(client.chat.completions.create, **kw) for kw in (tool, reason)]
+        got = [summary(f.result()) for f in mixed]
+        texts = [f.result() for f in plains]
+    assert got == alone
+    assert alone[0][2] and alone[1][0]  # a parsed tool call; a reasoning span
+    assert texts == [alone_plain] * 20
+
+
 def test_min_tokens_holds_with_a_budget_alone(client, tiny_llama):
     """The budget's gate does not end the output, so min_tokens still holds EOS back: with
     EOS pushed to the top, the output is exactly min_tokens tokens (the reasoning cut at the
