@@ -179,6 +179,50 @@ def test_cuda_device_keeps_launch_order_across_loop_and_launcher_thread():
     anyio.run(device.aclose)
 
 
+def test_step_events_come_from_a_pool():
+    """``TorchCUDA`` records each step's event on one it made before, given back once the
+    step was awaited: steps after the first few create no CUDA event. (The torch module under
+    it is a stand-in: the pool is what is checked.)"""
+    import contextlib
+    from types import SimpleNamespace
+
+    from asyncengine.executor.runtime.cuda_device import TorchCUDA
+
+    made = []
+
+    class Event:
+        def __init__(self) -> None:
+            made.append(self)
+            self.records = 0
+
+        def record(self, stream) -> None:
+            self.records += 1
+
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+    cuda = TorchCUDA()
+    cuda.torch = SimpleNamespace(cuda=SimpleNamespace(
+        Event=Event, Stream=object, stream=lambda s: contextlib.nullcontext(),
+        set_stream=lambda s: None))
+    device = CUDADevice(awaiter="poll", cuda=cuda)
+    runner = Runner()
+
+    async def main():
+        for n in range(10):  # two in flight at a time, as the step loop runs them
+            inputs, nxt = Inputs(), Inputs(blocks_host=n % 3 == 0)
+            inputs.n, nxt.n = 2 * n, 2 * n + 1
+            first, second = device.launch_step(runner, inputs), device.launch_step(runner, nxt)
+            assert [await first.wait(), await second.wait()] == [2 * n, 2 * n + 1]
+
+    anyio.run(main)
+    assert len(made) == 2 and sum(e.records for e in made) == 20
+    anyio.run(device.aclose)
+
+
 def test_cuda_device_delivers_errors_to_the_awaiting_loop():
     device = CUDADevice(awaiter="poll", cuda=FakeCUDA())
     runner = Runner()

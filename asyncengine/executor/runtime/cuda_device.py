@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
@@ -28,10 +29,12 @@ class CUDAStepHandle(StepHandle):
     launcher thread enqueues it) and the event recorded after its kernels."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, awaiter: EventAwaiter,
-                 on_launched: Callable[[], None] | None = None) -> None:
+                 on_launched: Callable[[], None] | None = None,
+                 release: Callable[[Any], None] | None = None) -> None:
         super().__init__(loop)
         self._awaiter = awaiter
         self._on_launched = on_launched
+        self._release = release  # gives the event back once awaited (TorchCUDA's pool)
         self._event: Any = None
 
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
@@ -45,8 +48,12 @@ class CUDAStepHandle(StepHandle):
 
     async def wait(self) -> Any:
         value = await self._launched()  # enqueued (an error while enqueueing is raised here)
-        if self._event is not None:  # the step's copies to pinned memory are done after it
-            await self._awaiter.wait(self._event)
+        event = self._event
+        if event is not None:  # the step's copies to pinned memory are done after it
+            await self._awaiter.wait(event)
+            self._event = None
+            if self._release is not None:
+                self._release(event)
         return _finished(value)
 
 
@@ -57,6 +64,9 @@ class TorchCUDA:
         import torch
 
         self.torch = torch
+        # Events awaited already, to record again: a step creates no CUDA event. (Recorded on
+        # the loop or the launcher thread, given back on the loop: deque's ends are atomic.)
+        self._free_events: deque[Any] = deque()
 
     def new_stream(self) -> Any:
         return self.torch.cuda.Stream()
@@ -68,9 +78,16 @@ class TorchCUDA:
         self.torch.cuda.set_stream(stream)
 
     def record_event(self, stream: Any) -> Any:
-        event = self.torch.cuda.Event()
+        try:
+            event = self._free_events.pop()
+        except IndexError:  # as many as steps in flight, made once
+            event = self.torch.cuda.Event()
         event.record(stream)
         return event
+
+    def release_event(self, event: Any) -> None:
+        """``event`` has completed and was awaited: it may be recorded again."""
+        self._free_events.append(event)
 
 
 class CUDADevice(Device):
@@ -102,6 +119,8 @@ class CUDADevice(Device):
                  cuda: Any = None) -> None:
         super().__init__()
         self.cuda = cuda or TorchCUDA()
+        # awaited events back to the pool, where the CUDA calls keep one (TorchCUDA's)
+        self._release_event = getattr(self.cuda, "release_event", None)
         self.stream = self.cuda.new_stream()
         self.awaiter = make_event_awaiter(awaiter)
         where = eager_launch or environment.get(EAGER_LAUNCH_ENV)
@@ -176,7 +195,8 @@ class CUDADevice(Device):
         if (self._pending_on_thread or inputs.blocks_host
                 or (self.eager_on_thread and inputs.graph_batch is None)):
             return self._via_thread(fn)
-        handle = CUDAStepHandle(asyncio.get_running_loop(), self.awaiter)
+        handle = CUDAStepHandle(asyncio.get_running_loop(), self.awaiter,
+                                release=self._release_event)
         self.num_loop_launches += 1
         try:
             result = self._enqueue(fn)
@@ -188,7 +208,8 @@ class CUDADevice(Device):
 
     def _via_thread(self, fn: Callable[[], Any]) -> StepHandle:
         handle = CUDAStepHandle(asyncio.get_running_loop(), self.awaiter,
-                                on_launched=self._launched_on_thread)
+                                on_launched=self._launched_on_thread,
+                                release=self._release_event)
         self._pending_on_thread += 1
         self.num_thread_launches += 1
         self._ensure_worker()
