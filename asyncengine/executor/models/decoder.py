@@ -45,6 +45,7 @@ from asyncengine.executor.models.layers import (
     RMSNorm,
     rope,
 )
+from asyncengine.executor.models.mrope import MRotaryEmbedding
 from asyncengine.executor.models.rope import RotaryEmbedding
 from asyncengine.executor.models.small_matmul import small_matmuls
 from asyncengine.executor.weights.int4 import step_requests
@@ -179,6 +180,9 @@ class CausalLM(nn.Module):
     def _rope_table(self, name: str, long_context: bool = False) -> RotaryEmbedding:
         spec = self.spec
         per_type = name if len(spec.ropes) > 1 else None
+        if spec.mrope_section is not None:  # Qwen2-VL: three position streams
+            return MRotaryEmbedding(self.config, spec.head_dim, spec.ropes[name],
+                                    spec.rotary_dim, spec.mrope_section)
         return RotaryEmbedding(self.config, spec.head_dim, spec.ropes[name], spec.rotary_dim,
                                layer_type=per_type, long_context=long_context)
 
@@ -221,7 +225,8 @@ class CausalLM(nn.Module):
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
                 attn_backend: AttentionBackend,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden] (normed).
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (normed); M-RoPE
+        positions may be [3, T] (``mrope.py``).
         ``inputs_embeds``: the first layer's input instead of ``embed(input_ids)`` (a step
         with images: their placeholders' rows replaced)."""
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
