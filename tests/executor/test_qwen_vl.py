@@ -163,15 +163,20 @@ def test_chunked_prefill_prefix_hit_and_preemption(tiny):
 
 
 def test_chat_placeholder_and_bad_configs(tiny, engines):
-    """A chat message's image is written as Qwen's chat template writes it; an M-RoPE split
-    that is not the head's, or a window not made of merged patches, is refused."""
+    """A chat message's image is written as Qwen's chat template writes it, and counted
+    (without its pixels) as the processor expands it; an M-RoPE split that is not the
+    head's, or a window not made of merged patches, is refused."""
     import transformers
 
-    from asyncengine.engine.multimodal import image_placeholder
+    from asyncengine.engine.multimodal import expanded_ids, image_placeholder
     from asyncengine.executor.models.family import describe
     from asyncengine.executor.models.vision.spec import describe_vision
 
-    assert image_placeholder(engines["qwen2_vl"]) == QWEN_IMAGE
+    engine = engines["qwen2_vl"]
+    assert image_placeholder(engine) == QWEN_IMAGE
+    for w, h in SIZES[:3]:
+        want, _ = qwen_inputs(tiny["qwen2_vl"], TWO, [image(w, h, 0), image(h, w, 0)])
+        assert expanded_ids(engine, TWO, [(w, h), (h, w)], True) == want[0].tolist()
     config = transformers.AutoConfig.from_pretrained(tiny["qwen2_5_vl"])
     config.text_config.rope_parameters["mrope_section"] = [2, 3, 4]
     with pytest.raises(ValueError, match="mrope_section"):
@@ -179,3 +184,38 @@ def test_chat_placeholder_and_bad_configs(tiny, engines):
     config.vision_config.window_size = 50
     with pytest.raises(ValueError, match="window_size"):
         describe_vision(config)
+
+
+def test_step_positions_from_the_tables():
+    """The runner's M-RoPE positions (``step/mrope_rows.py``): a text prompt at its sequence
+    positions; a prompt with an image from its table, chunk by chunk, ``[3, T]`` only while
+    a chunk holds image placeholders; decode tokens at their position plus the delta."""
+    from types import SimpleNamespace
+
+    from asyncengine.executor.models.mrope_positions import rope_positions
+    from asyncengine.executor.step.mrope_rows import MRopeRows
+
+    rope = rope_positions(12, [(2, 1, 2, 3)])  # 2 text tokens, 2 x 3 image, 4 text tokens
+    assert rope.table[:, :2].tolist() == [[0, 1]] * 3
+    assert rope.table[:, 2:8].tolist() == [[2] * 6, [2, 2, 2, 3, 3, 3], [2, 3, 4, 2, 3, 4]]
+    assert rope.table[0, 8:].tolist() == [5, 6, 7, 8] and rope.delta == -3
+    rows = MRopeRows(1)  # (grows with the batch)
+    image_req = SimpleNamespace(request_id="img", rope_positions=rope)
+    text_req = SimpleNamespace(request_id="txt", rope_positions=None)
+    rows.join(text_req, 0)
+    rows.join(image_req, 3)
+    row_of = {"txt": 0, "img": 3}
+
+    def step(chunks):  # [(row, start, n)] -> the step's positions
+        r, s, n = (np.array(c, dtype=np.int64) for c in zip(*chunks, strict=True))
+        firsts = np.cumsum(n) - n
+        pos = np.repeat(s - firsts, n) + np.arange(int(n.sum()))
+        return rows.positions(pos, np.repeat(r, n), r, s, n, firsts, row_of)
+
+    assert step([(0, 0, 5), (3, 0, 2)]).tolist() == [0, 1, 2, 3, 4, 0, 1]
+    three = step([(0, 5, 1), (3, 2, 4)])  # the image's first four placeholders
+    assert three.tolist() == [[5, 2, 2, 2, 2], [5, 2, 2, 2, 3], [5, 2, 3, 4, 2]]
+    assert step([(3, 6, 6)]).tolist() == [[2, 2, 5, 6, 7, 8], [3, 3, 5, 6, 7, 8],
+                                          [3, 4, 5, 6, 7, 8]]
+    assert not rows.pending  # its prompt is all computed: decode rows by the delta
+    assert step([(0, 6, 1), (3, 12, 1)]).tolist() == [6, 9]
