@@ -20,14 +20,22 @@ from asyncengine.executor.models.rope import RotaryEmbedding
 
 class MRotaryEmbedding(RotaryEmbedding):
     def __init__(self, config: Any, head_dim: int, params: dict[str, Any] | None,
-                 rotary_dim: int | None, section: tuple[int, ...], **kw: Any) -> None:
-        super().__init__(config, head_dim, params, rotary_dim, **kw)
+                 rotary_dim: int | None, section: tuple[int, ...], *,
+                 interleaved: bool = False) -> None:
+        super().__init__(config, head_dim, params, rotary_dim)
         half = self.rotary_dim // 2
-        if sum(section) != half:
-            raise ValueError(f"mrope_section {list(section)} does not sum to the {half} "
-                             "rotary frequencies")
-        # stream[j]: which of the three positions turns frequency j
-        stream = torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
+        if sum(section) != half or len(section) != 3:
+            raise ValueError(f"mrope_section {list(section)} does not split the {half} rotary "
+                             "frequencies in three")
+        # stream[j]: which of the three positions turns frequency j: the sections one after
+        # the other, or (Qwen3-VL) taking turns, h and w each while their section lasts
+        if interleaved:
+            j = torch.arange(half)
+            stream = torch.zeros(half, dtype=torch.int64)
+            for axis in (1, 2):
+                stream[(j % 3 == axis) & (j < 3 * section[axis])] = axis
+        else:
+            stream = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
         self.register_buffer("stream", stream, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype

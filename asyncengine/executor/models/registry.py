@@ -27,6 +27,7 @@ BUILTIN_MODELS: dict[str, type] = {
     "SmolVLMForConditionalGeneration": VisionLM,  # SmolVLM: Idefics3's, on SmolLM2
     "Qwen2VLForConditionalGeneration": VisionLM,  # dynamic resolution, the merger, M-RoPE
     "Qwen2_5_VLForConditionalGeneration": VisionLM,  # and window attention in the tower
+    "Qwen3VLForConditionalGeneration": VisionLM,  # deepstack, interleaved M-RoPE, Qwen3
     "MixtralForCausalLM": CausalLM,
     "Qwen2MoeForCausalLM": CausalLM,
     "Qwen3MoeForCausalLM": CausalLM,
@@ -58,6 +59,7 @@ _ARCH_OF_MODEL_TYPE = {
     "smolvlm": "SmolVLMForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",

@@ -1,12 +1,13 @@
-"""The image encoder of Qwen2-VL and Qwen2.5-VL: the processor (``qwen_processor.py``), the
-tower with its merger (``qwen_tower.py``), and the prompt's M-RoPE positions, which follow
-the images' grids (``executor/models/mrope_positions.py``). The same interface as
-:class:`~asyncengine.executor.models.vision.encoder.ImageEncoder`: ``process`` and
-``layout`` off the loop, ``encode_many`` on the device, loading by the checkpoint's names
+"""The image encoder of Qwen2-VL, Qwen2.5-VL and Qwen3-VL: the processor
+(``qwen_processor.py``), the tower with its merger (``qwen_tower.py``), and the prompt's M-RoPE
+positions, which follow the images' grids (``executor/models/mrope_positions.py``). The same
+interface as :class:`~asyncengine.executor.models.vision.encoder.ImageEncoder`: ``process``
+and ``layout`` off the loop, ``encode_many`` on the device, loading by the checkpoint's names
 under ``visual.``."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ from asyncengine.executor.models.mrope_positions import RopePositions, rope_posi
 from asyncengine.executor.models.vision.encoder import ImageEncoder
 from asyncengine.executor.models.vision.qwen_processor import QwenPixels, qwen_grid, qwen_pixels
 from asyncengine.executor.models.vision.qwen_spec import QwenTowerSpec
-from asyncengine.executor.models.vision.qwen_tower import QwenVisionTower
+from asyncengine.executor.models.vision.qwen_tower import QWEN3_NAMES, QwenVisionTower
 from asyncengine.executor.models.vision.spec import VisionSpec
 
 
@@ -36,9 +37,14 @@ class QwenImageEncoder(nn.Module):
                              f"the language model's width ({text_hidden})")
         self.spec = spec
         self.visual = QwenVisionTower(tower)
+        # Qwen3-VL: deepstack features beside each embedding, one per decoder layer from the
+        # first (``encode_many``'s rows are ``(1 + deepstack) * hidden`` wide)
+        self.deepstack = len(tower.deepstack)
 
     # -- loading ---------------------------------------------------------------------------
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        for old, new in QWEN3_NAMES:
+            name = re.sub(old, new, name)
         if name == "visual.patch_embed.proj.weight" and tensor.dim() == 5:
             tensor = self.visual.load_patch_embed(tensor)
         ImageEncoder.load_checkpoint_tensor(self, name, tensor)  # type: ignore[arg-type]
@@ -71,8 +77,9 @@ class QwenImageEncoder(nn.Module):
 
     # -- on the device -----------------------------------------------------------------------
     def encode_many(self, items: list[QwenPixels], device: torch.device) -> list[torch.Tensor]:
-        """Each image's embeddings ``[tokens, text hidden]``: the tower over all of them at
-        once (each image, and each window, attending to itself only)."""
+        """Each image's embeddings ``[tokens, text hidden]`` (Qwen3-VL: its deepstack
+        features after them on each row): the tower over all of them at once (each image,
+        and each window, attending to itself only)."""
         patches = items[0].patches if len(items) == 1 else np.concatenate(
             [it.patches for it in items])
         patches = torch.from_numpy(patches).to(device)

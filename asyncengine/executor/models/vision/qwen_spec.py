@@ -1,9 +1,11 @@
-"""Qwen2-VL's and Qwen2.5-VL's vision tower as data (``spec.py`` makes the rest of their
-:class:`~spec.VisionSpec`): a ViT over 3D patches (``temporal_patch_size`` frames of
-``patch_size`` px squares) with 2D rotary positions, whose ``merge_size`` x ``merge_size``
-neighbouring patches the merger folds into one token. Qwen2-VL's blocks are LayerNorm and a
-GELU MLP; Qwen2.5-VL's RMSNorm and SwiGLU with attention inside windows of ``window_size``
-px, except in its ``fullatt_block_indexes`` layers."""
+"""Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's vision tower as data (``spec.py`` makes the rest
+of their :class:`~spec.VisionSpec`): a ViT over 3D patches (``temporal_patch_size`` frames
+of ``patch_size`` px squares) with 2D rotary positions, whose ``merge_size`` x
+``merge_size`` neighbouring patches the merger folds into one token. Qwen2-VL's blocks are
+LayerNorm and a GELU MLP; Qwen2.5-VL's RMSNorm and SwiGLU with attention inside windows of
+``window_size`` px, except in its ``fullatt_block_indexes`` layers; Qwen3-VL's LayerNorm
+and a GELU MLP, with learned positions resampled to each image's grid and deepstack: the
+outputs of some layers merged too, added to the decoder's first layers' outputs."""
 
 from __future__ import annotations
 
@@ -28,6 +30,11 @@ class QwenTowerSpec:
     window_size: int | None = None  # px; None: every layer attends the whole image
     full_attention_layers: tuple[int, ...] = ()
     norm_eps: float = 1e-6
+    patch_bias: bool = False
+    # Qwen3-VL: a learned square table of positions, bilinearly resampled to each grid; the
+    # layers whose outputs are merged for the decoder's first layers (deepstack).
+    position_embeddings: int = 0
+    deepstack: tuple[int, ...] = ()
 
     @property
     def patch_dim(self) -> int:
@@ -38,8 +45,8 @@ class QwenTowerSpec:
 def qwen_tower(config: Any) -> QwenTowerSpec:
     """The tower of a ``qwen2_vl`` / ``qwen2_5_vl`` config (ValueError when it cannot be)."""
     vc = config.vision_config
-    qwen25 = config.model_type == "qwen2_5_vl"
-    if qwen25:
+    qwen25, qwen3 = config.model_type == "qwen2_5_vl", config.model_type == "qwen3_vl"
+    if qwen25 or qwen3:
         width, inner, out = vc.hidden_size, vc.intermediate_size, vc.out_hidden_size
     else:
         width, out = vc.embed_dim, vc.hidden_size
@@ -63,6 +70,15 @@ def qwen_tower(config: Any) -> QwenTowerSpec:
             raise ValueError(f"qwen2_5_vl: fullatt_block_indexes {list(full)} are outside the "
                              f"tower's {vc.depth} layers")
         tower = replace(tower, window_size=window, full_attention_layers=full)
+    if qwen3:
+        table = int(vc.num_position_embeddings)
+        deep = tuple(int(i) for i in vc.deepstack_visual_indexes)
+        if int(table**0.5) ** 2 != table:
+            raise ValueError(f"qwen3_vl: num_position_embeddings {table} is not a square")
+        if any(not 0 <= i < vc.depth for i in deep):
+            raise ValueError(f"qwen3_vl: deepstack_visual_indexes {list(deep)} are outside "
+                             f"the tower's {vc.depth} layers")
+        tower = replace(tower, patch_bias=True, position_embeddings=table, deepstack=deep)
     return tower
 
 

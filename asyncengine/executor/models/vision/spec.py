@@ -216,11 +216,12 @@ def _idefics3(config: Any) -> VisionSpec:
 
 
 def _qwen_vl(config: Any) -> VisionSpec:
-    """Qwen2-VL and Qwen2.5-VL: dynamic resolution, the patch merger, M-RoPE."""
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL: dynamic resolution, the patch merger, M-RoPE."""
+    mean, std = ((0.5,) * 3,) * 2 if config.model_type == "qwen3_vl" else (CLIP_MEAN, CLIP_STD)
     return VisionSpec(
         family=config.model_type, tower=qwen_tower(config), connector="qwen_merger",
         connector_act="", processing=ImageProcessing(
-            shortest_edge=None, size=None, crop=None, resample=3, mean=CLIP_MEAN, std=CLIP_STD,
+            shortest_edge=None, size=None, crop=None, resample=3, mean=mean, std=std,
             min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
         image_token_id=config.image_token_id, tokens_per_image=0, layout="qwen",
         wrap=(config.vision_start_token_id, config.vision_end_token_id))
@@ -229,7 +230,8 @@ def _qwen_vl(config: Any) -> VisionSpec:
 #: model_type -> describer
 VISION_FAMILIES: dict[str, Callable[[Any], VisionSpec]] = {
     "llava": _llava, "gemma3": _gemma3, "llava_next": _llava_next,
-    "idefics3": _idefics3, "smolvlm": _idefics3, "qwen2_vl": _qwen_vl, "qwen2_5_vl": _qwen_vl}
+    "idefics3": _idefics3, "smolvlm": _idefics3, "qwen2_vl": _qwen_vl, "qwen2_5_vl": _qwen_vl,
+    "qwen3_vl": _qwen_vl}
 
 
 def describe_vision(config: Any) -> VisionSpec | None:
