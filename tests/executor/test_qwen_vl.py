@@ -1,8 +1,9 @@
-"""Qwen2.5-VL and Qwen2-VL against transformers: the image processing (dynamic resolution,
-3D patches), the tower (2D rotary, Qwen2.5-VL's windows and full-attention layers, the
-merger), the prompt's M-RoPE positions, greedy tokens through the engine with one and two
-images of different sizes and without images, and chunked prefill through an image, a
-prefix hit on a follow-up turn and preemption."""
+"""Qwen2.5-VL, Qwen2-VL and Qwen3-VL against transformers: the image processing (dynamic
+resolution, 3D patches), the tower (2D rotary, Qwen2.5-VL's windows and full-attention
+layers, Qwen3-VL's resampled learned positions and deepstack mergers, the merger), the
+prompt's M-RoPE positions (Qwen3-VL's interleaved), greedy tokens through the engine with
+one and two images of different sizes and without images, and chunked prefill through an
+image, a prefix hit on a follow-up turn and preemption."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ N = 8
 #: 20), down to the maximum (300 x 200), or kept (84 x 112)
 SIZES = ((97, 61), (84, 112), (20, 20), (300, 200), (40, 130), (130, 120))
 ARCH = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-        "qwen2_vl": "Qwen2VLForConditionalGeneration"}
+        "qwen2_vl": "Qwen2VLForConditionalGeneration",
+        "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +42,18 @@ def tiny(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def engines(tiny) -> dict[str, object]:
-    return {f: vision_engine(d) for f, d in tiny.items()}
+    """An engine per family; Qwen3-VL's computes prompts in chunks of 8 tokens (its images'
+    deepstack features, too, are sliced across chunks)."""
+    return {f: vision_engine(d, **({"max_num_batched_tokens": 8} if f == "qwen3_vl" else {}))
+            for f, d in tiny.items()}
 
 
-def test_image_processing_matches_transformers(engines):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_image_processing_matches_transformers(engines, family):
     """Pixels, grids and token counts (with and without the pixels) as transformers'
-    Qwen2VLImageProcessor gives them."""
-    encoder = engines["qwen2_5_vl"].runner.model.vision
-    ref = qwen_image_processor()
+    Qwen2VLImageProcessor gives them (Qwen3-VL: 16 px patches, its mean and std)."""
+    encoder = engines[family].runner.model.vision
+    ref = qwen_image_processor(family)
     for w, h in SIZES:
         img = image(w, h, seed=w)
         want = ref(images=[img], return_tensors="np")
@@ -61,21 +67,24 @@ def test_image_processing_matches_transformers(engines):
 @pytest.mark.parametrize("family", list(ARCH))
 def test_encoder_and_positions_match_transformers(tiny, engines, family):
     """The tower and merger over two images at once (Qwen2.5-VL: two windows a side in the
-    first layer, the whole image in the second), and the prompt's M-RoPE positions and
-    delta as ``get_rope_index`` gives them."""
+    first layer, the whole image in the second; Qwen3-VL: its deepstack features too), and
+    the prompt's M-RoPE positions and delta as ``get_rope_index`` gives them."""
     from asyncengine.engine.multimodal import locate
 
     encoder = engines[family].runner.model.vision
     imgs = [image(97, 61, seed=1), image(130, 120, seed=2)]
-    px = qwen_image_processor()(images=imgs, return_tensors="pt")
+    px = qwen_image_processor(family)(images=imgs, return_tensors="pt")
     ref = _reference_model(tiny[family], ARCH[family])
     with torch.no_grad():
-        want = torch.cat(ref.model.get_image_features(
-            px["pixel_values"], px["image_grid_thw"]).pooler_output)
+        features = ref.model.get_image_features(px["pixel_values"], px["image_grid_thw"])
+        want = torch.cat([torch.cat(features.pooler_output),
+                          *(torch.cat(f) for f in getattr(features, "deepstack_features",
+                                                          None) or ())], dim=-1)
         got = torch.cat(encoder.encode_many([encoder.process(im)[0].data for im in imgs],
                                             torch.device("cpu")))
+    assert got.shape[1] == 64 * (1 + encoder.deepstack)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    t, _ = qwen_inputs(tiny[family], TWO, imgs)
+    t, _ = qwen_inputs(tiny[family], TWO, imgs, family)
     ids = t[0].tolist()
     layouts = [encoder.process(im) for im in imgs]
     spec = encoder.spec
