@@ -193,6 +193,18 @@ def test_chat_placeholder_and_bad_configs(tiny, engines):
     config.vision_config.window_size = 50
     with pytest.raises(ValueError, match="window_size"):
         describe_vision(config)
+    # the processor's bounds, at its top level (the Qwen2-VL repositories') or in its size
+    from asyncengine.executor.models.vision.qwen_spec import qwen_processing
+
+    spec = engine.runner.model.vision.spec
+    p = qwen_processing({"min_pixels": 100, "max_pixels": 5000}, spec.processing, spec.tower)
+    assert (p.min_pixels, p.max_pixels) == (100, 5000)
+    p = qwen_processing({"size": {"shortest_edge": 10, "longest_edge": 20}}, p, spec.tower)
+    assert (p.min_pixels, p.max_pixels) == (10, 20)
+    with pytest.raises(ValueError, match="patch_size 16"):
+        qwen_processing({"patch_size": 16}, p, spec.tower)
+    with pytest.raises(ValueError, match="not a range"):
+        qwen_processing({"min_pixels": 30}, p, spec.tower)
 
 
 def test_step_positions_from_the_tables():
