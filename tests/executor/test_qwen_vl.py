@@ -240,3 +240,24 @@ def test_step_positions_from_the_tables():
                                           [3, 4, 5, 6, 7, 8]]
     assert not rows.pending  # its prompt is all computed: decode rows by the delta
     assert step([(0, 6, 1), (3, 12, 1)]).tolist() == [6, 9]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_gguf_mmproj_pair_matches_transformers(tiny, family, tmp_path):
+    """A ``qwen2vl`` GGUF decoder (M-RoPE's sections in ``rope.dimension_sections``) with an
+    mmproj file as llama.cpp's converter writes them (``qkv`` and the 3D patch kernel split,
+    Qwen2.5-VL's windows as ``n_wa_pattern``) answers with transformers' tokens."""
+    from tests.mmproj_utils import qwen_gguf_pair
+
+    text, mmproj = qwen_gguf_pair(tiny[family], tmp_path, family)
+    a, b = image(97, 61, seed=1), image(84, 112, seed=2)
+    want_ids, want = qwen_reference(family, tiny[family], TWO, [a, b], N)
+    engine = vision_engine(text, tokenizer=tiny[family], mmproj=mmproj)
+    assert engine.runner.mrope is not None
+
+    async def main():
+        async with engine:
+            return await greedy(engine, ImagePrompt(TWO, [image_item(a, b"a"),
+                                                          image_item(b, b"b")]), N)
+
+    assert anyio.run(main)[:2] == (want_ids, want)
