@@ -192,8 +192,8 @@ def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[st
     Phi-3's partial rotary and LongRoPE factor tensors. No tokenizer inside. ``quant``: a
     GGML type (``Q8_0``, ``Q4_0``, ...) for every matrix and stack of experts whose rows are
     whole blocks (norms and a mixture's routers stay F32, as llama-quantize leaves them).
-    ``mrope_section``: a Qwen2 model written as Qwen2-VL's language model (``qwen2vl``, with
-    M-RoPE's sections). Returns the file's path."""
+    ``mrope_section``: a Qwen2 (Qwen3) model written as Qwen2-VL's (Qwen3-VL's) language
+    model, ``qwen2vl`` (``qwen3vl``) with M-RoPE's sections. Returns the file's path."""
     import gguf
     import numpy as np
     import torch
@@ -202,7 +202,8 @@ def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[st
     c = ref.config
     arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe",
             "qwen2_moe": "qwen2moe"}.get(c.model_type, c.model_type)
-    arch = "qwen2vl" if mrope_section else arch
+    if mrope_section:
+        arch = "qwen3vl" if arch == "qwen3" else "qwen2vl"
     names = {**_GGUF_NAMES, **_GGUF_ARCH_NAMES.get(arch, {})}
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads

@@ -242,11 +242,12 @@ def test_step_positions_from_the_tables():
     assert step([(0, 6, 1), (3, 12, 1)]).tolist() == [6, 9]
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+@pytest.mark.parametrize("family", list(ARCH))
 def test_gguf_mmproj_pair_matches_transformers(tiny, family, tmp_path):
-    """A ``qwen2vl`` GGUF decoder (M-RoPE's sections in ``rope.dimension_sections``) with an
-    mmproj file as llama.cpp's converter writes them (``qkv`` and the 3D patch kernel split,
-    Qwen2.5-VL's windows as ``n_wa_pattern``) answers with transformers' tokens."""
+    """A ``qwen2vl`` / ``qwen3vl`` GGUF decoder (M-RoPE's sections in
+    ``rope.dimension_sections``) with an mmproj file as llama.cpp's converter writes them
+    (the 3D patch kernel split, Qwen2-VL's ``qkv`` too; Qwen2.5-VL's windows as
+    ``n_wa_pattern``; Qwen3-VL's deepstack mergers) answers with transformers' tokens."""
     from tests.mmproj_utils import qwen_gguf_pair
 
     text, mmproj = qwen_gguf_pair(tiny[family], tmp_path, family)

@@ -61,6 +61,7 @@ _ARCH_OF_MODEL_TYPE = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen2_vl_text": "Qwen2ForCausalLM",  # (a qwen2vl GGUF's decoder; images: --mmproj)
+    "qwen3_vl_text": "Qwen3ForCausalLM",  # (a qwen3vl GGUF's)
     "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
