@@ -2,8 +2,9 @@
 resolution, 3D patches), the tower (2D rotary, Qwen2.5-VL's windows and full-attention
 layers, Qwen3-VL's resampled learned positions and deepstack mergers, the merger), the
 prompt's M-RoPE positions (Qwen3-VL's interleaved), greedy tokens through the engine with
-one and two images of different sizes and without images, and chunked prefill through an
-image, a prefix hit on a follow-up turn and preemption."""
+one and two images of different sizes and without images, chunked prefill through an
+image, a prefix hit on a follow-up turn and preemption; and each family from a GGUF decoder
+with an mmproj file."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from asyncengine.core.multimodal import ImagePrompt
 from tests.vision_qwen_utils import (
+    _ARCH,
     QWEN_IMAGE,
     make_tiny_qwen_vl,
     qwen_image_processor,
@@ -29,9 +31,7 @@ N = 8
 #: (width, height): resized to the nearest multiples of 28 px, up to the minimum area (20 x
 #: 20), down to the maximum (300 x 200), or kept (84 x 112)
 SIZES = ((97, 61), (84, 112), (20, 20), (300, 200), (40, 130), (130, 120))
-ARCH = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-        "qwen2_vl": "Qwen2VLForConditionalGeneration",
-        "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+ARCH = {f: f"{name}ForConditionalGeneration" for f, name in _ARCH.items()}
 
 
 @pytest.fixture(scope="module")
