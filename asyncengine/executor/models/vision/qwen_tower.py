@@ -88,9 +88,21 @@ class _MLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+class _RMSNorm(nn.Module):
+    """Qwen2.5-VL's: normalized in float32, then scaled in the input's dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+
 def _norm(spec: QwenTowerSpec, dim: int) -> nn.Module:
     if spec.norm == "rms":
-        return nn.RMSNorm(dim, eps=spec.norm_eps)
+        return _RMSNorm(dim, spec.norm_eps)
     return nn.LayerNorm(dim, eps=spec.norm_eps)
 
 
