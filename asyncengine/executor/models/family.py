@@ -254,6 +254,8 @@ def describe(config: Any) -> ModelSpec:
                          f"(supported: {', '.join(sorted(FAMILIES))})")
     spec = fn(config)
     if outer is not config and getattr(outer, "model_type", "") in _OUTER_TIE:
-        spec = replace(spec, tie_word_embeddings=bool(getattr(outer, "tie_word_embeddings",
-                                                              False)))
+        # (older saves said it in the text config, which transformers 5 forwards outward)
+        spec = replace(spec, tie_word_embeddings=bool(
+            getattr(outer, "tie_word_embeddings", False)
+            or getattr(config, "tie_word_embeddings", False)))
     return spec
