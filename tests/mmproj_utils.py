@@ -132,6 +132,96 @@ def _mmproj_name(names: Any, name: str) -> str:
     raise AssertionError(f"gguf has no MMPROJ name for {name}")
 
 
+def qwen_gguf_pair(vlm_dir: str, root: Any, family: str) -> tuple[str, str]:
+    """(the text GGUF, the mmproj file) of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint, as
+    llama.cpp's converter writes them: the language model as ``qwen2vl`` (``qwen3vl``) with
+    M-RoPE's sections; the 3D patch kernel in two 2D ones, Qwen2-VL's ``qkv`` split in
+    three, Qwen2.5-VL's full-attention layers as ``n_wa_pattern``, Qwen3-VL's deepstack
+    mergers as ``v.deepstack.<layer>.*``."""
+    import gguf
+    import numpy as np
+    import torch
+    import transformers
+
+    from tests.utils import make_tiny_gguf
+    from tests.vision_qwen_utils import _ARCH
+
+    root = Path(root)
+    vlm = getattr(transformers, f"{_ARCH[family]}ForConditionalGeneration").from_pretrained(
+        vlm_dir, dtype=torch.float32)
+    tc, vc = vlm.config.text_config, vlm.config.vision_config
+    rope = dict(tc.rope_parameters)
+    section = rope.pop("mrope_section")
+    qwen3 = family == "qwen3_vl"
+    kind = "Qwen3" if qwen3 else "Qwen2"
+    causal = getattr(transformers, f"{kind}ForCausalLM")(getattr(transformers, f"{kind}Config")(
+        hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+        num_hidden_layers=tc.num_hidden_layers, num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads, vocab_size=tc.vocab_size,
+        max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
+        rope_parameters=rope, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        **({"head_dim": tc.head_dim} if qwen3 else {}))).float()
+    causal.model.load_state_dict(vlm.model.language_model.state_dict())
+    causal.lm_head.load_state_dict(vlm.lm_head.state_dict())
+    causal.save_pretrained(str(root / "text"))
+    text = make_tiny_gguf(root / "text", root / "model.gguf", mrope_section=section)
+
+    qwen25 = family == "qwen2_5_vl"
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(vc.depth, 3))
+    w = gguf.GGUFWriter(str(root / "mmproj.gguf"), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type("qwen2.5vl_merger" if qwen25 else
+                              "qwen3vl_merger" if qwen3 else "qwen2vl_merger")
+    w.add_vision_projection_dim(tc.hidden_size)
+    w.add_vision_image_size(560)
+    w.add_vision_patch_size(vc.patch_size)
+    w.add_vision_embedding_length(vc.hidden_size if qwen25 or qwen3 else vc.embed_dim)
+    w.add_vision_feed_forward_length(vc.intermediate_size if qwen25 or qwen3 else
+                                     vc.hidden_size)
+    w.add_vision_block_count(vc.depth)
+    w.add_vision_head_count(vc.num_heads)
+    w.add_vision_attention_layernorm_eps(1e-6)
+    from asyncengine.executor.models.vision.spec import CLIP_MEAN, CLIP_STD
+
+    w.add_vision_image_mean([0.5] * 3 if qwen3 else list(CLIP_MEAN))
+    w.add_vision_image_std([0.5] * 3 if qwen3 else list(CLIP_STD))
+    if qwen3:
+        w.add_vision_use_gelu(True)
+        w.add_vision_spatial_merge_size(vc.spatial_merge_size)
+        w.add_vision_is_deepstack_layers([i in vc.deepstack_visual_indexes
+                                          for i in range(vc.depth)])
+    if qwen25:
+        w.add_vision_use_silu(True)
+        w.add_vision_n_wa_pattern(vc.fullatt_block_indexes[0] + 1)
+        w.add_vision_window_size(vc.window_size)
+    merger = {"norm": gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_POST_NORM],
+              "linear_fc1": "mm.0", "linear_fc2": "mm.2"}
+    deep = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+    for name, t in vlm.model.visual.state_dict().items():
+        x = np.ascontiguousarray(t.float().numpy())
+        stem, _, kind = f"visual.{name}".rpartition(".")
+        parts = stem.split(".")
+        if qwen3 and parts[1] == "merger":
+            w.add_tensor(f"{merger[parts[2]]}.{kind}", x)
+        elif parts[1] == "deepstack_merger_list":
+            layer = vc.deepstack_visual_indexes[int(parts[2])]
+            w.add_tensor(f"v.deepstack.{layer}.{deep[parts[3]]}.{kind}", x)
+        elif stem.endswith(".qkv") and not qwen3:
+            for part, y in zip("qkv", np.split(x, 3), strict=True):
+                w.add_tensor(f"{names.get_name(stem[:-3] + part)}.{kind}", y.copy())
+        elif stem.endswith("patch_embed.proj") and kind == "weight":
+            w.add_tensor(f"{names.get_name(stem)}.weight", x[:, :, 0].copy())
+            w.add_tensor(f"{names.get_name(stem)}.weight.1", x[:, :, 1].copy())
+        else:
+            w.add_tensor(f"{names.get_name(stem)}.{kind}", x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return text, str(root / "mmproj.gguf")
+
+
 def gguf_pair(vlm_dir: str, root: Any, projector: str, cls_name: str, **kw: Any
               ) -> tuple[str, str]:
     """(the text GGUF, the mmproj file) of ``vlm_dir``."""

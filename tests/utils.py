@@ -185,14 +185,15 @@ _GGUF_MOE_NAMES = {("mlp.experts", "down_proj"): "ffn_down_exps.weight",
 
 
 def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[str],
-                   quant: str | None = None) -> str:
+                   quant: str | None = None, mrope_section: list[int] | None = None) -> str:
     """Convert a tiny safetensors model (``make_tiny_model``) to an F32 GGUF file, the way
     llama.cpp's converter does: llama's q/k rows permuted for its RoPE, Llama 3 RoPE scaling as
     a ``rope_freqs`` tensor; Gemma's norms stored as ``1 + w`` with its soft-caps and window;
     Phi-3's partial rotary and LongRoPE factor tensors. No tokenizer inside. ``quant``: a
     GGML type (``Q8_0``, ``Q4_0``, ...) for every matrix and stack of experts whose rows are
     whole blocks (norms and a mixture's routers stay F32, as llama-quantize leaves them).
-    Returns the file's path."""
+    ``mrope_section``: a Qwen2 (Qwen3) model written as Qwen2-VL's (Qwen3-VL's) language
+    model, ``qwen2vl`` (``qwen3vl``) with M-RoPE's sections. Returns the file's path."""
     import gguf
     import numpy as np
     import torch
@@ -201,6 +202,8 @@ def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[st
     c = ref.config
     arch = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe",
             "qwen2_moe": "qwen2moe"}.get(c.model_type, c.model_type)
+    if mrope_section:
+        arch = "qwen3vl" if arch == "qwen3" else "qwen2vl"
     names = {**_GGUF_NAMES, **_GGUF_ARCH_NAMES.get(arch, {})}
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
@@ -215,7 +218,9 @@ def make_tiny_gguf(model_dir: str | os.PathLike[str], path: str | os.PathLike[st
     w.add_value_length(head_dim)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
     w.add_rope_freq_base(rope["rope_theta"])
-    if getattr(c, "sliding_window", None) and arch != "qwen2":
+    if mrope_section:
+        w.add_rope_dimension_sections([*mrope_section, 0])
+    if getattr(c, "sliding_window", None) and arch not in ("qwen2", "qwen2vl"):
         w.add_sliding_window(c.sliding_window)
     if arch == "gemma2":
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)

@@ -121,6 +121,9 @@ class Request:
     lora: LoRARequest | None = None
     # The prompt's images, in prompt order (``core/multimodal.MMInput``); None: text only.
     mm_inputs: list[Any] | None = None
+    # M-RoPE models (Qwen2-VL): the prompt's positions (a ``RopePositions`` of
+    # ``executor/models/mrope_positions.py``); None: each token at its sequence index.
+    rope_positions: Any = None
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

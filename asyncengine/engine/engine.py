@@ -207,7 +207,7 @@ class AsyncEngine(LoRAAdapters, GenerateMany):
         lora = self.lora_request(lora_name)
         if request_id in self.outputs.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids, mm = await prompt_inputs(self, prompt)  # (images: an ImagePrompt)
+        text, token_ids, mm, rope = await prompt_inputs(self, prompt)  # (images: ImagePrompt)
         check_length(token_ids, params, self.max_model_len)
         grammars = [None] * params.n
         if params.structured_outputs is not None:
@@ -233,7 +233,7 @@ class AsyncEngine(LoRAAdapters, GenerateMany):
                 request_id=request_id if params.n == 1 else f"{request_id}:{i}",
                 prompt_token_ids=token_ids, sampling_params=sp,
                 eos_token_ids=self.tokenizer.eos_token_ids, max_model_len=self.max_model_len,
-                priority=priority, index=i, tenant=tenant, mm_inputs=mm)
+                priority=priority, index=i, tenant=tenant, mm_inputs=mm, rope_positions=rope)
             req.grammar = grammars[i]
             req.lora = lora
             if sp.prompt_logprobs is not None:

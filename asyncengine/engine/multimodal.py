@@ -32,8 +32,19 @@ def image_encoder(engine: Any) -> Any:
 
 
 def image_placeholder(engine: Any) -> str | None:
-    """The text that stands for one image in a prompt (LLaVA: ``<image>``, Gemma 3:
-    ``<start_of_image>``)."""
+    """The text that stands for one image in a chat message or a llama-server prompt
+    (LLaVA: ``<image>``, Gemma 3: ``<start_of_image>``, Qwen2-VL:
+    ``<|vision_start|><|image_pad|><|vision_end|>``)."""
+    marker = _marker(engine)
+    wrap = image_encoder(engine).spec.wrap if marker is not None else None
+    if wrap is None:
+        return marker
+    start, end = engine.tokenizer.hf.convert_ids_to_tokens(list(wrap))
+    return start + marker + end
+
+
+def _marker(engine: Any) -> str | None:
+    """The token that marks one image in a prompt, which the image's sequence replaces."""
     encoder = image_encoder(engine)
     if encoder is None:
         return None
@@ -51,8 +62,7 @@ def expanded_ids(engine: Any, text: str, sizes: list[tuple[int, int]],
     if encoder is None:
         raise ValueError(TEXT_ONLY)
     layouts = [encoder.layout(w, h) for w, h in sizes]
-    expanded = expand_text(text, layouts, encoder.spec, engine.tokenizer,
-                           image_placeholder(engine) or "")
+    expanded = expand_text(text, layouts, encoder.spec, engine.tokenizer, _marker(engine) or "")
     return engine.tokenizer.encode(expanded, add_special_tokens)
 
 
@@ -67,13 +77,15 @@ def check_images(engine: Any, count: int) -> None:
 
 
 async def prompt_inputs(engine: Any, prompt: Any
-                        ) -> tuple[str | None, list[int], list[MMInput] | None]:
-    """``(text, token ids, images)`` of a prompt (a string, token ids or an ImagePrompt)."""
+                        ) -> tuple[str | None, list[int], list[MMInput] | None, Any]:
+    """``(text, token ids, images, M-RoPE positions)`` of a prompt (a string, token ids or an
+    ImagePrompt); the positions (``executor/models/mrope_positions.py``) only for a prompt
+    with images to an M-RoPE model (Qwen2-VL), None otherwise."""
     if not isinstance(prompt, ImagePrompt) or not prompt.images:
         if isinstance(prompt, ImagePrompt):
             prompt = prompt.prompt
         text, ids = await tokenize_prompt(engine.tokenizer, prompt, engine.vocab_size)
-        return text, ids, None
+        return text, ids, None, None
     images = prompt.images
     check_images(engine, len(images))
     encoder = image_encoder(engine)
@@ -84,17 +96,22 @@ async def prompt_inputs(engine: Any, prompt: Any
         text: str | None = prompt.prompt  # (outputs echo it as sent, one placeholder each)
     else:
         text, source = await tokenize_prompt(tokenizer, prompt.prompt, engine.vocab_size)
-    placeholder = image_placeholder(engine) or ""
+    placeholder = _marker(engine) or ""
 
-    def work() -> tuple[list[int], list[ImageLayout]]:
+    def work() -> tuple[list[int], list[MMInput], Any]:
         layouts = [encoder.process(im.image) for im in images]
         if source is not None:
-            return expand_ids(source, layouts, spec, tokenizer), layouts
-        expanded = expand_text(prompt.prompt, layouts, spec, tokenizer, placeholder)
-        return tokenizer.encode(expanded, prompt.add_special_tokens), layouts
+            ids = expand_ids(source, layouts, spec, tokenizer)
+        else:
+            expanded = expand_text(prompt.prompt, layouts, spec, tokenizer, placeholder)
+            ids = tokenizer.encode(expanded, prompt.add_special_tokens)
+        mm = locate(ids, images, layouts, spec)
+        rope = encoder.rope_positions(len(ids), mm) if hasattr(encoder, "rope_positions") \
+            else None
+        return ids, mm, rope
 
-    ids, layouts = await anyio.to_thread.run_sync(work)
-    return text, ids, locate(ids, images, layouts, spec)
+    ids, mm, rope = await anyio.to_thread.run_sync(work)
+    return text, ids, mm, rope
 
 
 def _piece(piece: str | int, tokenizer: Any) -> str:

@@ -97,11 +97,18 @@ def forward_with_images(runner: Any, inputs: Any, last_sampled: torch.Tensor | N
     model = runner.model
     h = model.embed(inputs.input_ids)
     outs = encoder_outputs(model, runner.encoder_cache, inputs.mm, h.device)
+    width = h.shape[1]
     for s in inputs.mm:
-        h[s.flat:s.flat + s.hi - s.lo] = outs[s.item.hash][s.lo:s.hi].to(h.dtype)
+        h[s.flat:s.flat + s.hi - s.lo] = outs[s.item.hash][s.lo:s.hi, :width].to(h.dtype)
     backend = runner.attn_backend
     whole = [s for s in inputs.mm if s.blocks is not None]
     if whole:
         backend = ImageSpanAttention(backend, whole)
+    kw = {}
+    k = getattr(model.vision, "deepstack", 0)
+    if k:  # Qwen3-VL: each row's deepstack features, for the first k layers
+        rows = torch.cat([torch.arange(s.flat, s.flat + s.hi - s.lo) for s in inputs.mm])
+        feats = torch.cat([outs[s.item.hash][s.lo:s.hi, width:] for s in inputs.mm])
+        kw["deepstack"] = (rows.to(h.device), feats.view(-1, k, width).transpose(0, 1))
     return model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.attn_metadata,
-                 backend, inputs_embeds=h)
+                 backend, inputs_embeds=h, **kw)

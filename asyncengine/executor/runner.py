@@ -56,6 +56,7 @@ from asyncengine.executor.step.inputs import (
     StepAbandoned,
     StepInputs,
 )
+from asyncengine.executor.step.mrope_rows import MRopeRows
 from asyncengine.executor.step.output import PendingOutput, pending_output
 from asyncengine.executor.step.step_rows import StepRows, gather_rows
 from asyncengine.executor.weights.int4 import step_requests
@@ -109,6 +110,9 @@ class ModelRunner:
         # the requests whose image placeholders are not all computed yet (``mm_step.py``).
         self.encoder_cache: Any = None
         self._mm_pending: dict[str, Request] = {}
+        # An M-RoPE decoder (Qwen2-VL): its positions per step (``step/mrope_rows.py``).
+        self.mrope = MRopeRows(self.batch.capacity) \
+            if getattr(getattr(model, "spec", None), "mrope_section", None) else None
 
     # -- on the loop -----------------------------------------------------------------------------
     def release(self, out: SchedulerOutput) -> None:
@@ -121,9 +125,11 @@ class ModelRunner:
             ib.remove(rid)
         for rid in out.preempted_req_ids:
             ib.remove(rid)
-        if self._mm_pending:
+        if self._mm_pending or self.mrope is not None:
             for rid in (*out.finished_req_ids, *out.preempted_req_ids):
                 self._mm_pending.pop(rid, None)
+                if self.mrope is not None:
+                    self.mrope.leave(rid)
 
     def prepare(self, out: SchedulerOutput, *, with_bitmask: bool = False) -> StepInputs:
         ib = self.batch
@@ -145,6 +151,9 @@ class ModelRunner:
         positions = np.repeat(starts - cu[:-1], lens) + np.arange(total, dtype=np.int64)
         row_of_token = np.repeat(rows.rows, lens)
         slots = ib.block_table[row_of_token, positions // bs] * bs + positions % bs
+        if self.mrope is not None:  # the model's positions are M-RoPE's
+            positions = self.mrope.positions(positions, row_of_token, rows.rows, starts, lens,
+                                             cu[:-1], ib.row_of)
         seq_lens = starts + lens
         width = int((seq_lens.max() + bs - 1) // bs) if num_reqs else 0
         table = ib.block_table[rows.rows, :width]
@@ -207,6 +216,8 @@ class ModelRunner:
     def _on_join(self, req: Request) -> None:
         if req.mm_inputs:
             self._mm_pending[req.request_id] = req
+        if self.mrope is not None:
+            self.mrope.join(req, self.batch.row_of[req.request_id])
 
     @staticmethod
     def _prompt_logprobs_task(req: Request, start: int, n: int,

@@ -45,6 +45,7 @@ from asyncengine.executor.models.layers import (
     RMSNorm,
     rope,
 )
+from asyncengine.executor.models.mrope import MRotaryEmbedding
 from asyncengine.executor.models.rope import RotaryEmbedding
 from asyncengine.executor.models.small_matmul import small_matmuls
 from asyncengine.executor.weights.int4 import step_requests
@@ -179,6 +180,10 @@ class CausalLM(nn.Module):
     def _rope_table(self, name: str, long_context: bool = False) -> RotaryEmbedding:
         spec = self.spec
         per_type = name if len(spec.ropes) > 1 else None
+        if spec.mrope_section is not None:  # Qwen2-VL: three position streams
+            return MRotaryEmbedding(self.config, spec.head_dim, spec.ropes[name],
+                                    spec.rotary_dim, spec.mrope_section,
+                                    interleaved=spec.mrope_interleaved)
         return RotaryEmbedding(self.config, spec.head_dim, spec.ropes[name], spec.rotary_dim,
                                layer_type=per_type, long_context=long_context)
 
@@ -220,18 +225,24 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
                 attn_backend: AttentionBackend,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden] (normed).
+                inputs_embeds: torch.Tensor | None = None,
+                deepstack: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (normed); M-RoPE
+        positions may be [3, T] (``mrope.py``).
         ``inputs_embeds``: the first layer's input instead of ``embed(input_ids)`` (a step
-        with images: their placeholders' rows replaced)."""
+        with images: their placeholders' rows replaced). ``deepstack`` (Qwen3-VL): rows
+        ``[n]`` and features ``[k, n, hidden]`` added to those rows after layers 0..k-1."""
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         tables = self.rope_tables(positions, h.dtype)
         residual = None
         with small_matmuls(h), step_requests(attn_metadata.num_requests):
-            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches,
+                                                      strict=True)):
                 cos, sin = tables[layer.self_attn.rope_name]  # [T, 1, 2, rotary_dim / 2]
                 h, residual = layer(h, residual, cos, sin, kv_cache, attn_metadata,
                                     attn_backend)
+                if deepstack is not None and i < len(deepstack[1]):  # (the stream: h + res.)
+                    h = h.index_add(0, deepstack[0], deepstack[1][i].to(h.dtype))
         return self.model.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,11 @@ class ModelSpec:
     renames: tuple[tuple[str, str], ...] = ()
     # RoPE tables that switch to LongRoPE's long factors past this context (Phi-3).
     long_rope_after: int | None = None
+    # M-RoPE (Qwen2-VL): the rotary frequencies split into (t, h, w) sections, each turned
+    # by its own position stream (``mrope.py``); None: one position per token. Interleaved
+    # (Qwen3-VL): the sections' frequencies take turns (t, h, w, t, h, w, ...).
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
     @property
     def sliding_window(self) -> int | None:
@@ -139,6 +144,23 @@ def _qwen2(config: Any) -> ModelSpec:
                  qk_norm=config.model_type == "qwen3", windows=_window_layers(config, window))
 
 
+def _qwen2_vl(config: Any) -> ModelSpec:
+    """The language model of Qwen2-VL and Qwen2.5-VL (Qwen2's) and of Qwen3-VL (Qwen3's),
+    rotated by M-RoPE (Qwen3-VL's interleaved)."""
+    qwen3 = config.model_type == "qwen3_vl_text"
+    window = getattr(config, "sliding_window", None) \
+        if getattr(config, "use_sliding_window", False) else None
+    bias = bool(getattr(config, "attention_bias", False))
+    spec = _base(config, config.model_type.removesuffix("_text"), qkv_bias=bias or not qwen3,
+                 o_bias=bias, qk_norm=qwen3, windows=_window_layers(config, window))
+    section = tuple(int(s) for s in rope_parameters(config).get("mrope_section")
+                    or ((24, 20, 20) if qwen3 else (16, 24, 24)))  # (transformers' defaults)
+    if len(section) != 3 or sum(section) * 2 != spec.rotary_dim:
+        raise ValueError(f"{config.model_type}: mrope_section {list(section)} does not split "
+                         f"the head's {spec.rotary_dim // 2} rotary frequencies in three")
+    return replace(spec, mrope_section=section, mrope_interleaved=qwen3)
+
+
 def _phi3(config: Any) -> ModelSpec:
     rope = rope_parameters(config)
     long_after = None
@@ -198,11 +220,15 @@ FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "llama": _llama, "mistral": _llama, "qwen2": _qwen2, "qwen3": _qwen2,
     "gemma2": _gemma, "gemma3_text": _gemma, "phi3": _phi3,
     "mixtral": _moe, "qwen3_moe": _moe, "qwen2_moe": _moe,
+    "qwen2_vl_text": _qwen2_vl, "qwen2_5_vl_text": _qwen2_vl, "qwen3_vl_text": _qwen2_vl,
 }
 
 
 #: Multimodal checkpoints' model types, whose config nests the language model's.
-MULTIMODAL = ("gemma3", "llava", "llava_next", "idefics3", "smolvlm")
+MULTIMODAL = ("gemma3", "llava", "llava_next", "idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl",
+              "qwen3_vl")
+#: Those whose outer config says whether the head is tied to the embeddings.
+_OUTER_TIE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def text_config(config: Any) -> Any:
@@ -214,9 +240,15 @@ def text_config(config: Any) -> Any:
 
 def describe(config: Any) -> ModelSpec:
     """The spec of a transformers config; ValueError naming the supported model types."""
-    config = text_config(config)
+    outer, config = config, text_config(config)
     fn = FAMILIES.get(getattr(config, "model_type", ""))
     if fn is None:
         raise ValueError(f"model type {getattr(config, 'model_type', None)!r} is not supported "
                          f"(supported: {', '.join(sorted(FAMILIES))})")
-    return fn(config)
+    spec = fn(config)
+    if outer is not config and getattr(outer, "model_type", "") in _OUTER_TIE:
+        # (older saves said it in the text config, which transformers 5 forwards outward)
+        spec = replace(spec, tie_word_embeddings=bool(
+            getattr(outer, "tie_word_embeddings", False)
+            or getattr(config, "tie_word_embeddings", False)))
+    return spec

@@ -25,6 +25,9 @@ BUILTIN_MODELS: dict[str, type] = {
     "LlavaNextForConditionalGeneration": VisionLM,  # LLaVA-NeXT: anyres tiles, image_newline
     "Idefics3ForConditionalGeneration": VisionLM,  # SigLIP tiles, the pixel-shuffle connector
     "SmolVLMForConditionalGeneration": VisionLM,  # SmolVLM: Idefics3's, on SmolLM2
+    "Qwen2VLForConditionalGeneration": VisionLM,  # dynamic resolution, the merger, M-RoPE
+    "Qwen2_5_VLForConditionalGeneration": VisionLM,  # and window attention in the tower
+    "Qwen3VLForConditionalGeneration": VisionLM,  # deepstack, interleaved M-RoPE, Qwen3
     "MixtralForCausalLM": CausalLM,
     "Qwen2MoeForCausalLM": CausalLM,
     "Qwen3MoeForCausalLM": CausalLM,
@@ -54,6 +57,11 @@ _ARCH_OF_MODEL_TYPE = {
     "llava_next": "LlavaNextForConditionalGeneration",
     "idefics3": "Idefics3ForConditionalGeneration",
     "smolvlm": "SmolVLMForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen2_vl_text": "Qwen2ForCausalLM",  # (a qwen2vl GGUF's decoder; images: --mmproj)
+    "qwen3_vl_text": "Qwen3ForCausalLM",  # (a qwen3vl GGUF's)
     "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",

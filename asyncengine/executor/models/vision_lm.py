@@ -1,6 +1,6 @@
 """A vision-language model: the one decoder (``decoder.py``) with an image encoder beside it
-(``vision/``: tower, connector, processor): LLaVA-1.5, LLaVA-NeXT, Gemma 3, Idefics3 and
-SmolVLM.
+(``vision/``: tower, connector, processor): LLaVA-1.5, LLaVA-NeXT, Gemma 3, Idefics3,
+SmolVLM, Qwen2-VL and Qwen2.5-VL (whose decoder turns by M-RoPE: ``models/mrope.py``).
 
 The decoder is unchanged: a step whose tokens include image placeholders gets the encoder's
 outputs spliced into its input embeddings (``executor/mm_step.py``), and every other step
@@ -15,6 +15,7 @@ import torch
 
 from asyncengine.executor.models.decoder import CausalLM
 from asyncengine.executor.models.vision.encoder import ImageEncoder
+from asyncengine.executor.models.vision.qwen_encoder import QwenImageEncoder
 from asyncengine.executor.models.vision.spec import describe_vision
 
 #: Checkpoint prefixes -> ours (transformers' legacy and current layouts alike).
@@ -30,7 +31,8 @@ _PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "mod
              ("image_newline", "vision.image_newline"),
              ("model.text_model.", "model."),  # Idefics3, SmolVLM
              ("model.vision_model.", "vision.vision_tower."),
-             ("model.connector.", "vision.multi_modal_projector."))
+             ("model.connector.", "vision.multi_modal_projector."),
+             ("model.visual.", "vision.visual."), ("visual.", "vision.visual."))  # Qwen2-VL
 
 
 class VisionLM(CausalLM):
@@ -38,7 +40,12 @@ class VisionLM(CausalLM):
         # A config without its vision side (one converted from a GGUF file): the text alone.
         spec = describe_vision(config) if getattr(config, "vision_config", None) else None
         super().__init__(config)
-        self.vision = None if spec is None else ImageEncoder(spec, self.hidden_size)
+        if spec is None:
+            self.vision = None
+        elif spec.layout == "qwen":
+            self.vision = QwenImageEncoder(spec, self.hidden_size)
+        else:
+            self.vision = ImageEncoder(spec, self.hidden_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_renamed(weights))

@@ -15,6 +15,10 @@ keys, and the tensors llama.cpp's converter changed on the way in.
   ``ffn_*_shexp`` with its gate ``ffn_gate_inp_shexp``. llama.cpp renormalizes the top-k
   weights of qwen3moe and Mixtral and not those of qwen2moe; ``expert_weights_norm`` says so
   where a file carries it.
+- **qwen2vl** / **qwen3vl** (Qwen2-VL's and Qwen2.5-VL's language model, Qwen3-VL's): Qwen2's
+  / Qwen3's tensors; M-RoPE's sections are ``rope.dimension_sections`` (t, h, w and a fourth,
+  unused; Qwen3-VL's interleaved); the images come from an ``--mmproj`` file
+  (``vision/gguf_mmproj_qwen.py``), Qwen3-VL's deepstack features beside them.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
 }
 LAYER_NAMES["gemma3"] = LAYER_NAMES["gemma2"]
 LAYER_NAMES["qwen3moe"] = LAYER_NAMES["qwen2moe"] = {}
+LAYER_NAMES["qwen2vl"] = LAYER_NAMES["qwen3vl"] = {}
 
 # The MoE tensors, the same in every architecture that has them.
 MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
@@ -42,8 +47,8 @@ MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj
              "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 
 # Every GGUF architecture read here or in ``gguf.py``, for the error naming them.
-SUPPORTED = ("gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen2moe", "qwen3",
-             "qwen3moe")
+SUPPORTED = ("gemma2", "gemma3", "llama", "mistral", "phi3", "qwen2", "qwen2moe", "qwen2vl",
+             "qwen3", "qwen3moe", "qwen3vl")
 
 # Tensors that configure rather than weigh (read by ``config``; skipped by the loader).
 CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -97,6 +102,16 @@ def config(arch: str, md: dict[str, Any], base: dict[str, Any],
         kw["rope_parameters"] = {"full_attention": full, "sliding_attention": {
             "rope_type": "default", "rope_theta": 10000.0}}
         return transformers.Gemma3TextConfig(**kw)
+    if arch in ("qwen2vl", "qwen3vl"):
+        sections = [int(x) for x in get("rope.dimension_sections", ())][:3]
+        if len(sections) != 3:
+            raise ValueError(f"GGUF {arch}: no rope.dimension_sections (M-RoPE's sections)")
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta,
+                                 "mrope_section": sections}
+        if arch == "qwen3vl":
+            return transformers.Qwen3VLTextConfig(**kw)
+        kw.pop("head_dim")
+        return transformers.Qwen2VLTextConfig(**kw)
     if arch == "phi3":
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
         rot = get("rope.dimension_count")

@@ -5,8 +5,8 @@ legacy LLaVA converter).
 The file's ``clip.*`` metadata becomes a :class:`~spec.VisionSpec` (projector types ``mlp``:
 LLaVA-1.5's CLIP and MLP, LLaVA-NeXT's with its grid pinpoints and newline; ``idefics3``:
 SmolVLM's SigLIP tiles and pixel shuffle; ``gemma3``: Gemma 3's SigLIP and pooling
-projector) and its tensors load into the same
-:class:`~encoder.ImageEncoder` a safetensors checkpoint builds: on the CPU its quantized
+projector; Qwen2-VL's and Qwen2.5-VL's: ``gguf_mmproj_qwen.py``) and its tensors load into
+the same :class:`~encoder.ImageEncoder` a safetensors checkpoint builds: on the CPU its quantized
 matrices stay in the file's types (``kquants.GGUFLinear``), the rest (and everything on CUDA)
 is dequantized to the model's dtype. The placeholder tokens are the tokenizer's (the text
 GGUF has no vision config): ``<image>``; Gemma 3's ``<start_of_image>``,
@@ -27,6 +27,8 @@ from torch import nn
 
 from asyncengine.executor.kernels.where import on_host
 from asyncengine.executor.models.vision.encoder import ImageEncoder
+from asyncengine.executor.models.vision.gguf_mmproj_qwen import PROJECTORS as QWEN_PROJECTORS
+from asyncengine.executor.models.vision.gguf_mmproj_qwen import load_qwen_mmproj
 from asyncengine.executor.models.vision.spec import ImageProcessing, TowerSpec, VisionSpec
 
 _BLOCK = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj",
@@ -73,7 +75,7 @@ def mmproj_spec(md: dict[str, Any], names: set[str], tokenizer: Any) -> VisionSp
     proj = md.get("clip.projector_type") or md.get("clip.vision.projector_type")
     if proj not in PROJECTORS:
         raise ValueError(f"--mmproj: projector type {proj!r} is not supported (supported: "
-                         f"{', '.join(PROJECTORS)})")
+                         f"{', '.join(PROJECTORS + QWEN_PROJECTORS)})")
     if not md.get("clip.has_vision_encoder", True):
         raise ValueError("--mmproj: the file has no vision encoder")
 
@@ -224,6 +226,10 @@ def load_mmproj(path: str, text_hidden: int, tokenizer: Any, dtype: torch.dtype,
     on the CPU) its quantized matrices stay in the file's types (the packed kernels multiply
     them)."""
     md, tensors = _read(path)
+    if (md.get("clip.projector_type") or md.get("clip.vision.projector_type")) \
+            in QWEN_PROJECTORS:  # Qwen2-VL, Qwen2.5-VL: their own encoder
+        qwen = load_qwen_mmproj(md, tensors, _as_float, text_hidden, tokenizer, _token)
+        return qwen.to(device=device, dtype=dtype).eval()  # type: ignore[return-value]
     spec = mmproj_spec(md, set(tensors), tokenizer)
     encoder = ImageEncoder(spec, text_hidden)
     tensors = _ffn_unswapped(tensors, spec.tower.intermediate)

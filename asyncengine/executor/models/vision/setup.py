@@ -33,14 +33,15 @@ def setup_vision(model: Any, runner: Any, config: Any, model_dir: str | None) ->
         raise ValueError(f"--max-num-batched-tokens {budget}: {encoder.spec.family}'s "
                          f"{encoder.spec.tokens_per_image} tokens per image are computed in "
                          "one step; raise it to at least that")
-    p, size = encoder.spec.processing, encoder.spec.tower.image_size
+    p, size = encoder.spec.processing, getattr(encoder.spec.tower, "image_size", None)
     if encoder.spec.layout == "anyres" and (p.crop or p.size or (p.shortest_edge,))[0] != size:
         raise ValueError(f"{encoder.spec.family}: the image processor's patches are not the "
                          f"vision tower's {size} px")
     runner.encoder_cache = EncoderCache(config.multimodal.mm_encoder_cache)
     spec = encoder.spec
     per = {"idefics3": f"{spec.tokens_per_image} tokens per tile",
-           "anyres": "tokens by the image's size"}.get(spec.layout,
+           "anyres": "tokens by the image's size",
+           "qwen": "tokens by the image's size, M-RoPE"}.get(spec.layout,
                                                      f"{spec.tokens_per_image} tokens per image")
     logger.info("images: %s, %s (image token %d), encoder cache %d tokens", spec.family, per,
                 spec.image_token_id, config.multimodal.mm_encoder_cache)

@@ -16,6 +16,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from asyncengine.executor.models.vision.qwen_spec import (
+    MAX_PIXELS,
+    MIN_PIXELS,
+    QwenTowerSpec,
+    qwen_processing,
+    qwen_tower,
+)
+
 #: OpenAI CLIP's normalization (transformers' OPENAI_CLIP_MEAN / _STD).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -66,14 +74,17 @@ class ImageProcessing:
     split: bool = False
     # LLaVA-NeXT (anyres): the grid resolutions (height, width) an image is fitted to.
     pinpoints: tuple[tuple[int, int], ...] = ()
+    # Qwen2-VL: resized to multiples of a merged patch with an area between these.
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
 
 @dataclass(frozen=True)
 class VisionSpec:
     family: str
-    tower: TowerSpec
-    # "llava_mlp", "gemma3" (avg-pool, soft-embedding norm, projection) or "pixel_shuffle"
-    # (Idefics3: space to depth by ``scale_factor``, then a projection)
+    tower: TowerSpec | QwenTowerSpec
+    # "llava_mlp", "gemma3" (avg-pool, soft-embedding norm, projection), "pixel_shuffle"
+    # (Idefics3: space to depth by ``scale_factor``, then a projection) or "qwen_merger"
     connector: str
     connector_act: str
     processing: ImageProcessing
@@ -93,10 +104,15 @@ class VisionSpec:
     bidirectional: bool = False
     # How an image becomes placeholders: "fixed" (one run of ``tokens_per_image``),
     # "idefics3" (a run of ``tokens_per_image`` per tile, tagged with its row and column)
-    # or "anyres" (LLaVA-NeXT: one run whose length follows the image's size).
+    # or "anyres" (LLaVA-NeXT: one run whose length follows the image's size), "qwen" (one
+    # run of the image's merged patches, whose number follows its size; M-RoPE positions).
     layout: str = "fixed"
     scale_factor: int = 1
     image_newline: bool = False  # LLaVA-NeXT: a learned embedding ends each row of patches
+    # The tokens an image of a chat message is written between around the image token
+    # (Qwen2-VL's ``<|vision_start|>``, ``<|vision_end|>``: its chat template writes them,
+    # its processor expands only the image token between them).
+    wrap: tuple[int, int] | None = None
 
 
 def _clip_tower(vc: Any, feature_layer: int) -> TowerSpec:
@@ -199,10 +215,23 @@ def _idefics3(config: Any) -> VisionSpec:
         layout="idefics3", scale_factor=scale)
 
 
+def _qwen_vl(config: Any) -> VisionSpec:
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL: dynamic resolution, the patch merger, M-RoPE."""
+    mean, std = ((0.5,) * 3,) * 2 if config.model_type == "qwen3_vl" else (CLIP_MEAN, CLIP_STD)
+    return VisionSpec(
+        family=config.model_type, tower=qwen_tower(config), connector="qwen_merger",
+        connector_act="", processing=ImageProcessing(
+            shortest_edge=None, size=None, crop=None, resample=3, mean=mean, std=std,
+            min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
+        image_token_id=config.image_token_id, tokens_per_image=0, layout="qwen",
+        wrap=(config.vision_start_token_id, config.vision_end_token_id))
+
+
 #: model_type -> describer
 VISION_FAMILIES: dict[str, Callable[[Any], VisionSpec]] = {
     "llava": _llava, "gemma3": _gemma3, "llava_next": _llava_next,
-    "idefics3": _idefics3, "smolvlm": _idefics3}
+    "idefics3": _idefics3, "smolvlm": _idefics3, "qwen2_vl": _qwen_vl, "qwen2_5_vl": _qwen_vl,
+    "qwen3_vl": _qwen_vl}
 
 
 def describe_vision(config: Any) -> VisionSpec | None:
@@ -264,4 +293,6 @@ def with_preprocessor_config(spec: VisionSpec, model_dir: str | None) -> VisionS
     if cfg.get("image_grid_pinpoints"):
         processing = replace(processing, pinpoints=tuple(
             (int(h), int(w)) for h, w in cfg["image_grid_pinpoints"]))
+    if isinstance(spec.tower, QwenTowerSpec):
+        processing = qwen_processing(cfg, processing, spec.tower)
     return replace(spec, processing=processing)
