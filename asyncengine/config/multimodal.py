@@ -37,6 +37,12 @@ class MultiModalConfig:
     mm_encoder_cache: int = field(default=16384, metadata={
         "help": "the vision encoder's outputs kept for reuse, in image tokens (least "
                 "recently used first out); an image is encoded once while it stays"})
+    max_num_encoder_input_tokens: int | None = field(default=None, metadata={
+        "help": "the image tokens the vision encoder may compute in one step (vLLM's "
+                "max_num_encoder_input_tokens; default: --max-num-batched-tokens); a prefill "
+                "chunk ends before an image that is neither cached nor within what is left, "
+                "and the image is encoded in a later step (the first image of a step always "
+                "is)"})
 
     @property
     def image_limit(self) -> int:
@@ -81,8 +87,10 @@ def validate_multimodal(mc: MultiModalConfig) -> None:
     if not mc.media_fetch_timeout > 0:
         raise ValueError(f"--media-fetch-timeout: must be positive, got "
                          f"{mc.media_fetch_timeout!r}")
-    for name in ("max_image_pixels", "mm_encoder_cache"):
+    for name in ("max_image_pixels", "mm_encoder_cache", "max_num_encoder_input_tokens"):
         value = getattr(mc, name)
+        if value is None and name == "max_num_encoder_input_tokens":
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be a positive integer, got "
                              f"{value!r}")

@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from asyncengine.core.encoder_budget import EncoderBudget
 from asyncengine.core.multimodal import (
     ImageItem,
     ImageLayout,
@@ -29,6 +30,16 @@ TEXT_ONLY = "this model takes no images (it is a text-only model)"
 def image_encoder(engine: Any) -> Any:
     """The model's image encoder (``executor/models/vision``), None for a text model."""
     return getattr(getattr(engine, "runner", None) and engine.runner.model, "vision", None)
+
+
+def make_encoder_budget(engine: Any) -> EncoderBudget | None:
+    """The encoder's per-step budget and cache bookkeeping (None: no image encoder)."""
+    if image_encoder(engine) is None or getattr(engine.runner, "encoder_cache", None) is None:
+        return None
+    config = engine.config
+    compute = config.multimodal.max_num_encoder_input_tokens
+    return EncoderBudget(compute or config.scheduler.max_num_batched_tokens,
+                         engine.runner.encoder_cache.budget)
 
 
 def image_placeholder(engine: Any) -> str | None:
