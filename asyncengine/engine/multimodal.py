@@ -53,15 +53,23 @@ def image_placeholder(engine: Any) -> str | None:
     return engine.tokenizer.hf.convert_ids_to_tokens(token)
 
 
+def processor_kwargs(engine: Any, own: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The image processor's options of a request: the server's, then its own on top."""
+    server = engine.config.multimodal.mm_processor_kwargs
+    return {**server, **own} if server and own else own or server
+
+
 def expanded_ids(engine: Any, text: str, sizes: list[tuple[int, int]],
-                 add_special_tokens: bool) -> list[int]:
+                 add_special_tokens: bool, kwargs: dict[str, Any] | None = None
+                 ) -> list[int]:
     """The token ids of ``text`` with each image placeholder expanded as the engine expands
-    it, for images of ``sizes`` ((width, height) each, in order; tiling families' counts
-    follow the size): what /tokenize and count_tokens count."""
+    it, for images of ``sizes`` ((width, height) each, in order; tiling families' and
+    pan-and-scan's counts follow the size): what /tokenize and count_tokens count."""
     encoder = image_encoder(engine)
     if encoder is None:
         raise ValueError(TEXT_ONLY)
-    layouts = [encoder.layout(w, h) for w, h in sizes]
+    kwargs = processor_kwargs(engine, kwargs)
+    layouts = [encoder.layout(w, h, kwargs) for w, h in sizes]
     expanded = expand_text(text, layouts, encoder.spec, engine.tokenizer,
                            image_placeholder(engine) or "")
     return engine.tokenizer.encode(expanded, add_special_tokens)
@@ -97,8 +105,10 @@ async def prompt_inputs(engine: Any, prompt: Any
         text, source = await tokenize_prompt(tokenizer, prompt.prompt, engine.vocab_size)
     placeholder = image_placeholder(engine) or ""
 
+    kwargs = processor_kwargs(engine, prompt.processor_kwargs)
+
     def work() -> tuple[list[int], list[ImageLayout]]:
-        layouts = [encoder.process(im.image) for im in images]
+        layouts = [encoder.process(im.image, kwargs) for im in images]
         if source is not None:
             return expand_ids(source, layouts, spec, tokenizer), layouts
         expanded = expand_text(prompt.prompt, layouts, spec, tokenizer, placeholder)

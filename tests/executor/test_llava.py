@@ -209,3 +209,9 @@ def test_encoder_budget_spreads_images_over_steps(tiny_llava):
     assert encoded == first_encoded  # the second round's images were all cached
     assert steps[len(first_steps)] == 3  # ... and all three ran in its first step
     assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_processor_options_of_another_family_are_refused(tiny_llava):
+    with pytest.raises(ValueError, match="--mm-processor-kwargs: do_pan_and_scan: not an "
+                                         "option of llava's image processor"):
+        make_engine(tiny_llava, mm_processor_kwargs={"do_pan_and_scan": True})

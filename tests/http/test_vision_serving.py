@@ -235,7 +235,7 @@ def test_gemma3_through_the_openai_client(tiny_gemma3):
     import openai
     import transformers
 
-    from tests.vision_utils import gemma3_reference
+    from tests.vision_utils import gemma3_processor_reference, gemma3_reference
 
     a, b = image(97, 61, seed=1), image(20, 50, seed=2)
     tok = transformers.AutoTokenizer.from_pretrained(tiny_gemma3)
@@ -254,6 +254,27 @@ def test_gemma3_through_the_openai_client(tiny_gemma3):
             {"type": "image_url", "image_url": {"url": data_url(b)}},
             {"type": "text", "text": QUESTION}]}])
     assert out.choices[0].message.content == tok.decode(new, skip_special_tokens=True)
+    # A request's mm_processor_kwargs (vLLM's extra parameter): Gemma 3's pan-and-scan.
+    wide = image(900, 300, seed=4)
+    one = tok.apply_chat_template([{"role": "user", "content": "<start_of_image>\nhi"}],
+                                  add_generation_prompt=True, tokenize=False)
+    ids, new, crops = gemma3_processor_reference(tiny_gemma3, one, [wide], N,
+                                                 do_pan_and_scan=True)
+    assert crops == 4
+    parts = [{"type": "image_url", "image_url": {"url": data_url(wide)}},
+             {"type": "text", "text": "hi"}]
+    out = client.chat.completions.create(
+        model="gemma3", temperature=0, max_tokens=N, messages=[{"role": "user", "content": parts}],
+        extra_body={"ignore_eos": True, "mm_processor_kwargs": {"do_pan_and_scan": True}})
+    assert out.choices[0].message.content == tok.decode(new, skip_special_tokens=True)
+    assert out.usage.prompt_tokens == len(ids)
+    for bad, why in (({"do_pan_and_scan": True, "crop": 2}, "unknown key 'crop'"),
+                     ({"pan_and_scan_max_num_crops": 0}, "must be a positive int")):
+        status, body = post(server, "/v1/chat/completions", {
+            "model": "gemma3", "max_tokens": 2, "mm_processor_kwargs": bad,
+            "messages": [{"role": "user", "content": parts}]})
+        assert status == 400 and why in body["error"]["message"], body
+        assert body["error"]["param"] == "mm_processor_kwargs"
 
 
 def test_the_openapi_document_has_image_parts_only_for_a_vision_model(server, tiny_llama):

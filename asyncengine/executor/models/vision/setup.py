@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from asyncengine.executor.models.vision.encoder_cache import EncoderCache
+from asyncengine.executor.models.vision.pan_and_scan import check_family_kwargs
 from asyncengine.executor.models.vision.spec import with_preprocessor_config
 
 logger = logging.getLogger("asyncengine")
@@ -37,6 +38,8 @@ def setup_vision(model: Any, runner: Any, config: Any, model_dir: str | None) ->
     if encoder.spec.layout == "anyres" and (p.crop or p.size or (p.shortest_edge,))[0] != size:
         raise ValueError(f"{encoder.spec.family}: the image processor's patches are not the "
                          f"vision tower's {size} px")
+    check_family_kwargs(encoder.spec.family, config.multimodal.mm_processor_kwargs,
+                        "--mm-processor-kwargs")
     runner.encoder_cache = EncoderCache(config.multimodal.mm_encoder_cache)
     spec = encoder.spec
     per = {"idefics3": f"{spec.tokens_per_image} tokens per tile",
