@@ -13,17 +13,28 @@ from asyncengine.executor.models.vision.spec import with_preprocessor_config
 logger = logging.getLogger("asyncengine")
 
 
-def attach_mmproj(model: Any, path: str, tokenizer: Any, dtype: Any, device: Any) -> None:
+def attach_mmproj(model: Any, path: str, tokenizer: Any, dtype: Any, device: Any,
+                  fetched: bool = False) -> None:
     """``--mmproj``: the image encoder of a llama.cpp projector file beside a GGUF model's
-    decoder (``gguf_mmproj.py``)."""
+    decoder (``gguf_mmproj.py``). ``fetched``: the hub repository's own projector, fetched
+    with the model (``--no-mmproj-auto`` goes without)."""
     from asyncengine.executor.models.vision.gguf_mmproj import load_mmproj
 
     if getattr(model, "vision", None) is not None:
         raise ValueError("--mmproj: the model has an image encoder of its own")
     if not hasattr(model, "embed") or not hasattr(model, "hidden_size"):
         raise ValueError("--mmproj: only for a generative model")
-    model.vision = device.run_at_start_up(lambda: load_mmproj(
-        path, model.hidden_size, tokenizer, dtype, device.torch_device))
+    try:
+        model.vision = device.run_at_start_up(lambda: load_mmproj(
+            path, model.hidden_size, tokenizer, dtype, device.torch_device))
+    except (ValueError, IndexError, OSError) as e:  # (a file gguf cannot read: IndexError)
+        if not fetched:
+            raise
+        raise ValueError(f"the model repository's vision projector {path}: {e} "
+                         "(--no-mmproj-auto serves the model without it)") from None
+    if fetched:
+        logger.info("images: the vision projector %s, from the model's repository "
+                    "(--no-mmproj-auto: without it)", path)
 
 
 def setup_vision(model: Any, runner: Any, config: Any, model_dir: str | None) -> None:
