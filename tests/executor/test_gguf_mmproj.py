@@ -10,7 +10,6 @@ import anyio
 import pytest
 
 from asyncengine.core.multimodal import ImagePrompt
-from tests.executor.test_hub_gguf import empty_cache  # noqa: F401 (a fixture)
 from tests.mmproj_utils import gguf_pair, write_mmproj
 from tests.vision_tiling_utils import greedy, reference
 from tests.vision_utils import gemma3_reference, image, image_item, llava_reference, vision_engine
@@ -114,7 +113,7 @@ def test_llava_next_pair_matches_transformers(tiny_llava_next, tmp_path):
     assert ids == want_ids and new == want
 
 
-def test_hf_brings_the_repositorys_mmproj(tiny_llava, llava_pair, empty_cache, monkeypatch):
+def test_hf_brings_the_repositorys_mmproj(tiny_llava, llava_pair, tmp_path, monkeypatch):
     """A hub GGUF model (``-hf user/repo:quant``) comes with its repository's projector, as
     llama-server's -hf fetches it, and answers with images; ``--no-mmproj`` (llama-server's,
     ``--no-mmproj-auto`` here) fetches the model alone. The hub is a stand-in for its two
@@ -122,10 +121,14 @@ def test_hf_brings_the_repositorys_mmproj(tiny_llava, llava_pair, empty_cache, m
     import os
 
     import huggingface_hub
+    from huggingface_hub import constants
 
     from asyncengine.executor.weights import hub_gguf
     from tests.cli.test_llama_flags import _translate
 
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # empty, online
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     text, mmproj = llava_pair
     repo = {"tiny-llava-F32.gguf": text, "mmproj-tiny-llava-f16.gguf": mmproj,
             "mmproj-tiny-llava-Q4_0.gguf": text}  # (f16 is nearer F32's bits)
@@ -133,7 +136,7 @@ def test_hf_brings_the_repositorys_mmproj(tiny_llava, llava_pair, empty_cache, m
 
     def fake_download(repo_id, filename, **kwargs):
         fetched.append(filename)
-        path = empty_cache / "dl" / filename
+        path = tmp_path / "dl" / filename
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():
             os.symlink(repo[filename], path)
