@@ -11,8 +11,11 @@ otherwise).
 
 :class:`EncoderBudget` applies this to whatever the scheduler chose, right after
 ``schedule()`` (so any scheduler, built-in or plugin, keeps the contract unchanged): it cuts
-the chunks it cannot afford, as the scheduler would have cut them to its token budget. It
-also owns the cache's bookkeeping, least recently used first out: the step's
+the chunks it cannot afford, as the scheduler would have cut them to its token budget. A
+scheduler may also ask while it builds the step (``fit``, as ``FCFSScheduler`` does when the
+engine hands it the budget), so that the tokens a cut frees go to other requests in the same
+step, as in vLLM. It also owns the cache's bookkeeping, least recently used first out: the
+step's
 :class:`EncoderPlan` names the outputs the runner encodes and keeps, and the ones it drops
 first, so the runner's cache (``executor/models/vision/encoder_cache.py``) holds exactly
 what this one counts and the runner never encodes what was not counted.
@@ -29,6 +32,18 @@ from typing import Any
 
 from asyncengine.core.multimodal import MMInput
 from asyncengine.core.request import Request
+
+
+@dataclass
+class _StepState:
+    """The encoder's share of the step being scheduled (reservations may outnumber what the
+    step finally encodes: a request preempted after its chunk fitted wastes its share)."""
+
+    budget: int
+    encode: dict[bytes, MMInput] = field(default_factory=dict)
+    pinned: set[bytes] = field(default_factory=set)  # cached outputs the step reads
+    pinned_tokens: int = 0
+    new_tokens: int = 0  # cache space the step's new outputs take
 
 
 @dataclass
@@ -52,6 +67,7 @@ class EncoderBudget:
         self.requests: dict[str, Request] = {}  # unfinished requests with images
         self.pending: dict[str, Request] = {}  # ... whose images are not all computed
         self.num_encoded = 0  # images (runs) encoded since the start
+        self._step: _StepState | None = None  # the step ``fit`` is filling
         self.num_deferred = 0  # chunks cut short at an image this budget could not take
 
     def add(self, request: Request) -> None:
@@ -60,10 +76,26 @@ class EncoderBudget:
             self.requests[request.request_id] = request
             self.pending[request.request_id] = request
 
+    def fit(self, request: Request, start: int, num_new: int) -> int:
+        """A scheduler's chunk ``[start, start + num_new)`` of ``request``, cut to what this
+        step's encoder can take (the scheduler calls it while it builds the step, before it
+        allocates blocks, so that the tokens a cut frees go to other requests; one that does
+        not is cut by ``apply`` all the same)."""
+        if request.request_id not in self.pending:
+            return num_new
+        if self._step is None:
+            self._step = _StepState(self.compute_budget)
+        cut = self._fit(self._step, request, start, start + num_new, loaded=False)
+        if cut is None:
+            return num_new
+        self.num_deferred += 1
+        return cut
+
     def apply(self, out: Any) -> EncoderPlan | None:
         """Fit a step (a ``SchedulerOutput``) to the budget: cut chunks at unaffordable
         images (dropping a request that is left with nothing) and plan the encoder's work.
         None: the step encodes nothing."""
+        step, self._step = self._step, None
         if not self.requests:
             return None
         for rid in out.finished_req_ids:
@@ -75,52 +107,62 @@ class EncoderBudget:
                 self.pending[rid] = request
         if not self.pending:
             return None
-        budget = self.compute_budget
-        encode: dict[bytes, MMInput] = {}
-        pinned: set[bytes] = set()  # cached outputs the step reads
-        pinned_tokens = new_tokens = 0
+        step = step or _StepState(self.compute_budget)
+        needed: dict[bytes, MMInput] = {}  # what the step's final chunks encode
         dropped = False
         for s in out.scheduled:
             request = s.request
             if request.request_id not in self.pending or s.spec_token_ids:
                 continue
             start, end = s.start, s.start + s.num_new_tokens
-            for item in request.mm_inputs:
-                if item.end <= start:
-                    continue
-                if item.offset >= end:
-                    break
-                key, n = item.hash, item.length
-                if key in encode:
-                    continue
-                if key in self.cached:
-                    if key not in pinned:
-                        pinned.add(key)
-                        pinned_tokens += self.cached[key]
-                    continue
-                fits_cache = n > self.cache_size or \
-                    pinned_tokens + new_tokens + n <= self.cache_size
-                cut = max(0, item.offset - start)  # (it may have begun in an earlier step)
-                if (n <= budget or budget == self.compute_budget) and fits_cache or \
-                        cut == 0 and s.kv_load is not None:  # (its loaded blocks need it)
-                    encode[key] = item
-                    budget -= n
-                    if n <= self.cache_size:
-                        new_tokens += n
-                    continue
+            cut = self._fit(step, request, start, end, loaded=s.kv_load is not None)
+            if cut is not None:
                 self._cut(s, cut)
                 dropped = dropped or cut == 0
                 end = start + cut
-                break
+            for item in request.mm_inputs:
+                if item.offset < end and item.end > start and item.hash in step.encode:
+                    needed[item.hash] = item
             if end >= request.mm_inputs[-1].end:
                 del self.pending[request.request_id]
         if dropped:
             out.scheduled = [s for s in out.scheduled if s.num_new_tokens > 0]
-        for key in pinned:
+        for key in step.pinned:
             self.cached.move_to_end(key)
-        if not encode:
+        if not needed:
             return None
-        return self._plan(list(encode.values()), pinned)
+        return self._plan(list(needed.values()), step.pinned)
+
+    def _fit(self, step: _StepState, request: Request, start: int, end: int,
+             loaded: bool) -> int | None:
+        """Reserve what the chunk ``[start, end)`` needs of the step's encoder; None: all of
+        it, else the chunk's length up to the first image it cannot have (``loaded``: the
+        chunk follows blocks a KV connector loads, so it cannot be dropped)."""
+        for item in request.mm_inputs:
+            if item.end <= start:
+                continue
+            if item.offset >= end:
+                break
+            key, n = item.hash, item.length
+            if key in step.encode:
+                continue
+            if key in self.cached:
+                if key not in step.pinned:
+                    step.pinned.add(key)
+                    step.pinned_tokens += self.cached[key]
+                continue
+            fits_cache = n > self.cache_size or \
+                step.pinned_tokens + step.new_tokens + n <= self.cache_size
+            cut = max(0, item.offset - start)  # (it may have begun in an earlier step)
+            if (n <= step.budget or step.budget == self.compute_budget) and fits_cache \
+                    or cut == 0 and loaded:
+                step.encode[key] = item
+                step.budget -= n
+                if n <= self.cache_size:
+                    step.new_tokens += n
+                continue
+            return cut
+        return None
 
     def _cut(self, s: Any, num_new: int) -> None:
         """End a scheduled chunk after ``num_new`` tokens (it no longer samples)."""

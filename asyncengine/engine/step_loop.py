@@ -97,6 +97,9 @@ class StepLoop:
         # Images: the encoder's share of each step (``core/encoder_budget.py``; None: no
         # image encoder). It cuts what the scheduler chose, so any scheduler keeps to it.
         self.encoder_budget = make_encoder_budget(engine)
+        hand_over = getattr(self.scheduler, "set_encoder_budget", None)
+        if self.encoder_budget is not None and hand_over is not None:
+            hand_over(self.encoder_budget)  # (fcfs: the tokens a cut frees go on)
 
     def queued(self, samples: list[Any]) -> None:
         """A request's samples were queued (``AsyncEngine._submit``)."""

@@ -88,3 +88,20 @@ def test_a_chunk_that_splits_an_image_encodes_it_once():
     assert steps[1][0]["a"] == (12, 12) and steps[1][1] == []
     assert "c" not in steps[1][0] or steps[1][0]["c"][0] + steps[1][0]["c"][1] <= 4
     assert [e for s in steps for e in s[1]] == [b"a", b"c"]
+
+
+def test_the_scheduler_that_asks_gives_the_freed_tokens_on():
+    """FCFSScheduler asks while it builds the step (``set_encoder_budget``): b's chunk ends
+    before its image and the tokens it leaves admit t, a text request, in the same step;
+    cut only afterwards (any other scheduler), they are lost to that step."""
+    def first_step(hand_over: bool) -> dict:
+        sched = FCFSScheduler(make_config(max_num_batched_tokens=40), num_blocks=64)
+        gate = EncoderBudget(compute_budget=IMAGE, cache_size=1000)
+        if hand_over:
+            sched.set_encoder_budget(gate)
+        requests = [image_request("a", b"a"), image_request("b", b"b"),
+                    make_request("t", 20, max_tokens=2)]
+        return run(sched, gate, requests)[0][0]
+
+    assert first_step(True) == {"a": (0, 30), "b": (0, 4), "t": (0, 6)}
+    assert first_step(False) == {"a": (0, 30), "b": (0, 4)}
