@@ -52,7 +52,9 @@ Invariants every scheduler keeps:
   engine applies the image encoder's per-step budget after ``schedule()``
   (``core/encoder_budget.py``): it may end a chunk at an image's first placeholder, setting
   ``num_new_tokens``, ``num_computed_tokens``, ``samples`` and the placeholder count back as
-  the scheduler would have, or drop a request left with nothing from the step.
+  the scheduler would have, or drop a request left with nothing from the step. A scheduler
+  with ``set_encoder_budget(budget)`` is handed the budget and may ask it while it builds the
+  step (``budget.fit(request, start, num_new)``), so that the tokens a cut frees go on.
 """
 
 from __future__ import annotations
