@@ -15,10 +15,10 @@ the chunks it cannot afford, as the scheduler would have cut them to its token b
 scheduler may also ask while it builds the step (``fit``, as ``FCFSScheduler`` does when the
 engine hands it the budget), so that the tokens a cut frees go to other requests in the same
 step, as in vLLM. It also owns the cache's bookkeeping, least recently used first out: the
-step's
-:class:`EncoderPlan` names the outputs the runner encodes and keeps, and the ones it drops
-first, so the runner's cache (``executor/models/vision/encoder_cache.py``) holds exactly
-what this one counts and the runner never encodes what was not counted.
+step's :class:`EncoderPlan` names the outputs the runner encodes and keeps, and the ones it
+drops first, so the runner's cache (``executor/models/vision/encoder_cache.py``) holds
+exactly what this one counts and the runner never encodes what was not counted (should the
+two ever differ, the runner encodes what it lacks rather than answer wrongly).
 
 Per step it costs nothing while no request has an image still to compute; otherwise it looks
 at the step's requests (O(requests in the step)) and at their images in the chunk.
@@ -67,8 +67,8 @@ class EncoderBudget:
         self.requests: dict[str, Request] = {}  # unfinished requests with images
         self.pending: dict[str, Request] = {}  # ... whose images are not all computed
         self.num_encoded = 0  # images (runs) encoded since the start
-        self._step: _StepState | None = None  # the step ``fit`` is filling
         self.num_deferred = 0  # chunks cut short at an image this budget could not take
+        self._step: _StepState | None = None  # the step ``fit`` is filling
 
     def add(self, request: Request) -> None:
         """A request with images was queued."""
