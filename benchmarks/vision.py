@@ -16,10 +16,17 @@ measurements, each against its baseline in the same process:
    (so the prefix cache cannot hit), with the default ``--mm-encoder-cache`` and with a cache
    of 1 token (nothing kept): seconds per request and the encoder's runs.
 
+4. With ``--llama-server PATH --llama-cpp DIR``, instead: a random Gemma 3 converted by
+   llama.cpp's converter to a GGUF model and an mmproj file, served by asyncengine and by
+   llama-server, the same image requests over HTTP (``vision_llama_server.py``).
+
 Usage:
 
     python benchmarks/vision.py [--requests 16] [--max-tokens 16] [--image-size 224]
                                 [--rounds 2]
+    python benchmarks/vision.py --llama-server /tmp/llcpp/build/bin/llama-server \
+        --llama-cpp /tmp/llcpp/llama_cpp_python-0.3.36/vendor/llama.cpp \
+        --convert-path /tmp/llcpp/pydeps [--concurrency 1 4] [--threads 2]
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
+
+import vision_llama_server  # (beside this script)
 
 
 def make_model(directory: Path, args: argparse.Namespace) -> str:
@@ -166,7 +175,11 @@ def main() -> None:
     ap.add_argument("--text-hidden", type=int, default=256)
     ap.add_argument("--text-layers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    vision_llama_server.add_arguments(ap)
     args = ap.parse_args()
+    if args.llama_server:
+        vision_llama_server.compare(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp), args)
         prompts = [(PROMPT, im) for im in images(args.requests)]

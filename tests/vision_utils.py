@@ -286,3 +286,34 @@ def serve_media(body: bytes) -> Iterator[tuple[str, str]]:
     finally:
         box["loop"].call_soon_threadsafe(box["loop"].stop)
         thread.join(10)
+
+
+def gemma3_processor(directory: str) -> Any:
+    """transformers' ``Gemma3Processor`` of the tiny Gemma 3 (its tokenizer told Gemma's
+    image tokens, which the embedded tokenizer does not name)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(directory)
+    boi, eoi, soft = GEMMA3_TOKENS
+    tok.boi_token, tok.eoi_token, tok.image_token = boi, eoi, soft
+    tok.boi_token_id, tok.eoi_token_id, tok.image_token_id = (
+        tok.convert_tokens_to_ids(t) for t in GEMMA3_TOKENS)
+    return transformers.Gemma3Processor(image_processor=gemma3_image_processor(),
+                                        tokenizer=tok, image_seq_length=GEMMA3_IMAGE_TOKENS)
+
+
+def gemma3_processor_reference(directory: str, prompt: str, images: list[Any],
+                               max_new_tokens: int, **processor_kwargs: Any
+                               ) -> tuple[list[int], list[int], int]:
+    """(prompt ids, greedy new tokens, pixel batches) with the prompt and images through
+    ``Gemma3Processor`` (e.g. ``do_pan_and_scan=True``)."""
+    import torch
+
+    inputs = gemma3_processor(directory)(text=prompt, images=images, return_tensors="pt",
+                                         add_special_tokens=False, **processor_kwargs)
+    model = _reference_model(directory, "Gemma3ForConditionalGeneration")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens)
+    ids = inputs["input_ids"][0].tolist()
+    return ids, out[0, len(ids):].tolist(), inputs["pixel_values"].shape[0]

@@ -13,6 +13,40 @@ from typing import Any
 #: Modalities a ``--limit-mm-per-prompt`` may name (only images are read today).
 MODALITIES = ("image",)
 
+#: The image processors' options ``--mm-processor-kwargs`` and a request's
+#: ``mm_processor_kwargs`` may set (transformers' names), with their types; each family
+#: takes those its processor has (``executor/models/vision/spec.py``).
+MM_PROCESSOR_KWARGS: dict[str, type] = {
+    "do_pan_and_scan": bool, "pan_and_scan_min_crop_size": int,
+    "pan_and_scan_max_num_crops": int, "pan_and_scan_min_ratio_to_activate": float}
+
+
+def check_processor_kwargs(value: Any, name: str) -> dict[str, Any]:
+    """``value`` (a dict, or its JSON) as processor options; ValueError naming ``name`` on
+    an unknown key or a value of the wrong type."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: must be a JSON object such as '{{\"do_pan_and_scan\": "
+                         f"true}}'")
+    out: dict[str, Any] = {}
+    for key, v in value.items():
+        kind = MM_PROCESSOR_KWARGS.get(key)
+        if kind is None:
+            raise ValueError(f"{name}: unknown key {key!r} (known: "
+                             f"{', '.join(MM_PROCESSOR_KWARGS)})")
+        ok = isinstance(v, bool) if kind is bool else (
+            isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+            and (kind is float or float(v).is_integer()))
+        if not ok:
+            what = "true or false" if kind is bool else f"a positive {kind.__name__}"
+            raise ValueError(f"{name}: {key} must be {what}, got {v!r}")
+        out[key] = kind(v)
+    return out
+
 
 @dataclass
 class MultiModalConfig:
@@ -37,6 +71,16 @@ class MultiModalConfig:
     mm_encoder_cache: int = field(default=16384, metadata={
         "help": "the vision encoder's outputs kept for reuse, in image tokens (least "
                 "recently used first out); an image is encoded once while it stays"})
+    mm_processor_kwargs: dict[str, Any] | str | None = field(default=None, metadata={
+        "help": "options of the image processor every request starts from, a JSON object "
+                "(transformers' names), e.g. '{\"do_pan_and_scan\": true}' for Gemma 3; a "
+                "request's own mm_processor_kwargs override them key by key"})
+    max_num_encoder_input_tokens: int | None = field(default=None, metadata={
+        "help": "the image tokens the vision encoder may compute in one step (vLLM's "
+                "max_num_encoder_input_tokens; default: --max-num-batched-tokens); a prefill "
+                "chunk ends before an image that is neither cached nor within what is left, "
+                "and the image is encoded in a later step (the first image of a step always "
+                "is)"})
 
     @property
     def image_limit(self) -> int:
@@ -67,6 +111,9 @@ def validate_multimodal(mc: MultiModalConfig) -> None:
                              f"{value!r}")
         limits[key] = value
     mc.limit_mm_per_prompt = limits
+    if mc.mm_processor_kwargs is not None:
+        mc.mm_processor_kwargs = check_processor_kwargs(mc.mm_processor_kwargs,
+                                                        "--mm-processor-kwargs")
     if isinstance(mc.allowed_media_domains, str):
         mc.allowed_media_domains = [mc.allowed_media_domains]
     if mc.allowed_media_domains is not None:
@@ -81,8 +128,10 @@ def validate_multimodal(mc: MultiModalConfig) -> None:
     if not mc.media_fetch_timeout > 0:
         raise ValueError(f"--media-fetch-timeout: must be positive, got "
                          f"{mc.media_fetch_timeout!r}")
-    for name in ("max_image_pixels", "mm_encoder_cache"):
+    for name in ("max_image_pixels", "mm_encoder_cache", "max_num_encoder_input_tokens"):
         value = getattr(mc, name)
+        if value is None and name == "max_num_encoder_input_tokens":
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be a positive integer, got "
                              f"{value!r}")

@@ -46,6 +46,10 @@ class ModelConfig:
         "help": "a GGUF model's vision projector file, as llama-server's --mmproj (llama.cpp's "
                 "clip tensors: projector types mlp, idefics3, gemma3); the model then takes "
                 "images, its placeholder tokens from the tokenizer"})
+    mmproj_auto: bool = field(default=True, metadata={
+        "help": "a hub GGUF model (-hf user/repo[:quant], user/repo:QUANT) brings its "
+                "repository's mmproj*.gguf vision projector, as llama-server's -hf does; "
+                "--no-mmproj-auto (llama-server's --no-mmproj): without it"})
     dtype: str = field(default="auto", metadata={
         "help": "weights and activations dtype (auto: bfloat16 on CUDA and on CPUs with "
                 "bf16 instructions, else float32)", "choices": DTYPES})

@@ -89,3 +89,6 @@ class ImagePrompt:
     images: list[ImageItem]
     # A text prompt rendered by a chat template holds its special tokens already.
     add_special_tokens: bool = True
+    # The image processor's options for this prompt (a request's ``mm_processor_kwargs``),
+    # over the server's ``--mm-processor-kwargs`` key by key.
+    processor_kwargs: dict[str, Any] | None = None

@@ -71,9 +71,8 @@ class AsyncEngine(LoRAAdapters, GenerateMany):
         self.device = parts.device
         self.model_kind = model_kind(parts.runner.model)
         self.scheduler = parts.make_scheduler()
-        self.kv_transfer = (KVTransfer(parts.kv_connector, parts.runner,
-                                       self.config.cache.block_size)
-                            if parts.kv_connector is not None else None)
+        self.kv_transfer = parts.kv_connector and KVTransfer(
+            parts.kv_connector, parts.runner, self.config.cache.block_size)
         self.outputs = make_output_processor(self.tokenizer, self.config.observability,
                                              self.model_name)  # traced with the flag
         # Called after each step's emission: a server flushes the stream writes it batched.
@@ -259,6 +258,7 @@ class AsyncEngine(LoRAAdapters, GenerateMany):
             raise
         if trace_headers is not None:
             stream.trace_headers = trace_headers
+        self.loop.queued(stream.samples)
         self.outputs.add(stream)
         self._wake.set()
         return stream

@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from asyncengine.core.encoder_budget import EncoderBudget
 from asyncengine.core.multimodal import (
     ImageItem,
     ImageLayout,
@@ -29,6 +30,16 @@ TEXT_ONLY = "this model takes no images (it is a text-only model)"
 def image_encoder(engine: Any) -> Any:
     """The model's image encoder (``executor/models/vision``), None for a text model."""
     return getattr(getattr(engine, "runner", None) and engine.runner.model, "vision", None)
+
+
+def make_encoder_budget(engine: Any) -> EncoderBudget | None:
+    """The encoder's per-step budget and cache bookkeeping (None: no image encoder)."""
+    if image_encoder(engine) is None or getattr(engine.runner, "encoder_cache", None) is None:
+        return None
+    config = engine.config
+    compute = config.multimodal.max_num_encoder_input_tokens
+    return EncoderBudget(compute or config.scheduler.max_num_batched_tokens,
+                         engine.runner.encoder_cache.budget)
 
 
 def image_placeholder(engine: Any) -> str | None:
@@ -53,15 +64,23 @@ def _marker(engine: Any) -> str | None:
     return engine.tokenizer.hf.convert_ids_to_tokens(token)
 
 
+def processor_kwargs(engine: Any, own: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The image processor's options of a request: the server's, then its own on top."""
+    server = engine.config.multimodal.mm_processor_kwargs
+    return {**server, **own} if server and own else own or server
+
+
 def expanded_ids(engine: Any, text: str, sizes: list[tuple[int, int]],
-                 add_special_tokens: bool) -> list[int]:
+                 add_special_tokens: bool, kwargs: dict[str, Any] | None = None
+                 ) -> list[int]:
     """The token ids of ``text`` with each image placeholder expanded as the engine expands
-    it, for images of ``sizes`` ((width, height) each, in order; tiling families' counts
-    follow the size): what /tokenize and count_tokens count."""
+    it, for images of ``sizes`` ((width, height) each, in order; tiling families' and
+    pan-and-scan's counts follow the size): what /tokenize and count_tokens count."""
     encoder = image_encoder(engine)
     if encoder is None:
         raise ValueError(TEXT_ONLY)
-    layouts = [encoder.layout(w, h) for w, h in sizes]
+    kwargs = processor_kwargs(engine, kwargs)
+    layouts = [encoder.layout(w, h, kwargs) for w, h in sizes]
     expanded = expand_text(text, layouts, encoder.spec, engine.tokenizer, _marker(engine) or "")
     return engine.tokenizer.encode(expanded, add_special_tokens)
 
@@ -98,8 +117,10 @@ async def prompt_inputs(engine: Any, prompt: Any
         text, source = await tokenize_prompt(tokenizer, prompt.prompt, engine.vocab_size)
     placeholder = _marker(engine) or ""
 
+    kwargs = processor_kwargs(engine, prompt.processor_kwargs)
+
     def work() -> tuple[list[int], list[MMInput], Any]:
-        layouts = [encoder.process(im.image) for im in images]
+        layouts = [encoder.process(im.image, kwargs) for im in images]
         if source is not None:
             ids = expand_ids(source, layouts, spec, tokenizer)
         else:

@@ -39,6 +39,7 @@ import anyio.abc
 
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.sched.interface import Scheduler, SchedulerOutput
+from asyncengine.engine.multimodal import make_encoder_budget
 from asyncengine.engine.spec_steps import fill_spec_bitmask, make_drafting, record_spec
 from asyncengine.executor.runner import ModelRunner, StepInputs
 from asyncengine.executor.runtime.device import Device, StepHandle
@@ -93,6 +94,18 @@ class StepLoop:
         self.phase_cpu_s = dict.fromkeys(PHASES, 0.0)
         # Speculative decoding: proposes drafts between steps (None: off).
         self.drafting = make_drafting(engine)
+        # Images: the encoder's share of each step (``core/encoder_budget.py``; None: no
+        # image encoder). It cuts what the scheduler chose, so any scheduler keeps to it.
+        self.encoder_budget = make_encoder_budget(engine)
+        hand_over = getattr(self.scheduler, "set_encoder_budget", None)
+        if self.encoder_budget is not None and hand_over is not None:
+            hand_over(self.encoder_budget)  # (fcfs: the tokens a cut frees go on)
+
+    def queued(self, samples: list[Any]) -> None:
+        """A request's samples were queued (``AsyncEngine._submit``)."""
+        if self.encoder_budget is not None:
+            for sample in samples:
+                self.encoder_budget.add(sample.request)
 
     @property
     def step_cpu_s(self) -> float:
@@ -133,6 +146,9 @@ class StepLoop:
         phases = self.phase_cpu_s
         cpu = time.thread_time()
         out = self.scheduler.schedule()
+        plan = None
+        if self.encoder_budget is not None:
+            plan = self.encoder_budget.apply(out)
         if out.is_empty:
             self.runner.release(out)  # its leavers' rows, though nothing runs
             phases["schedule"] += time.thread_time() - cpu
@@ -153,6 +169,7 @@ class StepLoop:
             if all(g is None for g in grammars):
                 grammars = None
         inputs = self.runner.prepare(out, with_bitmask=grammars is not None)
+        inputs.mm_plan = plan
         now = time.thread_time()
         phases["prepare"] += now - cpu
         step = Step(out, inputs, self.device.launch_step(self.runner, inputs), grammars)

@@ -117,7 +117,8 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
     device = make_device(config.device.device, num_threads)
     at_start = device.memory_at_start(config)  # before the weights: what it started from
     source = resolve_model(mc.model, config.load.load_format, mc.revision,
-                           config.load.download_dir)
+                           config.load.download_dir,
+                           mmproj=tp_size == 1 and mc.mmproj_auto and not mc.mmproj)
     apply_hf_overrides(source.hf_config, mc.hf_overrides)  # a reranker made of a causal LM
     dtype = pick_dtype(mc.dtype, device.type)
     kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device.type)
@@ -156,8 +157,9 @@ def _build(config: EngineConfig, plugin_manager: Any, started: list[Any]) -> Eng
         mc.tokenizer or source.path, gguf_file=None if mc.tokenizer else source.gguf_file,
         revision=mc.revision, chat_template=mc.chat_template)
     tokenizer.byte_pieces()  # the detokenizer's table, built now rather than at a request
-    if mc.mmproj:  # a GGUF model's image side (llama-server's --mmproj)
-        attach_mmproj(model, mc.mmproj, tokenizer, dtype, device)
+    if mc.mmproj or source.mmproj:  # a GGUF model's image side (llama-server's --mmproj)
+        attach_mmproj(model, mc.mmproj or source.mmproj, tokenizer, dtype, device,
+                      fetched=not mc.mmproj)
     if hasattr(model, "bind_tokens"):  # a classifier's head from its vocabulary head's rows
         device.run_at_start_up(lambda: model.bind_tokens(tokenizer.hf))
     model_name = (mc.served_model_name or [source.name])[0]

@@ -64,10 +64,14 @@ def step_slices(scheduled: list[Any], pending: dict[str, Request], batch: Any,
     return slices
 
 
-def encoder_outputs(model: Any, cache: Any, slices: list[MMSlice],
-                    device: torch.device) -> dict[bytes, torch.Tensor]:
+def encoder_outputs(model: Any, cache: Any, slices: list[MMSlice], device: torch.device,
+                    plan: Any = None) -> dict[bytes, torch.Tensor]:
     """Each image run's encoder output ``[tokens, hidden]``: from the cache, or encoded now
-    (the missing ones of the step at once: ``ImageEncoder.encode_many``)."""
+    (the missing ones of the step at once: ``ImageEncoder.encode_many``). ``plan`` (the
+    step's ``core.encoder_budget.EncoderPlan``) drops outputs from the cache first and says
+    which new ones it keeps: the runner encodes what the budget counted, nothing more."""
+    if plan is not None and cache is not None:
+        cache.drop(plan.evict)
     outs: dict[bytes, torch.Tensor] = {}
     missing: dict[bytes, MMInput] = {}
     for s in slices:
@@ -84,7 +88,7 @@ def encoder_outputs(model: Any, cache: Any, slices: list[MMSlice],
         encoded = model.vision.encode_many([it.data for it in items], device)
         for it, out in zip(items, encoded, strict=True):
             outs[it.hash] = out
-            if cache is not None:
+            if cache is not None and (plan is None or it.hash in plan.keep):
                 cache.put(it.hash, out)
     return outs
 
@@ -96,7 +100,7 @@ def forward_with_images(runner: Any, inputs: Any, last_sampled: torch.Tensor | N
     begin(inputs, last_sampled, runner.attn_backend)
     model = runner.model
     h = model.embed(inputs.input_ids)
-    outs = encoder_outputs(model, runner.encoder_cache, inputs.mm, h.device)
+    outs = encoder_outputs(model, runner.encoder_cache, inputs.mm, h.device, inputs.mm_plan)
     width = h.shape[1]
     for s in inputs.mm:
         h[s.flat:s.flat + s.hi - s.lo] = outs[s.item.hash][s.lo:s.hi, :width].to(h.dtype)

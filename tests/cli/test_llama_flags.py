@@ -93,7 +93,7 @@ def test_llama_server_command_line_serves(tmp_path):
         "SmolLM2-135M-Instruct.Q8_0.gguf": None, "mmproj-SmolLM2-f16.gguf": None})
     server = ServerProcess(None, "-hf", "someone/SmolLM2-GGUF:q4_1", "-c", "512", "-np", "2",
                            "-ngl", "99", "-fa", "on", "--jinja", "-a", "smol", "--temp", "0",
-                           "-n", "5", "--no-mmap",
+                           "-n", "5", "--no-mmap", "--no-mmproj",  # (a stand-in projector)
                            env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
     try:
         models = server.get_json("/v1/models")["data"]

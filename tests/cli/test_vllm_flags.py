@@ -74,6 +74,10 @@ def test_the_cli_exits_2_naming_the_flag():
     r = run_cli("serve", "--tokenizer-mode", "mistral", timeout=120)
     assert r.returncode == 2 and "--tokenizer-mode mistral" in r.stderr
     assert "Traceback" not in r.stderr
+    r = run_cli("serve", "--mm-processor-kwargs", '{"do_pan_and_scan": true, "crop": 1}',
+                timeout=120)  # vLLM's flag, read here (Gemma 3's pan-and-scan)
+    assert r.returncode == 2 and "--mm-processor-kwargs: unknown key 'crop'" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_tracing_flags_are_asyncengines_own():

@@ -139,3 +139,44 @@ def test_chunks_prefix_hits_and_preemption(tiny_gemma3):
 def test_a_budget_below_one_image_is_refused(tiny_gemma3):
     with pytest.raises(ValueError, match="--max-num-batched-tokens 3"):
         make_engine(tiny_gemma3, max_num_batched_tokens=3, max_num_seqs=2)
+
+
+def test_pan_and_scan_matches_transformers(tiny_gemma3):
+    """--mm-processor-kwargs '{"do_pan_and_scan": true}': a wide image is cut into crops as
+    Gemma3ImageProcessor cuts them, the prompt says so as Gemma3Processor writes it, and the
+    greedy tokens are transformers'; a request's own mm_processor_kwargs override the
+    server's (off again, or other crop options)."""
+    from asyncengine.executor.models.vision.spec import with_preprocessor_config
+    from tests.vision_utils import gemma3_processor_reference
+
+    wide, tall = image(900, 300, seed=4), image(40, 130, seed=5)
+    engine = make_engine(tiny_gemma3, mm_processor_kwargs='{"do_pan_and_scan": true}')
+    encoder = engine.runner.model.vision
+    encoder.spec = with_preprocessor_config(encoder.spec, tiny_gemma3)
+    few = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16,
+           "pan_and_scan_max_num_crops": 2}
+    for img, kw in ((wide, {"do_pan_and_scan": True}), (tall, few), (image(70, 61, 1), few)):
+        full = {"pan_and_scan_min_crop_size": 256, "pan_and_scan_max_num_crops": 4,
+                "pan_and_scan_min_ratio_to_activate": 1.2, **kw}  # (Gemma3Processor's)
+        want = gemma3_image_processor()(images=img, return_tensors="np", **full)["pixel_values"]
+        runs = [p.data for p in encoder.process(img, kw) if hasattr(p, "data")]
+        assert len(runs) == len(want)
+        np.testing.assert_allclose(np.stack(runs), want, atol=1e-6)
+    assert len(want) == 1  # (70 x 61 is not elongated enough: no crops)
+    refs = [gemma3_processor_reference(tiny_gemma3, PROMPT, [wide], N, do_pan_and_scan=True),
+            gemma3_processor_reference(tiny_gemma3, PROMPT, [tall], N, **few),
+            gemma3_processor_reference(tiny_gemma3, PROMPT, [wide], N)]
+    assert [r[2] for r in refs] == [4, 3, 1]  # the whole image and 3, 2, 0 crops
+
+    async def main():
+        async with engine:
+            return [await greedy(engine, ImagePrompt(PROMPT, [item(img, key)],
+                                                     add_special_tokens=False,
+                                                     processor_kwargs=kw))
+                    for img, key, kw in ((wide, b"w", None), (tall, b"t", few),
+                                         (wide, b"w", {"do_pan_and_scan": False}))]
+
+    got = anyio.run(main)
+    for (ids, tokens, *_), (want_ids, want, _) in zip(got, refs, strict=True):
+        assert ids == want_ids and tokens == want
+    assert engine.num_free_blocks == engine.num_total_blocks

@@ -111,3 +111,54 @@ def test_llava_next_pair_matches_transformers(tiny_llava_next, tmp_path):
     engine = vision_engine(text, tokenizer=tiny_llava_next, mmproj=mmproj)
     ids, new, _ = run(engine, LLAVA, [a])
     assert ids == want_ids and new == want
+
+
+def test_hf_brings_the_repositorys_mmproj(tiny_llava, llava_pair, tmp_path, monkeypatch):
+    """A hub GGUF model (``-hf user/repo:quant``) comes with its repository's projector, as
+    llama-server's -hf fetches it, and answers with images; ``--no-mmproj`` (llama-server's,
+    ``--no-mmproj-auto`` here) fetches the model alone. The hub is a stand-in for its two
+    calls (listing, download)."""
+    import os
+
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from asyncengine.executor.weights import hub_gguf
+    from tests.cli.test_llama_flags import _translate
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # empty, online
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    text, mmproj = llava_pair
+    repo = {"tiny-llava-F32.gguf": text, "mmproj-tiny-llava-f16.gguf": mmproj,
+            "mmproj-tiny-llava-Q4_0.gguf": text}  # (f16 is nearer F32's bits)
+    fetched = []
+
+    def fake_download(repo_id, filename, **kwargs):
+        fetched.append(filename)
+        path = tmp_path / "dl" / filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            os.symlink(repo[filename], path)
+        return str(path)
+
+    monkeypatch.setattr(hub_gguf, "list_files", lambda *a: list(repo))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    out, _ = _translate("-hf", "someone/tiny-llava-GGUF:F32", "--no-mmproj")
+    assert out[:3] == ["--no-mmproj-auto", "--model", "someone/tiny-llava-GGUF:F32"], out
+    engine = vision_engine("someone/tiny-llava-GGUF:F32", tokenizer=tiny_llava)
+    assert fetched == ["tiny-llava-F32.gguf", "mmproj-tiny-llava-f16.gguf"]
+    a = image(97, 61, seed=1)
+    want_ids, want = llava_reference(tiny_llava, LLAVA, [a], N)
+    ids, new, _ = run(engine, LLAVA, [a])
+    assert ids == want_ids and new == want
+    fetched.clear()
+    engine = vision_engine("someone/tiny-llava-GGUF:F32", tokenizer=tiny_llava,
+                           mmproj_auto=False)
+    assert fetched == ["tiny-llava-F32.gguf"]
+    assert getattr(engine.runner.model, "vision", None) is None  # a text model
+    # a repository projector that cannot be read stops the start, naming the way out
+    repo["mmproj-broken-f32.gguf"] = text
+    with pytest.raises(ValueError, match=r"mmproj-broken-f32.gguf: .*not a vision projector "
+                                         r"file.*--no-mmproj-auto serves the model without"):
+        vision_engine("someone/tiny-llava-GGUF:F32", tokenizer=tiny_llava)

@@ -131,3 +131,19 @@ def test_an_unreachable_hub_fails_fast_with_a_clear_message(empty_cache, monkeyp
     with pytest.raises(ValueError, match="'someorg/m-GGUF:Q4_K_M'.*no model hub is reachable"):
         resolve_model("someorg/m-GGUF:Q4_K_M")
     assert time.monotonic() - start < 10
+
+
+def test_the_projector_that_goes_with_the_model():
+    """llama-server's choice: an ``mmproj*`` file beside the model or above it, the deepest,
+    then the nearest quantization in bits."""
+    files = ["a-Q4_K_M.gguf", "a-Q8_0.gguf", "mmproj-a-f16.gguf", "mmproj-a-Q8_0.gguf",
+             "sub/b-Q4_K_M.gguf", "sub/mmproj-b-f32.gguf", "other/mmproj-c-Q4_0.gguf"]
+    assert hub_gguf.pick_mmproj(files, "a-Q4_K_M.gguf") == "mmproj-a-Q8_0.gguf"  # 8 near 4
+    assert hub_gguf.pick_mmproj(files[:3], "a-Q8_0.gguf") == "mmproj-a-f16.gguf"
+    assert hub_gguf.pick_mmproj(files, "sub/b-Q4_K_M.gguf") == "sub/mmproj-b-f32.gguf"
+    assert hub_gguf.pick_mmproj(files[4:6] + files[2:3], "sub/b-Q4_K_M.gguf") == \
+        "sub/mmproj-b-f32.gguf"  # its own directory first, however far the bits
+    assert hub_gguf.pick_mmproj(["sub/mmproj-x.gguf", "a-Q4_K_M.gguf"], "a-Q4_K_M.gguf") \
+        is None  # a projector below the model's directory is not its
+    assert hub_gguf.pick_mmproj(FILES, "SmolLM2-Q4_K_M.gguf") == "mmproj-SmolLM2-f16.gguf"
+    assert hub_gguf.pick_mmproj(["a.gguf", "README.md"], "a.gguf") is None

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from asyncengine.core.multimodal import ImagePrompt
+from asyncengine.core.sched.interface import SchedulerOutput
 from asyncengine.engine.engine import AsyncEngine
 from tests.vision_utils import (
     LLAVA_IMAGE_TOKENS,
@@ -146,3 +147,71 @@ def test_preemption_recomputes_through_images(tiny_llava):
     assert engine.scheduler.make_stats().num_preemptions > 0
     assert engine.runner.encoder_cache.misses == 4  # recomputed from the cached outputs
     assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_encoder_budget_spreads_images_over_steps(tiny_llava):
+    """Three requests with distinct images join in one step, but the encoder may take one
+    image (16 tokens) per step: their chunks stop before their images, which are encoded
+    one per step; the tokens stay transformers'. The same images in new prompts are cached:
+    they cost no budget and run in one step."""
+    imgs = [image(60 + 9 * i, 50 + 4 * i, seed=30 + i) for i in range(3)]
+    again = "USER: Look. <image>\nWhat is it? ASSISTANT:"
+    wants = [llava_reference(tiny_llava, p, [im], N)[1] for p in (PROMPT, again)
+             for im in imgs]
+    engine = make_engine(tiny_llava, max_num_encoder_input_tokens=LLAVA_IMAGE_TOKENS)
+    encoded, steps = [], []  # images per encoder call; image slices per step
+    vision, prepare = engine.runner.model.vision, engine.runner.prepare
+    encode_many = vision.encode_many
+
+    def count(data, device):
+        encoded.append(len(data))
+        return encode_many(data, device)
+
+    def spy(out, **kw):
+        inputs = prepare(out, **kw)
+        steps.append(len(inputs.mm or ()))
+        return inputs
+
+    vision.encode_many, engine.runner.prepare = count, spy
+    schedule, sched = engine.scheduler.schedule, engine.scheduler
+
+    hold = [True]
+
+    def together():  # no step until a round's three are queued: they join in one step
+        if hold[0] and sched.get_num_unfinished_requests() < 3:
+            return SchedulerOutput()
+        hold[0] = False
+        return schedule()
+
+    sched.schedule = together
+
+    async def main():
+        results = {}
+
+        async def one(i, prompt):
+            im = imgs[i % 3]
+            results[i] = (await greedy(engine, ImagePrompt(prompt, [item(im, bytes([i % 3]))])))[1]
+
+        async with engine:
+            for k, prompt in enumerate((PROMPT, again)):
+                hold[0] = True
+                async with anyio.create_task_group() as tg:
+                    for i in range(3):
+                        tg.start_soon(one, 3 * k + i, prompt)
+                if k == 0:
+                    first = (list(encoded), list(steps))
+        return [results[i] for i in range(6)], first
+
+    results, (first_encoded, first_steps) = anyio.run(main)
+    assert results == wants
+    assert first_encoded == [1, 1, 1]  # one image per step, each once
+    assert first_steps[:3] == [1, 1, 1] and engine.loop.encoder_budget.num_deferred == 3
+    assert encoded == first_encoded  # the second round's images were all cached
+    assert steps[len(first_steps)] == 3  # ... and all three ran in its first step
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_processor_options_of_another_family_are_refused(tiny_llava):
+    with pytest.raises(ValueError, match="--mm-processor-kwargs: do_pan_and_scan: not an "
+                                         "option of llava's image processor"):
+        make_engine(tiny_llava, mm_processor_kwargs={"do_pan_and_scan": True})

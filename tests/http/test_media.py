@@ -170,6 +170,11 @@ def test_bad_flags():
                      ({"allowed_local_media_path": "/no/such/dir"}, "--allowed-local-media-path"),
                      ({"media_fetch_timeout": 0}, "--media-fetch-timeout"),
                      ({"max_media_bytes": "lots"}, "--max-media-bytes"),
-                     ({"mm_encoder_cache": 0}, "--mm-encoder-cache")):
+                     ({"mm_encoder_cache": 0}, "--mm-encoder-cache"),
+                     ({"max_num_encoder_input_tokens": 0}, "--max-num-encoder-input-tokens"),
+                     ({"mm_processor_kwargs": '{"crop": 1}'},
+                      "--mm-processor-kwargs: unknown key 'crop'"),
+                     ({"mm_processor_kwargs": {"do_pan_and_scan": "yes"}},
+                      "--mm-processor-kwargs: do_pan_and_scan must be true or false")):
         with pytest.raises(ValueError, match=flag):
             EngineConfig.from_dict(kw)

@@ -148,6 +148,46 @@ def test_responses_input_image_and_llama_server_multimodal_data(server, expected
     assert server.get_json("/props")["modalities"]["vision"] is True
 
 
+def test_responses_input_image_by_file_id(server, expected):
+    """An image uploaded to /v1/files (purpose vision or user_data) given to /v1/responses
+    by its file_id: the same answer as inline; an unknown id, a batch file, both a URL and
+    an id are 400s in OpenAI's shape."""
+    import openai
+
+    img, _, answer = expected
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0, timeout=60)
+    ids = [client.files.create(file=("img.png", png_bytes(img)), purpose=purpose).id
+           for purpose in ("vision", "user_data")]
+    batch = client.files.create(file=("a.jsonl", b"{}\n"), purpose="batch").id
+
+    def ask(part: dict) -> tuple[int, dict]:
+        return post(server, "/v1/responses", {
+            "model": "llava", "max_output_tokens": N, "temperature": 0,
+            "input": [{"role": "user", "content": [
+                {"type": "input_text", "text": "Look."}, part,
+                {"type": "input_text", "text": QUESTION}]}]})
+
+    for file_id in ids:
+        out = client.responses.create(model="llava", max_output_tokens=N, temperature=0,
+                                      input=[{"role": "user", "content": [
+                                          {"type": "input_image", "file_id": file_id},
+                                          {"type": "input_text", "text": QUESTION}]}])
+        assert out.output_text == answer
+    for part, why, code in (
+            ({"type": "input_image", "file_id": "file-nope"}, "No such file", "file_not_found"),
+            ({"type": "input_image", "file_id": batch}, "purpose 'batch'", None),
+            ({"type": "input_image", "file_id": ids[0], "image_url": data_url(img)},
+             "not both", None),
+            ({"type": "input_image"}, "needs image_url or file_id", None)):
+        status, body = ask(part)
+        assert status == 400 and why in body["error"]["message"], body
+        assert body["error"]["type"] == "invalid_request_error"
+        assert body["error"]["param"].startswith("input[0].content[1]")
+        assert body["error"]["code"] == code
+    for file_id in (*ids, batch):
+        client.files.delete(file_id)
+
+
 def test_file_urls_and_two_images(server, media_dir):
     ok = (media_dir / "ok.png").as_uri()
     status, body = post(server, "/v1/chat/completions", chat_body([
@@ -235,7 +275,7 @@ def test_gemma3_through_the_openai_client(tiny_gemma3):
     import openai
     import transformers
 
-    from tests.vision_utils import gemma3_reference
+    from tests.vision_utils import gemma3_processor_reference, gemma3_reference
 
     a, b = image(97, 61, seed=1), image(20, 50, seed=2)
     tok = transformers.AutoTokenizer.from_pretrained(tiny_gemma3)
@@ -254,6 +294,27 @@ def test_gemma3_through_the_openai_client(tiny_gemma3):
             {"type": "image_url", "image_url": {"url": data_url(b)}},
             {"type": "text", "text": QUESTION}]}])
     assert out.choices[0].message.content == tok.decode(new, skip_special_tokens=True)
+    # A request's mm_processor_kwargs (vLLM's extra parameter): Gemma 3's pan-and-scan.
+    wide = image(900, 300, seed=4)
+    one = tok.apply_chat_template([{"role": "user", "content": "<start_of_image>\nhi"}],
+                                  add_generation_prompt=True, tokenize=False)
+    ids, new, crops = gemma3_processor_reference(tiny_gemma3, one, [wide], N,
+                                                 do_pan_and_scan=True)
+    assert crops == 4
+    parts = [{"type": "image_url", "image_url": {"url": data_url(wide)}},
+             {"type": "text", "text": "hi"}]
+    out = client.chat.completions.create(
+        model="gemma3", temperature=0, max_tokens=N, messages=[{"role": "user", "content": parts}],
+        extra_body={"ignore_eos": True, "mm_processor_kwargs": {"do_pan_and_scan": True}})
+    assert out.choices[0].message.content == tok.decode(new, skip_special_tokens=True)
+    assert out.usage.prompt_tokens == len(ids)
+    for bad, why in (({"do_pan_and_scan": True, "crop": 2}, "unknown key 'crop'"),
+                     ({"pan_and_scan_max_num_crops": 0}, "must be a positive int")):
+        status, body = post(server, "/v1/chat/completions", {
+            "model": "gemma3", "max_tokens": 2, "mm_processor_kwargs": bad,
+            "messages": [{"role": "user", "content": parts}]})
+        assert status == 400 and why in body["error"]["message"], body
+        assert body["error"]["param"] == "mm_processor_kwargs"
 
 
 def test_the_openapi_document_has_image_parts_only_for_a_vision_model(server, tiny_llama):

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from asyncengine.core.encoder_budget import EncoderBudget
 from asyncengine.core.kv.hashing import update_block_hashes
 from asyncengine.core.kv.manager import KVCacheManager
 from asyncengine.core.multimodal import chunk_without_split
@@ -79,9 +80,15 @@ class FCFSScheduler(Scheduler):
         lora = getattr(config, "lora", None)
         self.lora_slots = LoRASlots(lora.max_loras if lora is not None and lora.enable_lora
                                     else None)
+        self.encoder_budget: EncoderBudget | None = None
 
     def set_kv_connector(self, connector: KVConnectorLookup) -> None:
         self.kv_connector = connector
+
+    def set_encoder_budget(self, budget: EncoderBudget) -> None:
+        """The image encoder's share of each step (``core/encoder_budget.py``): chunks are
+        cut to it as they are to the token budget, and the tokens a cut frees go on."""
+        self.encoder_budget = budget
 
     # -- policy hooks ----------------------------------------------------------------------
     def _new_waiting_queue(self) -> FCFSQueue:
@@ -166,6 +173,7 @@ class FCFSScheduler(Scheduler):
         block_ids, bs = kv.get_block_ids, self.block_size
         scheduled = step.scheduled
         running = RequestStatus.RUNNING
+        encoder = self.encoder_budget
         for request in self._running_order():
             budget = step.budget
             if budget == 0:
@@ -192,6 +200,8 @@ class FCFSScheduler(Scheduler):
                 num_new = budget
                 if request.mm_inputs:  # an image computed whole (Gemma 3) is not split
                     num_new = chunk_without_split(request.mm_inputs, start, num_new)
+            if encoder is not None and request.mm_inputs and num_new > 0:
+                num_new = encoder.fit(request, start, num_new)
             if num_new <= 0:
                 continue
             rid = request.request_id
@@ -257,6 +267,10 @@ class FCFSScheduler(Scheduler):
                                               num_new)
                 if num_new <= 0:
                     return False
+        if self.encoder_budget is not None and request.mm_inputs:
+            num_new = self.encoder_budget.fit(request, num_cached + num_external, num_new)
+            if num_new <= 0:
+                return False
         while len(self.running) >= self.max_num_seqs or not kv.allocate_slots(
                 request, num_external + num_new, blocks):
             victim = self._admission_victim(request)

@@ -48,7 +48,13 @@ Invariants every scheduler keeps:
   (``MMInput``: their placeholder positions). A scheduler may ignore it, except that it
   should not end a prefill chunk inside an image with ``whole`` set (Gemma 3's, attended
   both ways): where it cuts a prompt to its budget it calls
-  ``chunk_without_split(request.mm_inputs, start, num_new)`` (0: not this step).
+  ``chunk_without_split(request.mm_inputs, start, num_new)`` (0: not this step). The
+  engine applies the image encoder's per-step budget after ``schedule()``
+  (``core/encoder_budget.py``): it may end a chunk at an image's first placeholder, setting
+  ``num_new_tokens``, ``num_computed_tokens``, ``samples`` and the placeholder count back as
+  the scheduler would have, or drop a request left with nothing from the step. A scheduler
+  with ``set_encoder_budget(budget)`` is handed the budget and may ask it while it builds the
+  step (``budget.fit(request, start, num_new)``), so that the tokens a cut frees go on.
 """
 
 from __future__ import annotations

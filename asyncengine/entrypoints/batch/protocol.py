@@ -23,7 +23,7 @@ UNFINISHED = frozenset({"validating", "in_progress", "finalizing", "cancelling"}
 #: OpenAI's only window: a batch not done 24 hours after its creation expires.
 COMPLETION_WINDOW_S = 24 * 3600
 
-FilePurpose = Literal["batch", "batch_output"]
+FilePurpose = Literal["batch", "batch_output", "vision", "user_data"]
 # OpenAI's metadata: up to 16 pairs, keys up to 64 characters, values up to 512.
 Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)],
                           Annotated[str, Meta(max_length=512)]], Meta(max_length=16)]
@@ -60,9 +60,10 @@ class FileDeleted(Struct, kw_only=True):
 class FileUpload(Struct, kw_only=True, forbid_unknown_fields=True):
     """The form of POST /v1/files (multipart/form-data)."""
 
-    file: Annotated[str, Meta(extra_json_schema={"contentMediaType": "application/jsonl"},
-                              description="The JSONL file: one request a line")]
-    purpose: Literal["batch"]
+    file: Annotated[str, Meta(description="The file: for purpose batch, JSONL (one request "
+                                          "a line); for vision or user_data, an image "
+                                          "(input_image's file_id in /v1/responses)")]
+    purpose: Literal["batch", "vision", "user_data"]
 
 
 class FileListQuery(Body, kw_only=True):

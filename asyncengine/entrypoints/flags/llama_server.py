@@ -115,6 +115,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("-m", "--model"), "value", to("--model")),
     Flag(("-hf", "-hfr", "--hf-repo"), "value", _hub("hf_repo")),
     Flag(("-mm",), "value", to("--mmproj")),
+    Flag(("--no-mmproj",), "none", lambda *_: ["--no-mmproj-auto"]),
     Flag(("-hff", "--hf-file"), "value", _hub("hf_file")),
     Flag(("-c", "--ctx-size"), "value", _ctx_size),
     Flag(("-np", "--parallel"), "value", _parallel),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from asyncengine.config.multimodal import check_processor_kwargs
 from asyncengine.core.multimodal import ImagePrompt
 from asyncengine.engine.multimodal import (
     TEXT_ONLY,
@@ -18,6 +19,7 @@ from asyncengine.engine.multimodal import (
 from asyncengine.entrypoints.http.errors import bad_request
 from asyncengine.entrypoints.http.media import MediaError, MediaPolicy, load_images
 from asyncengine.entrypoints.http.protocol import ChatMessage, ImageURLPart, image_urls
+from asyncengine.executor.models.vision.pan_and_scan import check_family_kwargs
 
 
 def placeholder_for(engine: Any, messages: list[ChatMessage], param: str = "messages") -> str:
@@ -38,7 +40,8 @@ def placeholder_for(engine: Any, messages: list[ChatMessage], param: str = "mess
 
 
 async def with_images(engine: Any, urls: list[str], prompt: str | list[int],
-                      param: str = "messages", *, add_special_tokens: bool = True
+                      param: str = "messages", *, add_special_tokens: bool = True,
+                      processor_kwargs: dict[str, Any] | None = None
                       ) -> str | list[int] | ImagePrompt:
     """``prompt`` with the images behind ``urls`` (itself when there are none)."""
     if not urls:
@@ -48,10 +51,26 @@ async def with_images(engine: Any, urls: list[str], prompt: str | list[int],
         images = await load_images(urls, MediaPolicy.of(engine.config.multimodal))
     except (MediaError, ValueError) as e:
         raise bad_request(str(e), param) from None
-    return ImagePrompt(prompt, images, add_special_tokens)
+    return ImagePrompt(prompt, images, add_special_tokens, processor_kwargs)
 
 
-async def chat_prompt(engine: Any, messages: list[ChatMessage], prompt: list[int], text: str
+def processor_options(engine: Any, value: dict[str, Any] | None,
+                      param: str = "mm_processor_kwargs") -> dict[str, Any] | None:
+    """A request's ``mm_processor_kwargs``, checked (400 naming the field and the key)."""
+    if value is None:
+        return None
+    encoder = image_encoder(engine)
+    try:
+        value = check_processor_kwargs(value, param)
+        if encoder is not None:
+            check_family_kwargs(encoder.spec.family, value, param)
+    except ValueError as e:
+        raise bad_request(str(e), param) from None
+    return value
+
+
+async def chat_prompt(engine: Any, messages: list[ChatMessage], prompt: list[int], text: str,
+                      processor_kwargs: dict[str, Any] | None = None
                       ) -> list[int] | ImagePrompt:
     """The prompt of a conversation: its token ids, or with its messages' images its
     rendered text (the engine expands each image in the text, then tokenizes it: the
@@ -59,7 +78,8 @@ async def chat_prompt(engine: Any, messages: list[ChatMessage], prompt: list[int
     urls = image_urls(messages)
     if not urls:
         return prompt
-    return await with_images(engine, urls, text, add_special_tokens=False)  # type: ignore
+    return await with_images(engine, urls, text, add_special_tokens=False,  # type: ignore
+                             processor_kwargs=processor_kwargs)
 
 
 async def counted_ids(engine: Any, messages: list[ChatMessage], text: str,

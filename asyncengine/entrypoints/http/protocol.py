@@ -207,6 +207,8 @@ class ChatCompletionRequest(GenerationBody, kw_only=True):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # The image processor's options (vLLM's): over --mm-processor-kwargs, key by key.
+    mm_processor_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[ChatTool], Meta(min_length=1)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None

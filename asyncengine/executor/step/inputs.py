@@ -95,6 +95,8 @@ class StepInputs:
     lora: Any = None
     # Images: the placeholder slices this step computes (``executor/mm_step.MMSlice``).
     mm: Any = None
+    # ... and what the encoder does in this step (``core.encoder_budget.EncoderPlan``).
+    mm_plan: Any = None
 
     @property
     def blocks_host(self) -> bool:

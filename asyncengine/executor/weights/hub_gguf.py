@@ -11,15 +11,24 @@ files (``mmproj*``) are never the model. A tag ending in ``.gguf`` names the fil
 The chosen file is downloaded into the hub cache (a cached copy is used without a request,
 and is all that is looked at when ``HF_HUB_OFFLINE`` is set). A model split into several
 files (``-00001-of-00003.gguf``) is refused with the command that merges it.
+
+With the model comes the repository's vision projector, as llama-server's ``-hf`` fetches it
+(``--no-mmproj-auto``, llama-server's ``--no-mmproj``: not): of the ``.gguf`` files named
+``mmproj*``, one in the model's directory or a directory above it, the deepest, then the one
+whose quantization's bits are nearest the model's (``Q4_K_M``: 4, ``Q8_0``: 8, ``f16``: 16),
+as llama.cpp chooses it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 
 from asyncengine.executor.weights import hub_access
+
+logger = logging.getLogger("asyncengine")
 
 #: The quantization llama-server takes when the tag is left out.
 DEFAULT_TAG = "Q4_K_M"
@@ -68,21 +77,88 @@ def pick(files: list[str], tag: str | None, repo: str) -> list[str]:
     return chosen
 
 
+def _bits(file: str) -> int:
+    """The bits of a GGUF file's quantization, from its name's last part (0: none)."""
+    stem = _SPLIT.sub("", os.path.basename(file))
+    stem = stem[:-5] if stem.lower().endswith(".gguf") else stem
+    m = re.search(r"[-.]([A-Za-z0-9_]+)$", stem)
+    digits = re.search(r"\d+", m.group(1)) if m else None
+    return int(digits.group()) if digits else 0
+
+
+def pick_mmproj(files: list[str], model_file: str) -> str | None:
+    """The projector file (``mmproj*.gguf``) that goes with ``model_file`` (a path inside
+    the repository, as ``files`` are), None where the repository has none for it."""
+    model_dir = model_file.split("/")[:-1]
+    best: tuple[int, int] | None = None
+    chosen = None
+    for f in sorted(files):
+        parts = f.split("/")
+        if not (f.lower().endswith(".gguf") and parts[-1].lower().startswith("mmproj")):
+            continue
+        if parts[:-1] != model_dir[:len(parts) - 1]:
+            continue  # not beside the model, nor above it
+        rank = (-(len(parts) - 1), abs(_bits(f) - _bits(model_file)))
+        if best is None or rank < best:
+            best, chosen = rank, f
+    return chosen
+
+
+def _cached(repo: str, revision: str | None, cache_dir: str | None
+            ) -> tuple[str, list[str]] | None:
+    """The cached snapshot of ``repo`` and its GGUF files (None: nothing cached)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    with contextlib.suppress(LocalEntryNotFoundError, OSError):
+        root = snapshot_download(repo, revision=revision, cache_dir=cache_dir,
+                                 allow_patterns=["*.gguf"], local_files_only=True)
+        return root, [os.path.relpath(os.path.join(d, f), root)
+                      for d, _, names in os.walk(root) for f in names]
+    return None
+
+
+def download_mmproj(repo: str, model_file: str, revision: str | None = None,
+                    cache_dir: str | None = None) -> str | None:
+    """The local path of the projector that goes with the repository's ``model_file``
+    (downloaded if not cached); None when the repository has none, or when it is not cached
+    and the hub cannot be asked (the model is served without images, with a warning)."""
+    from huggingface_hub import hf_hub_download
+
+    cached = _cached(repo, revision, cache_dir)
+    if cached is not None and (chosen := pick_mmproj(cached[1], model_file)) is not None:
+        return os.path.join(cached[0], chosen)
+    if hub_access.offline():
+        return None
+    try:
+        with hub_access.errors_named(repo, repo, revision, "no model hub is reachable"):
+            chosen = pick_mmproj(list_files(repo, revision, cache_dir), model_file)
+            if chosen is None:
+                return None
+            return hf_hub_download(repo, chosen, revision=revision, cache_dir=cache_dir,
+                                   etag_timeout=5)
+    except ValueError as e:
+        logger.warning("model %s: its vision projector (mmproj) was not fetched: %s; "
+                       "serving it without images", repo, e)
+        return None
+
+
 def download(repo: str, tag: str | None, revision: str | None = None,
              cache_dir: str | None = None) -> str:
     """The local path of the GGUF file ``repo:tag`` names (downloaded if not cached)."""
-    from huggingface_hub import hf_hub_download, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    return download_file(repo, tag, revision, cache_dir)[0]
 
-    cached = None
-    with contextlib.suppress(LocalEntryNotFoundError, OSError):
-        cached = snapshot_download(repo, revision=revision, cache_dir=cache_dir,
-                                   allow_patterns=["*.gguf"], local_files_only=True)
+
+def download_file(repo: str, tag: str | None, revision: str | None = None,
+                  cache_dir: str | None = None) -> tuple[str, str]:
+    """``(local path, path inside the repository)`` of the GGUF file ``repo:tag`` names."""
+    from huggingface_hub import hf_hub_download
+
+    cached = _cached(repo, revision, cache_dir)
     if cached is not None:
-        local = [os.path.relpath(os.path.join(d, f), cached)
-                 for d, _, names in os.walk(cached) for f in names]
         with contextlib.suppress(ValueError):
-            return _single(repo, cached, pick(local, tag, repo))
+            chosen = pick(cached[1], tag, repo)
+            return _single(repo, cached[0], chosen), chosen[0]
     name = f"{repo}:{tag}" if tag else repo
     if hub_access.offline():
         raise ValueError(f"model {name!r}: not in the hub cache and HF_HUB_OFFLINE is set; "
@@ -93,7 +169,7 @@ def download(repo: str, tag: str | None, revision: str | None = None,
         chosen = pick(list_files(repo, revision, cache_dir), tag, repo)
         _single(repo, "", chosen)  # a split model is refused before anything is fetched
         return hf_hub_download(repo, chosen[0], revision=revision, cache_dir=cache_dir,
-                               etag_timeout=5)
+                               etag_timeout=5), chosen[0]
     raise AssertionError("unreachable")  # pragma: no cover - the block returns or raises
 
 

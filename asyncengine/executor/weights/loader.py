@@ -55,6 +55,8 @@ class ModelSource:
     gguf_file: str | None  # file name inside ``path`` for GGUF checkpoints
     hf_config: Any  # transformers PretrainedConfig
     name: str  # display name (what the user asked for)
+    # A hub GGUF repository's vision projector, fetched with the model (``hub_gguf.py``).
+    mmproj: str | None = None
 
     @property
     def gguf_path(self) -> str | None:
@@ -76,13 +78,14 @@ def embedded_model_path() -> str:
 
 
 def resolve_model(model: str | None, load_format: str = "auto", revision: str | None = None,
-                  download_dir: str | None = None) -> ModelSource:
+                  download_dir: str | None = None, *, mmproj: bool = False) -> ModelSource:
     """Turn the ``model`` argument into a local directory and its transformers config.
 
     ``None`` is the embedded SmolLM2 GGUF; a ``.gguf`` file is read as GGUF; a directory with
     ``config.json`` as safetensors; ``user/repo:QUANT`` as that repository's GGUF file of
     that quantization (``hub_gguf.py``); anything else is looked up on the hub (cache first;
-    with ``load_format="dummy"`` only config and tokenizer files are fetched).
+    with ``load_format="dummy"`` only config and tokenizer files are fetched). With
+    ``mmproj``, a hub GGUF model comes with its repository's vision projector, if it has one.
     """
     if model is None:
         return _gguf_source(embedded_model_path(), EMBEDDED_NAME)
@@ -96,13 +99,22 @@ def resolve_model(model: str | None, load_format: str = "auto", revision: str | 
         return _directory_source(path, model)
     tagged = hub_gguf.parse(model)
     if tagged is not None:  # user/repo:Q4_K_M, a GGUF file of a hub repository
-        return _gguf_source(hub_gguf.download(*tagged, revision, download_dir), model)
+        return _hub_gguf_source(*tagged, model, revision, download_dir, mmproj)
     if model.endswith(".gguf") or not _HUB_ID.match(model):
         raise ValueError(f"model {model!r}: no such file or directory")
     snapshot = _hub_snapshot(model, revision, download_dir, weights=load_format != "dummy")
     if not (Path(snapshot) / "config.json").is_file():  # a repository of GGUF files
-        return _gguf_source(hub_gguf.download(model, None, revision, download_dir), model)
+        return _hub_gguf_source(model, None, model, revision, download_dir, mmproj)
     return _directory_source(Path(snapshot), model)
+
+
+def _hub_gguf_source(repo: str, tag: str | None, name: str, revision: str | None,
+                     download_dir: str | None, mmproj: bool) -> ModelSource:
+    path, file = hub_gguf.download_file(repo, tag, revision, download_dir)
+    source = _gguf_source(path, name)
+    if mmproj:
+        source.mmproj = hub_gguf.download_mmproj(repo, file, revision, download_dir)
+    return source
 
 
 def _gguf_source(path: str, name: str) -> ModelSource:

@@ -15,7 +15,7 @@ from asyncengine.engine.engine import AsyncEngine
 from asyncengine.engine.outputs import CompletionOutput, RequestOutput
 from asyncengine.engine.streams import RequestStream
 from asyncengine.entrypoints.http.errors import bad_request
-from asyncengine.entrypoints.http.images import chat_prompt, placeholder_for
+from asyncengine.entrypoints.http.images import chat_prompt, placeholder_for, processor_options
 from asyncengine.entrypoints.http.logprobs import chat_logprobs
 from asyncengine.entrypoints.http.params import structured_outputs_of, to_sampling_params
 from asyncengine.entrypoints.http.protocol import ChatCompletionRequest, ChatMessage, message_dicts
@@ -157,7 +157,8 @@ async def start_chat(state: ServerState, body: ChatCompletionRequest, call_id: s
     call = _Chat(state, body, call_id, plan, reasoning)
     if lora is not None:  # responses name the adapter
         call.model = lora
-    engine_prompt = await chat_prompt(engine, body.messages, prompt, text)
+    engine_prompt = await chat_prompt(engine, body.messages, prompt, text,
+                                      processor_options(engine, body.mm_processor_kwargs))
     streams = await open_streams(engine, [engine_prompt], params, call.id, priority,
                                  deltas_only=bool(body.stream), lora_name=lora)
     return call, streams, params

@@ -1,5 +1,6 @@
-"""The Files API as the Batch API uses it: POST /v1/files (purpose ``batch``), GET /v1/files,
-GET and DELETE /v1/files/{file_id}, GET /v1/files/{file_id}/content.
+"""The Files API: POST /v1/files (purpose ``batch``: a batch's input; ``vision`` or
+``user_data``: an image /v1/responses reads by its file id), GET /v1/files, GET and DELETE
+/v1/files/{file_id}, GET /v1/files/{file_id}/content.
 
 An upload is ``multipart/form-data`` (what the openai client sends); its file is streamed to
 disk as it arrives and refused (413) past ``--max-batch-file-size``, so no upload is ever held
@@ -31,6 +32,8 @@ from asyncengine.entrypoints.http.openapi import Route
 from asyncengine.entrypoints.http.serving import json_response
 
 Q = TypeVar("Q")
+#: What an upload may be for: a batch's input, or an image /v1/responses reads by file id.
+UPLOAD_PURPOSES = ("batch", "vision", "user_data")
 _CHUNK = 1 << 16
 #: The longest ``purpose`` field read.
 _MAX_FIELD = 256
@@ -107,11 +110,12 @@ async def create_file(request: web.Request) -> web.Response:
         raise
     if upload is None:
         raise bad_request("The field 'file' is missing: the file to upload.", "file")
-    if purpose != "batch":
+    if purpose not in UPLOAD_PURPOSES:
         await store.discard_upload(upload[0])
-        raise bad_request(f"purpose must be 'batch' (the only one this server stores), got "
-                          f"{purpose!r}.", "purpose")
-    return json_response(await store.add_file(upload[0], filename, "batch", upload[1]))
+        raise bad_request(f"purpose must be one of {', '.join(map(repr, UPLOAD_PURPOSES))} "
+                          f"(batch: a batch's input; vision, user_data: an image a response "
+                          f"reads by its file id), got {purpose!r}.", "purpose")
+    return json_response(await store.add_file(upload[0], filename, purpose, upload[1]))
 
 
 async def list_files(request: web.Request) -> web.Response:
@@ -157,7 +161,8 @@ async def delete_file(request: web.Request) -> web.Response:
 
 
 FILE_ROUTES = [
-    Route("POST", "/v1/files", create_file, "Upload a file (purpose batch: a batch's input)",
+    Route("POST", "/v1/files", create_file, "Upload a file (purpose batch: a batch's input; "
+          "vision, user_data: an image for /v1/responses)",
           FileUpload, FileObject, body_type="multipart/form-data"),
     Route("GET", "/v1/files", list_files, "List the files", response=FileList,
           query=FileListQuery),

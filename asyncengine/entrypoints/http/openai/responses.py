@@ -29,6 +29,7 @@ from asyncengine.engine.outputs import RequestOutput
 from asyncengine.entrypoints.http.errors import bad_request, from_value_error
 from asyncengine.entrypoints.http.images import chat_prompt
 from asyncengine.entrypoints.http.openai.chat import default_max_tokens, render_chat
+from asyncengine.entrypoints.http.openai.file_images import resolve_file_images
 from asyncengine.entrypoints.http.openai.responses_protocol import (
     FunctionCallItem,
     IncompleteDetails,
@@ -79,6 +80,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, ResponsesRequest)
     lora = check_model(engine, body.model)
     refused(body)
+    await resolve_file_images(request, body.input, engine)  # (input_image by file_id)
     tools, choice = chat_tools(body)
     plan = plan_tools(tools, choice, body.parallel_tool_calls, state.settings)
     fmt = _text_format(body)

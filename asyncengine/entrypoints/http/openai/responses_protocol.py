@@ -93,9 +93,11 @@ TextParts = InputText | OutputTextIn | PlainText
 
 
 class InputImage(Body, kw_only=True, tag="input_image", tag_field="type"):
-    """An image part: ``image_url`` a data:, http(s): or file: URL (file ids: not kept)."""
+    """An image part: ``image_url`` a data:, http(s): or file: URL, or ``file_id`` a file
+    uploaded with purpose ``vision`` or ``user_data`` (read by ``file_images.py``)."""
 
-    image_url: Annotated[str, Meta(min_length=1)]
+    image_url: Annotated[str, Meta(min_length=1)] | None = None
+    file_id: Annotated[str, Meta(min_length=1)] | None = None
     detail: str | None = None
 
 
@@ -166,6 +168,11 @@ def chat_messages(body: ResponsesRequest) -> list[ChatMessage]:
             raise bad_request(err.message, f"input[{i}]" + (f".{err.param}" if err.param
                                                              else "")) from None
         if isinstance(item, InputMessage):
+            if not isinstance(item.content, str):
+                for j, p in enumerate(item.content):
+                    if isinstance(p, InputImage) and p.image_url is None:
+                        raise bad_request("an input_image needs image_url or file_id",
+                                          f"input[{i}].content[{j}]")
             content = item.content if isinstance(item.content, str) else [
                 ImageURLPart(image_url=p.image_url) if isinstance(p, InputImage)
                 else TextPart(text=p.text) for p in item.content]

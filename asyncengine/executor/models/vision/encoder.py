@@ -12,7 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.core.multimodal import ImageLayout, ImageRun
-from asyncengine.executor.models.vision.processor import process_image
+from asyncengine.executor.models.vision.pan_and_scan import (
+    PanAndScan,
+    crop_boxes,
+    pan_and_scan_layout,
+)
+from asyncengine.executor.models.vision.processor import process_image, rgb
 from asyncengine.executor.models.vision.spec import VisionSpec
 from asyncengine.executor.models.vision.tiling import (
     AnyresPixels,
@@ -119,10 +124,18 @@ class ImageEncoder(nn.Module):
         return [n for n, _ in self.named_parameters() if n not in loaded]
 
     # -- off the loop, before the request is queued --------------------------------------------
-    def process(self, image: Any) -> ImageLayout:
+    def process(self, image: Any, kwargs: dict[str, Any] | None = None) -> ImageLayout:
         """A PIL image -> its sequence in the prompt, each run holding what ``encode_many``
-        takes for it (its own processing; no torch)."""
+        takes for it (its own processing; no torch). ``kwargs``: the processor's options
+        (``--mm-processor-kwargs``, a request's ``mm_processor_kwargs``)."""
         spec, p = self.spec, self.spec.processing
+        pas = PanAndScan.of(kwargs)
+        boxes = crop_boxes(*rgb(image).size, pas) if pas is not None else None
+        if boxes:  # Gemma 3's pan-and-scan: the whole image, then its crops
+            image = rgb(image)
+            runs = [ImageRun(spec.tokens_per_image, process_image(im, p))
+                    for im in (image, *(image.crop(b) for b in boxes))]
+            return pan_and_scan_layout((*spec.before, None, *spec.after), runs)
         if spec.layout == "idefics3":
             tiles, rows, cols = idefics3_tiles(image, p)
             return idefics3_layout(rows, cols, spec.tokens_per_image, tiles)
@@ -132,9 +145,15 @@ class ImageEncoder(nn.Module):
         return spec.before + (ImageRun(spec.tokens_per_image, process_image(image, p)),) + \
             spec.after
 
-    def layout(self, width: int, height: int) -> ImageLayout:
+    def layout(self, width: int, height: int, kwargs: dict[str, Any] | None = None
+               ) -> ImageLayout:
         """The sequence of an image of that size, its runs without data (for counting)."""
         spec, p = self.spec, self.spec.processing
+        pas = PanAndScan.of(kwargs)
+        boxes = crop_boxes(width, height, pas) if pas is not None else None
+        if boxes:
+            runs = [ImageRun(spec.tokens_per_image)] * (1 + len(boxes))
+            return pan_and_scan_layout((*spec.before, None, *spec.after), runs)
         if spec.layout == "idefics3":
             return idefics3_layout(*idefics3_grid(width, height, p), spec.tokens_per_image,
                                    None)

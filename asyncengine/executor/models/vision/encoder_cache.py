@@ -4,7 +4,9 @@ first out). Touched on the device only (the step's forward pass), in step order.
 An image is encoded once while its output stays: a prompt's chunks that split its
 placeholders read slices of one output, a follow-up turn that misses the prefix cache (or a
 preempted request recomputing) finds it here. An output larger than the whole budget is used
-for its step and not kept."""
+for its step and not kept. Which outputs stay is decided on the loop, when the step is
+scheduled (``core/encoder_budget.py``): each step's plan drops outputs (``drop``) and names
+those kept; the least-recently-used order here only backs that up."""
 
 from __future__ import annotations
 
@@ -38,6 +40,12 @@ class EncoderCache:
             self.used -= old.shape[0]
         self._entries[key] = value
         self.used += n
+
+    def drop(self, keys: list[bytes]) -> None:
+        for key in keys:
+            out = self._entries.pop(key, None)
+            if out is not None:
+                self.used -= out.shape[0]
 
     def __len__(self) -> int:
         return len(self._entries)

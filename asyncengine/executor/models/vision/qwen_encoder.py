@@ -52,11 +52,14 @@ class QwenImageEncoder(nn.Module):
     missing_weights = ImageEncoder.missing_weights
 
     # -- off the loop ------------------------------------------------------------------------
-    def process(self, image: Any) -> ImageLayout:
+    def process(self, image: Any, kwargs: dict[str, Any] | None = None) -> ImageLayout:
+        """``kwargs``: the processor's options (the Qwen families take none: refused before,
+        ``vision/pan_and_scan.check_family_kwargs``)."""
         px = qwen_pixels(image, self.spec.processing, self.spec.tower)
         return (ImageRun(self._tokens(px.grid), px),)
 
-    def layout(self, width: int, height: int) -> ImageLayout:
+    def layout(self, width: int, height: int, kwargs: dict[str, Any] | None = None
+               ) -> ImageLayout:
         return (ImageRun(self._tokens(qwen_grid(width, height, self.spec.processing,
                                                 self.spec.tower))),)
 
