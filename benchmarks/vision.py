@@ -32,9 +32,13 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+# the repository's root: the llama-server comparison makes its model with tests/utils.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import vision_llama_server  # (beside this script)
 
