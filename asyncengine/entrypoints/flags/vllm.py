@@ -79,8 +79,6 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--tokenizer-revision",), "value", None, "the tokenizer is read at --revision"),
     Flag(("--show-hidden-metrics-for-version", "--max-log-len", "--log-config-file"), "value",
          None, "logging and metrics are asyncengine's own"),
-    Flag(("--limit-mm-per-prompt", "--allowed-local-media-path"),
-         "value", None, "text models only"),
     Flag(("--tokenizer-mode",), "value", _one_of(
         ("auto", "hf", "slow"), "the Mistral tokenizer is not supported (auto, hf, slow)")),
     Flag(("--response-role",), "value", _one_of(
