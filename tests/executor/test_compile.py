@@ -13,6 +13,13 @@ from tests.engine.test_engine import PROMPTS, check_against_hf
 from tests.utils import embedded_gguf_path, hf_reference_model, make_tiny_model
 
 
+def graphs_of(model: CompiledModel) -> int:
+    """The graphs dynamo holds for ``model`` (its own code object's cache)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(model.code))
+
+
 @pytest.fixture(autouse=True)
 def _inductor_cache(tmp_path_factory, monkeypatch):
     # One cache per test session: the second LLM of a session reuses the first one's kernels.
@@ -51,6 +58,7 @@ def test_tiny_model_compiled_matches_transformers(tmp_path):
     check_against_hf(llm, hf, prompts, 16)
     assert model.compiled_steps >= 16
     check_against_hf(llm, hf, prompts[:1], 8)  # alone: the 1-token bucket
+    assert graphs_of(model) == 3  # one per bucket, from warm-up: no step recompiled one
 
 
 def test_a_mixture_of_experts_compiles_with_each_layer_as_one_op(tmp_path):
@@ -67,6 +75,7 @@ def test_a_mixture_of_experts_compiles_with_each_layer_as_one_op(tmp_path):
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:2]]
     check_against_hf(llm, hf, prompts, 10)
     assert compiled.compiled_steps >= 2 * 9
+    assert graphs_of(compiled) == 1  # its own cache, whatever other models compiled before
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 import time
+import types
 from typing import Any
 
 import torch
@@ -157,10 +158,17 @@ class CompiledModel(nn.Module):
         self.buckets = token_buckets(max_tokens)
         self.compiled_steps = 0  # forwards that ran compiled (the rest ran eagerly)
         configure_inductor(cache_dir)
-        # One static-shape graph per bucket, in one code object's cache.
+        # One static-shape graph per bucket, in the cache of a code object of this model's own:
+        # dynamo keeps graphs, and counts its recompile limit, per code object, so a second
+        # engine in the process (a router's) must not fill the first one's.
         torch._dynamo.config.recompile_limit = max(
             torch._dynamo.config.recompile_limit, len(self.buckets) + 4)
-        self._compiled = torch.compile(self._run, dynamic=False, fullgraph=True)
+        run = CompiledModel._run
+        own = types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__,
+                                 run.__defaults__, run.__closure__)
+        self.code = own.__code__  # (whose cache holds this model's graphs)
+        self._compiled = torch.compile(types.MethodType(own, self), dynamic=False,
+                                       fullgraph=True)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -184,9 +192,10 @@ class CompiledModel(nn.Module):
         bucket = self.bucket_for(n)
         if bucket is None:
             return self.inner(input_ids, positions, kv_caches, attn_metadata, attn_backend)
-        if bucket != n:
-            input_ids = torch.nn.functional.pad(input_ids, (0, bucket - n))
-            positions = torch.nn.functional.pad(positions, (0, bucket - n))
+        # Padded (a copy even when nothing is added): the graph's inputs are always tensors
+        # made under inference mode, as at warm-up, or the first step recompiles the bucket.
+        input_ids = torch.nn.functional.pad(input_ids, (0, bucket - n))
+        positions = torch.nn.functional.pad(positions, (0, bucket - n))
         ctx = _CTX
         ctx.backend, ctx.meta, ctx.kv_caches, ctx.num_tokens = (
             attn_backend, attn_metadata, kv_caches, n)
