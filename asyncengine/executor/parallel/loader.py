@@ -37,8 +37,8 @@ def load_tp_model(source: base.ModelSource, load_format: str, dtype: torch.dtype
                   model_cls: type | None = None, quantization: str = "none") -> nn.Module:
     """This rank's :class:`TPLlamaForCausalLM`, with its shard of the weights."""
     if model_cls is not None and not issubclass(model_cls, LlamaForCausalLM):
-        raise ValueError(f"{FLAG} {tp.world_size}: only the built-in Llama family can be "
-                         f"sharded, not {model_cls.__name__}")
+        raise ValueError(f"{FLAG} {tp.world_size}: only the built-in decoder (every built-in "
+                         f"family) can be sharded, not {model_cls.__name__}")
     from asyncengine.executor.weights.checkpoint_quant import checkpoint_quantization
     from asyncengine.executor.weights.quantization import from_vllm_method
 

@@ -1,4 +1,5 @@
-"""A Llama-family model sharded over the tensor-parallel ranks.
+"""The built-in decoder (any family: ``models/family.py``) sharded over the tensor-parallel
+ranks.
 
 Built as the ordinary :class:`LlamaForCausalLM` of the rank's *shard config* (its heads, its
 slice of the MLP, its slice of the vocabulary: ``sharding.shard_config``), so q/k/v and

@@ -1,4 +1,5 @@
-"""Which part of each Llama-family weight a tensor-parallel rank holds (Megatron-style).
+"""Which part of each weight of the built-in decoder a tensor-parallel rank holds
+(Megatron-style).
 
 * q/k/v and gate/up are split by output rows (columns of ``y = x W^T``): each rank computes
   its own heads and its slice of the MLP's intermediate features.
