@@ -27,25 +27,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-# llama.cpp's converter, patched as benchmarks/kquants.py patches it: the embedded
-# tokenizer's pre-tokenizer named, the Gemma 3 embedding kept whole.
-_CONVERT = """
-import runpy, sys
-from pathlib import Path
-script = sys.argv[1]
-sys.argv = sys.argv[1:]
-sys.path.insert(0, str(Path(script).parent))
-import conversion.base as base
-import conversion.gemma as gemma
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "smollm"
-_modify = gemma.Gemma3Model.modify_tensors
-def modify_tensors(self, data, name, bid):
-    if "embed_tokens.weight" in name:
-        return base.TextModel.modify_tensors(self, data, name, bid)
-    return _modify(self, data, name, bid)
-gemma.Gemma3Model.modify_tensors = modify_tensors
-runpy.run_path(script, run_name="__main__")
-"""
+# llama.cpp's converter, patched as benchmarks/kquants.py patches it (the embedded
+# tokenizer's pre-tokenizer named, the Gemma 3 embedding kept whole): its own script.
+from kquants import _CONVERT  # noqa: E402  (beside this script)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -45,6 +45,30 @@ async def greedy(engine: Any, prompt: Any, n: int = 8) -> tuple[list[int], list[
     return final.prompt_token_ids, final.outputs[0].token_ids, final.num_cached_tokens or 0
 
 
+def greedy_at_once(engine: Any, prompt: str, images: list[Any], n: int
+                   ) -> list[tuple[list[int], list[int], int]]:
+    """``prompt`` with each of ``images`` (its content key its index + 1), all at once on
+    ``engine``: what :func:`greedy` gives for each, in order."""
+    import anyio
+
+    from asyncengine.core.multimodal import ImagePrompt
+
+    results: dict[int, Any] = {}
+
+    async def one(i: int) -> None:
+        results[i] = await greedy(engine, ImagePrompt(prompt, [
+            image_item(images[i], bytes([i + 1]))]), n)
+
+    async def main() -> None:
+        async with engine:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(images)):
+                    tg.start_soon(one, i)
+
+    anyio.run(main)
+    return [results[i] for i in range(len(images))]
+
+
 def vision_engine(model: str, **kw: Any) -> Any:
     """A small float32 engine for the vision tests (8 sequences, 64 blocks of 8 tokens)."""
     from asyncengine.config import EngineConfig

@@ -21,17 +21,23 @@ MM_PROCESSOR_KWARGS: dict[str, type] = {
     "pan_and_scan_max_num_crops": int, "pan_and_scan_min_ratio_to_activate": float}
 
 
-def check_processor_kwargs(value: Any, name: str) -> dict[str, Any]:
-    """``value`` (a dict, or its JSON) as processor options; ValueError naming ``name`` on
-    an unknown key or a value of the wrong type."""
+def json_object(value: Any, name: str, example: str) -> dict[str, Any]:
+    """``value`` (a dict, or its JSON) as a dict; ValueError naming ``name`` otherwise."""
+    given = value
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError:
             value = None
     if not isinstance(value, dict):
-        raise ValueError(f"{name}: must be a JSON object such as '{{\"do_pan_and_scan\": "
-                         f"true}}'")
+        raise ValueError(f"{name}: must be a JSON object such as '{example}', got {given!r}")
+    return value
+
+
+def check_processor_kwargs(value: Any, name: str) -> dict[str, Any]:
+    """``value`` (a dict, or its JSON) as processor options; ValueError naming ``name`` on
+    an unknown key or a value of the wrong type."""
+    value = json_object(value, name, '{"do_pan_and_scan": true}')
     out: dict[str, Any] = {}
     for key, v in value.items():
         kind = MM_PROCESSOR_KWARGS.get(key)
@@ -93,13 +99,7 @@ def validate_multimodal(mc: MultiModalConfig) -> None:
     (``--max-media-bytes`` is read by ``EngineConfig.validate``, with the other sizes)."""
     limits = mc.limit_mm_per_prompt
     if isinstance(limits, str):
-        try:
-            limits = json.loads(limits)
-        except ValueError:
-            limits = None
-        if not isinstance(limits, dict):
-            raise ValueError(f"--limit-mm-per-prompt: must be a JSON object such as "
-                             f"'{{\"image\": 4}}', got {mc.limit_mm_per_prompt!r}")
+        limits = json_object(limits, "--limit-mm-per-prompt", '{"image": 4}')
     for key, value in (limits or {}).items():
         if key not in MODALITIES and key not in ("video", "audio"):
             raise ValueError(f"--limit-mm-per-prompt: unknown modality {key!r} (known: "

@@ -17,7 +17,7 @@ from tests.vision_tiling_utils import (
     idefics3_processor,
     reference,
 )
-from tests.vision_utils import image, image_item, vision_engine
+from tests.vision_utils import greedy_at_once, image, image_item, vision_engine
 
 PROMPT = "User:<image>What is shown here?<end_of_utterance>\nAssistant:"
 TWO = "User:<image>and<image>Compare them.<end_of_utterance>\nAssistant:"
@@ -145,22 +145,8 @@ def test_preemption_recomputes_through_tiles(tiny_idefics3):
     wants = [reference("idefics3", tiny_idefics3, PROMPT, [im], 16) for im in imgs]
     # two prompts fit (8 blocks each), not their 16 new tokens (10 blocks each)
     engine = vision_engine(tiny_idefics3, num_gpu_blocks_override=17, max_num_batched_tokens=64)
-
-    async def main():
-        results = {}
-
-        async def one(i):
-            results[i] = await greedy(engine, ImagePrompt(PROMPT, [
-                image_item(imgs[i], bytes([i + 1]))]), 16)
-
-        async with engine:
-            async with anyio.create_task_group() as tg:
-                for i in range(3):
-                    tg.start_soon(one, i)
-        return results
-
-    results = anyio.run(main)
-    assert [results[i][:2] for i in range(3)] == [tuple(w) for w in wants]
+    results = greedy_at_once(engine, PROMPT, imgs, 16)
+    assert [r[:2] for r in results] == [tuple(w) for w in wants]
     assert engine.scheduler.make_stats().num_preemptions > 0
     image_token = engine.runner.model.vision.spec.image_token_id
     tiles = sum(ids.count(image_token) for ids, _ in wants) // IDEFICS3_TILE_TOKENS

@@ -14,6 +14,7 @@ from asyncengine.engine.engine import AsyncEngine
 from tests.vision_utils import (
     LLAVA_IMAGE_TOKENS,
     greedy,
+    greedy_at_once,
     image,
     image_item,
     llava_processor,
@@ -128,22 +129,8 @@ def test_preemption_recomputes_through_images(tiny_llava):
     imgs = [image(60 + 7 * i, 50 + 3 * i, seed=10 + i) for i in range(4)]
     wants = [llava_reference(tiny_llava, PROMPT, [im], 24)[1] for im in imgs]
     engine = make_engine(tiny_llava, num_gpu_blocks_override=12, max_num_batched_tokens=64)
-
-    async def main():
-        results = {}
-
-        async def one(i):
-            results[i] = (await greedy(engine, ImagePrompt(PROMPT, [item(imgs[i], bytes([i]))]),
-                                       24))[1]
-
-        async with engine:
-            async with anyio.create_task_group() as tg:
-                for i in range(4):
-                    tg.start_soon(one, i)
-        return results
-
-    results = anyio.run(main)
-    assert [results[i] for i in range(4)] == wants
+    results = greedy_at_once(engine, PROMPT, imgs, 24)
+    assert [r[1] for r in results] == wants
     assert engine.scheduler.make_stats().num_preemptions > 0
     assert engine.runner.encoder_cache.misses == 4  # recomputed from the cached outputs
     assert engine.num_free_blocks == engine.num_total_blocks

@@ -23,7 +23,13 @@ from tests.vision_qwen_utils import (
     qwen_reference,
 )
 from tests.vision_tiling_utils import greedy, greedy_in_turn
-from tests.vision_utils import _reference_model, image, image_item, vision_engine
+from tests.vision_utils import (
+    _reference_model,
+    greedy_at_once,
+    image,
+    image_item,
+    vision_engine,
+)
 
 PROMPT = f"User:{QWEN_IMAGE}What is shown here?\nAssistant:"
 TWO = f"User:{QWEN_IMAGE} and {QWEN_IMAGE}Compare them.\nAssistant:"
@@ -150,22 +156,8 @@ def test_chunked_prefill_prefix_hit_and_preemption(tiny):
     wants = [qwen_reference("qwen2_5_vl", d, PROMPT, [im], 16) for im in imgs]
     # each prompt takes 5 blocks of 8, 7 with its 16 new tokens: two prompts fit, not all
     engine = vision_engine(d, num_gpu_blocks_override=12, max_num_batched_tokens=64)
-
-    async def main():
-        results = {}
-
-        async def one(i):
-            results[i] = await greedy(engine, ImagePrompt(PROMPT, [
-                image_item(imgs[i], bytes([i + 1]))]), 16)
-
-        async with engine:
-            async with anyio.create_task_group() as tg:
-                for i in range(3):
-                    tg.start_soon(one, i)
-        return results
-
-    results = anyio.run(main)
-    assert [results[i][:2] for i in range(3)] == [tuple(w) for w in wants]
+    results = greedy_at_once(engine, PROMPT, imgs, 16)
+    assert [r[:2] for r in results] == [tuple(w) for w in wants]
     assert engine.scheduler.make_stats().num_preemptions > 0
     assert engine.runner.encoder_cache.misses == 3
     assert engine.num_free_blocks == engine.num_total_blocks
